@@ -1,0 +1,35 @@
+# fedmtl: two set-up commands.  `make run` = main job, `make test` = the whole test suite.
+# Both create .venv on first use.  torch is pinned to the CPU build unless a torch is already
+# installed in .venv (GPU users: install their own torch into .venv first, see README).
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+THREADS ?= 2
+
+.PHONY: run test lint bench venv clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VPY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl main --out results
+
+test: venv
+	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
+	$(VENV)/bin/ruff check src tests benchmarks
+
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: venv
+	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl bench engine --out results/bench_engine.json
+
+clean:
+	rm -rf $(VENV) results runs

@@ -1,0 +1,83 @@
+"""FedAvg (McMahan et al., AISTATS 2017), FedProx (Li et al., MLSys 2020) and FedAvg+ (FedAvg then
+local fine-tuning before evaluation, the "FedAvg+" baseline of Marfoq et al., NeurIPS 2021).
+
+Server: w <- sum_k n_k w_k / sum_k n_k over the clients whose updates arrived (the FedAvg paper and
+the FedProx code; FedProx's Algorithm 2 samples proportionally to n_k and averages uniformly, which
+is the same in expectation).  Clients run ``local_epochs`` epochs of mini-batch SGD from the global
+model.  FedProx adds ``mu (w - w_global)`` to every local gradient.  Deviation from the FedEM reference
+code, stated here once: its clients keep their momentum buffers across rounds; ours start each round
+with zero momentum (standard local SGD).  Its FedProx ran ProxSGD without momentum; ours uses the
+configured optimizer, so FedProx with mu = 0 is exactly FedAvg.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor
+
+from ..optim import SGD, Batches, local_sgd
+from ..tree import Tree
+from .base import Algorithm, Context, check_positive
+
+
+@dataclass(frozen=True)
+class FedAvg(Algorithm):
+    name: ClassVar[str] = "fedavg"
+
+    def client_update(
+        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
+    ) -> tuple[Tree, Tree, Tensor]:
+        params, loss = local_sgd(ctx.model.loss, payload, batches, lr, ctx.opt)
+        return params, state, loss
+
+
+@dataclass(frozen=True)
+class FedProx(FedAvg):
+    """FedAvg with the proximal term (mu / 2) ||w - w_global||^2 in every local objective."""
+
+    name: ClassVar[str] = "fedprox"
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        check_positive("mu", self.mu, strict=False)
+
+    def client_update(
+        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
+    ) -> tuple[Tree, Tree, Tensor]:
+        params, loss = local_sgd(ctx.model.loss, payload, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.mu)
+        return params, state, loss
+
+
+@dataclass(frozen=True)
+class FedAvgFT(FedAvg):
+    """FedAvg+: the global model fine-tuned for ``finetune_epochs`` local epochs before evaluation.
+
+    ``finetune_lr`` = 0 (default) uses the learning rate of the round being evaluated (as the FedEM
+    reference code, whose clients fine-tune with their current optimizer).  Every client (seen and
+    unseen) fine-tunes a copy; the global model is unchanged.
+    """
+
+    name: ClassVar[str] = "fedavg+"
+    needs_adaptation: ClassVar[bool] = True
+    finetune_epochs: int = 1
+    finetune_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_positive("finetune_epochs", self.finetune_epochs)
+        check_positive("finetune_lr", self.finetune_lr, strict=False)
+
+    @property
+    def adapt_epochs(self) -> int:  # type: ignore[override]
+        return self.finetune_epochs
+
+    def personalize(
+        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
+    ) -> Tree:
+        assert batches is not None
+        opt = ctx.opt if not self.finetune_lr else SGD(
+            self.finetune_lr, ctx.opt.momentum, ctx.opt.weight_decay
+        )
+        params, _ = local_sgd(ctx.model.loss, payload, batches, self.finetune_lr or lr, opt)
+        return params

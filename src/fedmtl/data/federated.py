@@ -1,0 +1,230 @@
+"""The federated dataset: every client's train / validation / test split stored once, flat.
+
+Examples of all clients are stored client-major in one tensor per split with per-client offsets
+(``Split``).  Padded ``(K, S, B, ...)`` batch tensors plus masks are built only for the clients of a
+round (``round_batches``), and padded ``(K, N_max, ...)`` evaluation views only for a chunk of
+clients at a time (``padded``).  Optional *unseen* clients (``FederatedData.unseen``) never take part
+in training; they are evaluated after fitting whatever local state the algorithm needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..optim import Batches
+
+
+class DataError(ValueError):
+    """Malformed federated data (shapes, labels, empty clients)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split of all clients: x (N, *feat), y (N,) long, offsets (C + 1,) long."""
+
+    x: Tensor
+    y: Tensor
+    offsets: Tensor
+
+    @property
+    def num_clients(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def counts(self) -> Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def client(self, k: int) -> tuple[Tensor, Tensor]:
+        a, b = int(self.offsets[k]), int(self.offsets[k + 1])
+        return self.x[a:b], self.y[a:b]
+
+    def to(self, device: torch.device | str) -> Split:
+        return Split(self.x.to(device), self.y.to(device), self.offsets.to(device))
+
+    @staticmethod
+    def from_lists(xs: list[Tensor], ys: list[Tensor]) -> Split:
+        if len(xs) != len(ys):
+            raise DataError(f"{len(xs)} feature arrays but {len(ys)} label arrays")
+        counts = torch.tensor([len(x) for x in xs], dtype=torch.long)
+        offsets = torch.zeros(len(xs) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(counts, 0)
+        return Split(torch.cat(xs), torch.cat([y.long() for y in ys]), offsets)
+
+    def validate(self, name: str, num_classes: int, allow_empty: bool) -> None:
+        if self.x.shape[0] != self.y.shape[0]:
+            raise DataError(f"{name}: {self.x.shape[0]} examples but {self.y.shape[0]} labels")
+        if self.y.dim() != 1:
+            raise DataError(f"{name}: labels must be 1-d, got shape {tuple(self.y.shape)}")
+        if self.offsets.dim() != 1 or self.offsets.numel() < 2:
+            raise DataError(f"{name}: offsets must be a 1-d tensor of length num_clients + 1")
+        if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.x.shape[0]:
+            raise DataError(f"{name}: offsets must start at 0 and end at {self.x.shape[0]}")
+        c = self.counts
+        if bool((c < 0).any()):
+            raise DataError(f"{name}: offsets must be non-decreasing")
+        if not allow_empty and bool((c == 0).any()):
+            bad = torch.nonzero(c == 0).flatten()[:10].tolist()
+            raise DataError(f"{name}: clients {bad} have no examples (every client needs training data)")
+        if self.y.numel():
+            lo, hi = int(self.y.min()), int(self.y.max())
+            if lo < 0 or hi >= num_classes:
+                raise DataError(f"{name}: labels must lie in [0, {num_classes - 1}], found values in [{lo}, {hi}]")
+        if self.x.is_floating_point() and self.x.numel() and not bool(torch.isfinite(self.x).all()):
+            raise DataError(f"{name}: features contain NaN or Inf")
+
+
+@dataclass(frozen=True)
+class ClientGroup:
+    """Train / optional validation / test splits of one group of clients (same client order)."""
+
+    train: Split
+    test: Split
+    val: Split | None = None
+
+    @property
+    def num_clients(self) -> int:
+        return self.train.num_clients
+
+    def splits(self) -> dict[str, Split]:
+        out = {"train": self.train, "test": self.test}
+        if self.val is not None:
+            out["val"] = self.val
+        return out
+
+    def validate(self, name: str, num_classes: int, feature_shape: tuple[int, ...]) -> None:
+        for split_name, s in self.splits().items():
+            s.validate(f"{name}.{split_name}", num_classes, allow_empty=split_name != "train")
+            if tuple(s.x.shape[1:]) != feature_shape:
+                raise DataError(
+                    f"{name}.{split_name}: feature shape {tuple(s.x.shape[1:])} != {feature_shape}"
+                )
+            if s.num_clients != self.num_clients:
+                raise DataError(f"{name}.{split_name}: {s.num_clients} clients, train has {self.num_clients}")
+
+    def to(self, device: torch.device | str) -> ClientGroup:
+        return ClientGroup(self.train.to(device), self.test.to(device), None if self.val is None else self.val.to(device))
+
+
+@dataclass(frozen=True)
+class FederatedData:
+    """Seen clients (trained on) and optional unseen clients (held out of training)."""
+
+    seen: ClientGroup
+    num_classes: int
+    unseen: ClientGroup | None = None
+    name: str = "data"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        return tuple(self.seen.train.x.shape[1:])
+
+    @property
+    def num_clients(self) -> int:
+        return self.seen.num_clients
+
+    def validate(self) -> None:
+        if self.num_classes < 2:
+            raise DataError(f"num_classes must be >= 2, got {self.num_classes}")
+        self.seen.validate(f"{self.name}.seen", self.num_classes, self.feature_shape)
+        if self.unseen is not None:
+            self.unseen.validate(f"{self.name}.unseen", self.num_classes, self.feature_shape)
+
+    def to(self, device: torch.device | str) -> FederatedData:
+        return FederatedData(
+            self.seen.to(device), self.num_classes, None if self.unseen is None else self.unseen.to(device),
+            self.name, self.meta,
+        )
+
+    def group(self, which: str) -> ClientGroup:
+        g = self.seen if which == "seen" else self.unseen
+        if g is None:
+            raise KeyError(f"no {which} clients")
+        return g
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded views
+
+
+def epoch_orders(counts: Tensor, epochs: int, generator: torch.Generator) -> Tensor:
+    """Per-client random permutations for each epoch: (K, E, N_max) long, padded with 0.
+
+    Row k, epoch e holds a permutation of range(counts[k]) in its first counts[k] entries.  Built
+    from one (E, K, N_max) uniform draw so the result does not depend on how clients are grouped.
+    """
+    k = counts.numel()
+    nmax = int(counts.max()) if k else 0
+    keys = torch.rand(epochs, k, nmax, generator=generator)
+    valid = torch.arange(nmax).unsqueeze(0) < counts.cpu().unsqueeze(1)  # (K, N_max)
+    keys = torch.where(valid.unsqueeze(0), keys, torch.full_like(keys, 2.0))
+    order = torch.argsort(keys, dim=-1)  # (E, K, N_max)
+    order = torch.where(valid.unsqueeze(0), order, torch.zeros_like(order))
+    return order.permute(1, 0, 2).contiguous()
+
+
+def steps_per_epoch(counts: Tensor, batch_size: int) -> Tensor:
+    return (counts + batch_size - 1) // batch_size
+
+
+def round_batches(
+    split: Split, clients: Tensor, orders: Tensor, batch_size: int, steps: int | None = None
+) -> Batches:
+    """Padded training batches for ``clients`` (K,): x (K, E*S, B, ...), masks, positions.
+
+    ``orders`` (K, E, N_max) are the clients' epoch permutations (``epoch_orders``).  ``steps`` S is
+    the number of steps per epoch (default: enough for the largest client in ``clients``).
+    """
+    dev = split.x.device
+    counts = split.counts[clients].cpu()  # (K,)
+    kk, epochs, _ = orders.shape
+    s = int(steps_per_epoch(counts, batch_size).max()) if steps is None else steps
+    width = s * batch_size
+    j = torch.arange(width)
+    valid = j.unsqueeze(0) < counts.unsqueeze(1)  # (K, W)
+    ocols = orders[:, :, : min(width, orders.shape[2])]
+    if ocols.shape[2] < width:
+        ocols = torch.cat([ocols, torch.zeros(kk, epochs, width - ocols.shape[2], dtype=torch.long)], dim=2)
+    local = torch.where(valid.unsqueeze(1), ocols, torch.zeros_like(ocols))  # (K, E, W)
+    # position of each local example in the first-epoch order: inverse permutation of epoch 0
+    inv0 = torch.zeros(kk, width, dtype=torch.long)
+    inv0.scatter_(1, local[:, 0], j.unsqueeze(0).expand(kk, width).contiguous())
+    pos = torch.gather(inv0, 1, local.reshape(kk, -1)).reshape(kk, epochs, width)
+    pos = torch.where(valid.unsqueeze(1), pos, j.view(1, 1, -1).expand_as(pos))
+    gidx = split.offsets[clients].cpu().view(kk, 1, 1) + local  # (K, E, W)
+    gidx = gidx.to(dev)
+    x = split.x[gidx.reshape(-1)].reshape(kk, epochs * s, batch_size, *split.x.shape[1:])
+    y = split.y[gidx.reshape(-1)].reshape(kk, epochs * s, batch_size)
+    mask = valid.unsqueeze(1).expand(kk, epochs, width).reshape(kk, epochs * s, batch_size)
+    return Batches(
+        x=x,
+        y=y,
+        mask=mask.to(dev, torch.float32),
+        pos=pos.reshape(kk, epochs * s, batch_size).to(dev),
+        n=counts.to(dev, torch.float32),
+    )
+
+
+def padded(split: Split, clients: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """All examples of ``clients`` padded: x (K, N_max, ...), y (K, N_max), mask (K, N_max) float."""
+    dev = split.x.device
+    counts = split.counts[clients].cpu()
+    nmax = max(int(counts.max()), 1) if counts.numel() else 1
+    j = torch.arange(nmax)
+    valid = j.unsqueeze(0) < counts.unsqueeze(1)
+    gidx = split.offsets[clients].cpu().unsqueeze(1) + torch.where(valid, j.unsqueeze(0), torch.zeros_like(j))
+    gidx = gidx.to(dev)
+    if split.x.shape[0] == 0:
+        x = torch.zeros(len(clients), nmax, *split.x.shape[1:], dtype=split.x.dtype, device=dev)
+        y = torch.zeros(len(clients), nmax, dtype=torch.long, device=dev)
+    else:
+        x = split.x[gidx.reshape(-1)].reshape(len(clients), nmax, *split.x.shape[1:])
+        y = split.y[gidx.reshape(-1)].reshape(len(clients), nmax)
+    return x, y, valid.to(dev, torch.float32)

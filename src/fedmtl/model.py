@@ -1,0 +1,111 @@
+"""Models as a module skeleton plus a loss; parameters always travel as ``Params``.
+
+``Model.apply(params, x)`` is a pure function (``torch.func.functional_call``) that works under
+``torch.func.vmap``.  Two output kinds are supported:
+
+* ``"binary"``: one logit per sample, logistic (BCE) loss, class probabilities ``[1 - s, s]`` with
+  ``s = sigmoid(logit)`` (the FedEM reference code's linear model on the synthetic data);
+* ``"multiclass"``: C logits, softmax cross-entropy.
+
+``nll(out, y)`` returns the per-sample negative log-likelihood (the loss that FedEM's E-step uses),
+``proba(out)`` the (n, C) class probabilities (FedEM mixes probabilities, never logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from .tree import Params
+
+
+@dataclass(frozen=True)
+class Model:
+    """A parameter-free description of a network: a module skeleton and its output kind."""
+
+    module: nn.Module
+    output: str  # "binary" | "multiclass"
+    num_classes: int
+    input_transform: Callable[[Tensor], Tensor] | None = field(default=None, compare=False)
+    name: str = "model"
+
+    def init(self, seed: int) -> Params:
+        """Fresh parameters from the module's own initializer, seeded without touching global RNG."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for m in self.module.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+            return {k: v.detach().clone() for k, v in self.module.named_parameters()}
+
+    def apply(self, params: Params, x: Tensor) -> Tensor:
+        """Forward pass: (n, *features) -> (n,) logits (binary) or (n, C) logits."""
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        out = functional_call(self.module, params, (x,))
+        if self.output == "binary":
+            return out.reshape(out.shape[:-1])
+        return out
+
+    def nll(self, out: Tensor, y: Tensor) -> Tensor:
+        """Per-sample negative log-likelihood, shape (n,)."""
+        if self.output == "binary":
+            # log(1 + e^z) - y z  ==  BCE-with-logits, numerically stable
+            return F.softplus(out) - y.to(out.dtype) * out
+        return F.cross_entropy(out, y.long(), reduction="none")
+
+    def log_proba(self, out: Tensor) -> Tensor:
+        """(n, C) log class probabilities."""
+        if self.output == "binary":
+            return torch.stack([F.logsigmoid(-out), F.logsigmoid(out)], dim=-1)
+        return F.log_softmax(out, dim=-1)
+
+    def proba(self, out: Tensor) -> Tensor:
+        return self.log_proba(out).exp()
+
+    def loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
+        """Batch mean of ``weight * nll`` over the real samples (``mask`` = 1; padding = 0).
+
+        Divides by the number of real samples, as a DataLoader batch mean would.  With ``weight`` =
+        FedEM responsibilities this is the reference q-weighted loss ``sum(q * l) / batch_size``.
+        """
+        out = self.apply(params, x)
+        w = mask.to(out.dtype) if weight is None else mask.to(out.dtype) * weight
+        count = mask.to(out.dtype).sum().clamp_min(1.0)
+        return (self.nll(out, y) * w).sum() / count
+
+
+# --------------------------------------------------------------------------------------------
+# Registry of model builders.  Vision and text models join in fedmtl.models.
+
+
+def _linear(input_dim: int, num_classes: int, bias: bool = True) -> Model:
+    out_dim = 1 if num_classes == 2 else num_classes
+    output = "binary" if num_classes == 2 else "multiclass"
+    return Model(nn.Linear(input_dim, out_dim, bias=bias), output, num_classes, name="linear")
+
+
+def _mlp(input_dim: int, num_classes: int, hidden: tuple[int, ...] | list[int] = (64,)) -> Model:
+    layers: list[nn.Module] = []
+    d = input_dim
+    for h in hidden:
+        layers += [nn.Linear(d, h), nn.ReLU()]
+        d = h
+    out_dim = 1 if num_classes == 2 else num_classes
+    layers.append(nn.Linear(d, out_dim))
+    output = "binary" if num_classes == 2 else "multiclass"
+    return Model(nn.Sequential(*layers), output, num_classes, name="mlp")
+
+
+MODELS: dict[str, Callable[..., Model]] = {"linear": _linear, "mlp": _mlp}
+
+
+def build_model(name: str, input_dim: int, num_classes: int, **kwargs: object) -> Model:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; available: {sorted(MODELS)}")
+    return MODELS[name](input_dim=input_dim, num_classes=num_classes, **kwargs)

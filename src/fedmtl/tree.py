@@ -1,0 +1,135 @@
+"""Small helpers over ``Params`` (``dict[str, Tensor]``) and nested containers of them.
+
+A *stacked* Params has a leading axis (K clients, M components, ...).  Every helper is pure: it
+never mutates its inputs.  Nested structures (dicts, tuples, NamedTuples of tensors) are handled by
+``torch.utils._pytree``, so client and server states can be any such container.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+Params = dict[str, Tensor]
+Tree = Any
+
+
+def tmap(fn: Callable[..., Tensor], tree: Tree, *rest: Tree) -> Tree:
+    """Apply ``fn`` leaf-wise to one or more trees of the same structure."""
+    return pytree.tree_map(fn, tree, *rest)
+
+
+def leaves(tree: Tree) -> list[Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, Tensor)]
+
+
+def add(a: Tree, b: Tree) -> Tree:
+    return tmap(torch.add, a, b)
+
+
+def sub(a: Tree, b: Tree) -> Tree:
+    return tmap(torch.sub, a, b)
+
+
+def scale(a: Tree, s: float | Tensor) -> Tree:
+    return tmap(lambda x: x * s, a)
+
+
+def zeros_like(a: Tree) -> Tree:
+    return tmap(torch.zeros_like, a)
+
+
+def clone(a: Tree) -> Tree:
+    return tmap(lambda x: x.clone(), a)
+
+
+def where(cond: Tensor, a: Tree, b: Tree) -> Tree:
+    """Leaf-wise ``torch.where`` with a scalar (0-d) condition broadcast to every leaf."""
+    return tmap(lambda x, y: torch.where(cond, x, y), a, b)
+
+
+def stack(trees: list[Tree]) -> Tree:
+    """Stack a list of trees with the same structure along a new leading axis."""
+    return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
+
+
+def unstack(tree: Tree, n: int) -> list[Tree]:
+    return [take(tree, i) for i in range(n)]
+
+
+def take(tree: Tree, index: int | Tensor) -> Tree:
+    """Index the leading axis of every leaf (an int drops the axis, a 1-d index tensor keeps it)."""
+    return tmap(lambda x: x[index], tree)
+
+
+def put(tree: Tree, index: Tensor, values: Tree) -> Tree:
+    """Return a copy of ``tree`` with rows ``index`` of the leading axis replaced by ``values``."""
+
+    def _put(x: Tensor, v: Tensor) -> Tensor:
+        out = x.clone()
+        out[index] = v.to(out.dtype)
+        return out
+
+    return tmap(_put, tree, values)
+
+
+def broadcast(tree: Tree, n: int) -> Tree:
+    """View a tree as stacked ``n`` times along a new leading axis (no copy)."""
+    return tmap(lambda x: x.unsqueeze(0).expand(n, *x.shape), tree)
+
+
+def weighted_mean(stacked: Tree, weights: Tensor) -> Tree:
+    """Weighted mean over the leading axis; ``weights`` (K,) need not be normalized.
+
+    Rows with zero weight contribute nothing, even if they hold NaN/Inf (they are masked out, not
+    multiplied), so excluded client updates can never poison the result.
+    """
+    w = weights.to(torch.float64)
+    total = w.sum()
+    keep = w > 0
+
+    def _mean(x: Tensor) -> Tensor:
+        xs = torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
+        ww = (w / total).to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+        return (xs * ww).sum(0)
+
+    return tmap(_mean, stacked)
+
+
+def sq_norm(tree: Tree) -> Tensor:
+    """Squared Euclidean norm of all leaves together (per row if stacked: use ``vmap``)."""
+    return sum((x.to(torch.float64) ** 2).sum() for x in leaves(tree))  # type: ignore[return-value]
+
+
+def sq_dist(a: Tree, b: Tree) -> Tensor:
+    return sq_norm(sub(a, b))
+
+
+def flatten_rows(stacked: Tree) -> Tensor:
+    """Concatenate every leaf of a stacked tree into one (K, P) matrix."""
+    ls = leaves(stacked)
+    return torch.cat([x.reshape(x.shape[0], -1) for x in ls], dim=1)
+
+
+def all_finite_rows(stacked: Tree) -> Tensor:
+    """(K,) bool: True where every leaf of row k is finite."""
+    ls = leaves(stacked)
+    if not ls:
+        raise ValueError("empty tree")
+    ok = torch.ones(ls[0].shape[0], dtype=torch.bool, device=ls[0].device)
+    for x in ls:
+        if x.is_floating_point():
+            ok &= torch.isfinite(x.reshape(x.shape[0], -1)).all(dim=1)
+    return ok
+
+
+def num_params(tree: Tree) -> int:
+    return sum(x.numel() for x in leaves(tree))
+
+
+def to(tree: Tree, device: torch.device | str) -> Tree:
+    return tmap(lambda x: x.to(device), tree)
