@@ -65,6 +65,7 @@ def evaluate_group(sim: Simulator, state: SimState, group: ClientGroup, seen: bo
     if alg.needs_adaptation or not seen:
         g = torch.Generator().manual_seed(int(cfg.seed) * 7919 + state.round * 104729 + (0 if seen else 1))
         orders = epoch_orders(group.train.counts.cpu(), alg.adapt_epochs, g)
+    all_clients = torch.arange(n_clients)
     init_one = None if seen else alg.init_client(ctx, state.server)
 
     def personalize(p: Any, s: Any, b: Any) -> Any:
@@ -82,7 +83,7 @@ def evaluate_group(sim: Simulator, state: SimState, group: ClientGroup, seen: bo
             states = T.broadcast(init_one, len(idx))
         batches = None
         if orders is not None:
-            batches = round_batches(group.train, idx, orders[idx], cfg.batch_size)
+            batches = round_batches(group.train, all_clients, orders, idx, cfg.batch_size)
         if not T.leaves(states) and batches is None:  # same state for every client (a global model)
             eval_states = T.broadcast(personalize(payload, states, None), len(idx))
         elif per_client:

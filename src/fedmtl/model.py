@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
+from torch.func import functional_call, grad_and_value
 
 from .tree import Params
 
@@ -33,6 +33,8 @@ class Model:
     num_classes: int
     input_transform: Callable[[Tensor], Tensor] | None = field(default=None, compare=False)
     name: str = "model"
+    #: optional closed-form ``(params, x, y, mask, weight) -> (grads, loss)``; must equal autograd's
+    analytic_grad: Callable[..., tuple[Params, Tensor]] | None = field(default=None, compare=False)
 
     def init(self, seed: int) -> Params:
         """Fresh parameters from the module's own initializer, seeded without touching global RNG."""
@@ -80,6 +82,43 @@ class Model:
         return (self.nll(out, y) * w).sum() / count
 
 
+    def value_and_grad(
+        self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
+    ) -> tuple[Params, Tensor]:
+        """(gradient of ``loss`` w.r.t. params, loss); closed form where the model has one."""
+        if self.analytic_grad is not None:
+            if self.input_transform is not None:
+                x = self.input_transform(x)
+            return self.analytic_grad(params, x, y, mask, weight)
+        return grad_and_value(self.loss)(params, x, y, mask, weight)
+
+
+def _linear_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None) -> tuple[Params, Tensor]:
+    """Closed-form gradient of the (binary or softmax) logistic loss of a linear model.
+
+    d loss / d z = (p - onehot(y)) * w / count, so grad W = r^T x and grad b = sum r.  Equal to
+    autograd's gradient (tested); about twice as fast under vmap, with far less dispatch overhead.
+    """
+    wt = mask.to(x.dtype) if weight is None else mask.to(x.dtype) * weight
+    count = mask.to(x.dtype).sum().clamp_min(1.0)
+    W, b = params["weight"], params.get("bias")
+    z = x @ W.T if b is None else x @ W.T + b  # (n, out)
+    if W.shape[0] == 1:  # binary, one logit
+        z1 = z.squeeze(-1)
+        yf = y.to(z.dtype)
+        loss = ((F.softplus(z1) - yf * z1) * wt).sum() / count
+        r = ((torch.sigmoid(z1) - yf) * wt / count).unsqueeze(-1)  # (n, 1)
+    else:
+        logp = F.log_softmax(z, dim=-1)
+        nll = -torch.gather(logp, -1, y.long().unsqueeze(-1)).squeeze(-1)
+        loss = (nll * wt).sum() / count
+        r = (logp.exp() - F.one_hot(y.long(), W.shape[0]).to(z.dtype)) * (wt / count).unsqueeze(-1)
+    grads = {"weight": r.T @ x}
+    if b is not None:
+        grads["bias"] = r.sum(0)
+    return grads, loss
+
+
 # --------------------------------------------------------------------------------------------
 # Registry of model builders.  Vision and text models join in fedmtl.models.
 
@@ -87,7 +126,8 @@ class Model:
 def _linear(input_dim: int, num_classes: int, bias: bool = True) -> Model:
     out_dim = 1 if num_classes == 2 else num_classes
     output = "binary" if num_classes == 2 else "multiclass"
-    return Model(nn.Linear(input_dim, out_dim, bias=bias), output, num_classes, name="linear")
+    return Model(nn.Linear(input_dim, out_dim, bias=bias), output, num_classes, name="linear",
+                 analytic_grad=_linear_grad)
 
 
 def _mlp(input_dim: int, num_classes: int, hidden: tuple[int, ...] | list[int] = (64,)) -> Model:

@@ -15,9 +15,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.func import grad_and_value
 
-from . import tree as T
 from .tree import Params
 
 
@@ -68,11 +66,11 @@ class SGD:
         return self.lr * self.lr_gamma**passed
 
 
-LossFn = Callable[[Params, Tensor, Tensor, Tensor, Tensor | None], Tensor]
+GradFn = Callable[[Params, Tensor, Tensor, Tensor, Tensor | None], tuple[Params, Tensor]]
 
 
 def local_sgd(
-    loss_fn: LossFn,
+    grad_fn: GradFn,
     params: Params,
     batches: Batches,
     lr: float | Tensor,
@@ -84,12 +82,14 @@ def local_sgd(
 ) -> tuple[Params, Tensor]:
     """Run SGD over ``batches`` for one client; returns (new params, mean batch loss).
 
+    ``grad_fn(params, x, y, mask, weight) -> (grads, loss)`` is usually ``Model.value_and_grad``.
+
     ``sample_weight`` (S0 * B,) are per-sample weights indexed by ``batches.pos`` (FedEM's q).
     ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient.
     vmap-safe: fixed number of steps, masking instead of branching, no in-place updates.
     """
-    grad_fn = grad_and_value(loss_fn)
-    buf = T.zeros_like(params) if opt.momentum > 0 else None
+    mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
+    buf = {k: torch.zeros_like(v) for k, v in params.items()} if mom > 0 else None
     loss_sum = torch.zeros((), dtype=batches.x.dtype if batches.x.is_floating_point() else torch.float32)
     active_steps = torch.zeros_like(loss_sum)
     rng = range(batches.x.shape[0]) if steps is None else range(*steps.indices(batches.x.shape[0]))
@@ -97,18 +97,19 @@ def local_sgd(
         mask = batches.mask[s]
         w = None if sample_weight is None else sample_weight[batches.pos[s]]
         g, loss = grad_fn(params, batches.x[s], batches.y[s], mask, w)
-        if opt.weight_decay:
-            g = T.tmap(lambda gi, p: gi + opt.weight_decay * p, g, params)
-        if prox_center is not None and prox_mu:
-            g = T.tmap(lambda gi, p, c: gi + prox_mu * (p - c), g, params, prox_center)
         active = mask.sum() > 0
-        if buf is not None:
-            new_buf = T.tmap(lambda b, gi: opt.momentum * b + gi, buf, g)
-            step = new_buf
-            buf = T.where(active, new_buf, buf)
-        else:
-            step = g
-        params = T.where(active, T.tmap(lambda p, d: p - lr * d, params, step), params)
+        new_params = {}
+        for k, p in params.items():
+            d = g[k]
+            if wd:
+                d = d + wd * p
+            if mu:
+                d = d + mu * (p - prox_center[k])  # type: ignore[index]
+            if buf is not None:
+                d = mom * buf[k] + d
+                buf[k] = torch.where(active, d, buf[k])
+            new_params[k] = torch.where(active, p - lr * d, p)
+        params = new_params
         loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
         active_steps = active_steps + active.to(loss_sum.dtype)
     return params, loss_sum / active_steps.clamp_min(1.0)

@@ -14,7 +14,6 @@ are exact no-ops (see ``optim.local_sgd``), so the grouping never changes the re
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ from torch.func import vmap
 
 from . import tree as T
 from .algorithms.base import Algorithm, Context
-from .data.federated import ClientGroup, FederatedData, epoch_orders, padded, round_batches, steps_per_epoch
+from .data.federated import ClientGroup, FederatedData, Orders, epoch_orders, round_batches, steps_per_epoch
 from .model import Model
 from .optim import SGD
 from .tree import Tree
@@ -103,7 +102,7 @@ class Simulator:
         self.model = model
         model.module.to(self.device)
         train = self.data.seen.train
-        self.ctx = Context(model, opt, train.num_clients, float(train.counts.sum()))
+        self.ctx = Context(model, opt, train.num_clients, float(train.counts.sum()), cfg.local_epochs)
         self._update = vmap(self._client_update_fn, in_dims=(None, 0, 0, None), randomness="error")
 
     # ------------------------------------------------------------------------------ state
@@ -144,7 +143,7 @@ class Simulator:
         return groups
 
     def run_clients(
-        self, fn: Callable[..., Any], payload: Tree, states: Tree, clients: Tensor, orders: Tensor,
+        self, fn: Callable[..., Any], payload: Tree, states: Tree, clients: Tensor, orders: Orders,
         lr: float, group: ClientGroup, runner: str | None = None,
     ) -> Any:
         """Apply ``fn(payload, state, batches, lr)`` to every client in ``clients``; stacked outputs."""
@@ -155,13 +154,13 @@ class Simulator:
         if runner == "loop":
             outs = []
             for i in range(len(clients)):
-                b = round_batches(split, clients[i : i + 1], orders[i : i + 1], bsz)
+                b = round_batches(split, clients, orders, torch.tensor([i]), bsz)
                 outs.append(fn(payload, T.take(states, i), T.take(b, 0), lr))
             return T.stack(outs)
         vfn = self._update if fn is self._client_update_fn else vmap(fn, in_dims=(None, 0, 0, None))
         outs, where = [], []
         for pos in self._buckets(counts, bsz):
-            b = round_batches(split, clients[pos], orders[pos], bsz)
+            b = round_batches(split, clients, orders, pos, bsz)
             outs.append(vfn(payload, T.take(states, pos.to(self.device)), b, lr))
             where.append(pos)
         inverse = torch.argsort(torch.cat(where)).to(self.device)

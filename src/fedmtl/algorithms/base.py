@@ -34,6 +34,7 @@ class Context(NamedTuple):
     opt: SGD
     num_clients: int
     total_train: float  # total number of training examples over all seen clients
+    local_epochs: int = 1  # epochs in the batches that client_update receives
 
 
 @dataclass(frozen=True)

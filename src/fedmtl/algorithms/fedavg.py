@@ -29,7 +29,7 @@ class FedAvg(Algorithm):
     def client_update(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
     ) -> tuple[Tree, Tree, Tensor]:
-        params, loss = local_sgd(ctx.model.loss, payload, batches, lr, ctx.opt)
+        params, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt)
         return params, state, loss
 
 
@@ -46,7 +46,7 @@ class FedProx(FedAvg):
     def client_update(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
     ) -> tuple[Tree, Tree, Tensor]:
-        params, loss = local_sgd(ctx.model.loss, payload, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.mu)
+        params, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.mu)
         return params, state, loss
 
 
@@ -79,5 +79,5 @@ class FedAvgFT(FedAvg):
         opt = ctx.opt if not self.finetune_lr else SGD(
             self.finetune_lr, ctx.opt.momentum, ctx.opt.weight_decay
         )
-        params, _ = local_sgd(ctx.model.loss, payload, batches, self.finetune_lr or lr, opt)
+        params, _ = local_sgd(ctx.model.value_and_grad, payload, batches, self.finetune_lr or lr, opt)
         return params

@@ -30,7 +30,7 @@ class Local(Algorithm):
     def client_update(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
     ) -> tuple[Tree, Tree, Tensor]:
-        params, loss = local_sgd(ctx.model.loss, state["params"], batches, lr, ctx.opt)
+        params, loss = local_sgd(ctx.model.value_and_grad, state["params"], batches, lr, ctx.opt)
         return {}, {"params": params}, loss
 
     def aggregate(self, ctx: Context, server: Tree, updates: Tree, weights: Tensor) -> Tree:

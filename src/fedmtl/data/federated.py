@@ -10,7 +10,7 @@ in training; they are evaluated after fitting whatever local state the algorithm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -154,20 +154,32 @@ class FederatedData:
 # Padded views
 
 
-def epoch_orders(counts: Tensor, epochs: int, generator: torch.Generator) -> Tensor:
-    """Per-client random permutations for each epoch: (K, E, N_max) long, padded with 0.
+class Orders(NamedTuple):
+    """Per-client random permutations for a round: ``local[e, starts[i] + j]`` is the j-th example
+    (a local index into client i's data) that client i visits in epoch e.
 
-    Row k, epoch e holds a permutation of range(counts[k]) in its first counts[k] entries.  Built
-    from one (E, K, N_max) uniform draw so the result does not depend on how clients are grouped.
+    local: (E, total) long over the concatenated examples of the K clients; starts: (K + 1,) long.
     """
+
+    local: Tensor
+    starts: Tensor
+
+
+def epoch_orders(counts: Tensor, epochs: int, generator: torch.Generator) -> Orders:
+    """Independent uniform permutations of range(counts[i]) for each client and epoch.
+
+    Drawn client by client in a fixed order (``torch.randperm`` is cheaper than one big sort here:
+    0.7 ms for 300 clients on 2 cores); the result depends only on the generator and the counts,
+    never on how clients are later grouped into batched calls.
+    """
+    counts = counts.cpu().long()
     k = counts.numel()
-    nmax = int(counts.max()) if k else 0
-    keys = torch.rand(epochs, k, nmax, generator=generator)
-    valid = torch.arange(nmax).unsqueeze(0) < counts.cpu().unsqueeze(1)  # (K, N_max)
-    keys = torch.where(valid.unsqueeze(0), keys, torch.full_like(keys, 2.0))
-    order = torch.argsort(keys, dim=-1)  # (E, K, N_max)
-    order = torch.where(valid.unsqueeze(0), order, torch.zeros_like(order))
-    return order.permute(1, 0, 2).contiguous()
+    starts = torch.zeros(k + 1, dtype=torch.long)
+    starts[1:] = torch.cumsum(counts, 0)
+    sizes = counts.tolist()
+    rows = [torch.cat([torch.randperm(n, generator=generator) for n in sizes]) if k else torch.zeros(0, dtype=torch.long)
+            for _ in range(epochs)]
+    return Orders(torch.stack(rows), starts)
 
 
 def steps_per_epoch(counts: Tensor, batch_size: int) -> Tensor:
@@ -175,33 +187,36 @@ def steps_per_epoch(counts: Tensor, batch_size: int) -> Tensor:
 
 
 def round_batches(
-    split: Split, clients: Tensor, orders: Tensor, batch_size: int, steps: int | None = None
+    split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None = None
 ) -> Batches:
-    """Padded training batches for ``clients`` (K,): x (K, E*S, B, ...), masks, positions.
+    """Padded training batches for clients ``clients[rows]``: x (K, E*S, B, ...), masks, positions.
 
-    ``orders`` (K, E, N_max) are the clients' epoch permutations (``epoch_orders``).  ``steps`` S is
-    the number of steps per epoch (default: enough for the largest client in ``clients``).
+    ``orders`` are the epoch permutations of all of ``clients`` (``epoch_orders``); ``rows`` selects
+    the clients of this batched call.  ``steps`` S is the number of steps per epoch (default: enough
+    for the largest selected client).
     """
     dev = split.x.device
-    counts = split.counts[clients].cpu()  # (K,)
-    kk, epochs, _ = orders.shape
+    sel = clients[rows]
+    counts = split.counts[sel].cpu()  # (K,)
+    kk = sel.numel()
+    epochs = orders.local.shape[0]
     s = int(steps_per_epoch(counts, batch_size).max()) if steps is None else steps
     width = s * batch_size
     j = torch.arange(width)
     valid = j.unsqueeze(0) < counts.unsqueeze(1)  # (K, W)
-    ocols = orders[:, :, : min(width, orders.shape[2])]
-    if ocols.shape[2] < width:
-        ocols = torch.cat([ocols, torch.zeros(kk, epochs, width - ocols.shape[2], dtype=torch.long)], dim=2)
-    local = torch.where(valid.unsqueeze(1), ocols, torch.zeros_like(ocols))  # (K, E, W)
-    # position of each local example in the first-epoch order: inverse permutation of epoch 0
-    inv0 = torch.zeros(kk, width, dtype=torch.long)
-    inv0.scatter_(1, local[:, 0], j.unsqueeze(0).expand(kk, width).contiguous())
-    pos = torch.gather(inv0, 1, local.reshape(kk, -1)).reshape(kk, epochs, width)
-    pos = torch.where(valid.unsqueeze(1), pos, j.view(1, 1, -1).expand_as(pos))
-    gidx = split.offsets[clients].cpu().view(kk, 1, 1) + local  # (K, E, W)
-    gidx = gidx.to(dev)
-    x = split.x[gidx.reshape(-1)].reshape(kk, epochs * s, batch_size, *split.x.shape[1:])
-    y = split.y[gidx.reshape(-1)].reshape(kk, epochs * s, batch_size)
+    flat = orders.starts[rows].unsqueeze(1) + torch.where(valid, j.unsqueeze(0), torch.zeros_like(j))
+    local = orders.local[:, flat]  # (E, K, W)
+    local = torch.where(valid.unsqueeze(0), local, torch.zeros_like(local)).permute(1, 0, 2)  # (K, E, W)
+    if epochs == 1:
+        pos = j.view(1, 1, -1).expand(kk, 1, width)
+    else:  # position of each example in the first epoch's order (inverse permutation of epoch 0)
+        inv0 = torch.zeros(kk, width, dtype=torch.long)
+        inv0.scatter_(1, local[:, 0], j.unsqueeze(0).expand(kk, width).contiguous())
+        pos = torch.gather(inv0, 1, local.reshape(kk, -1)).reshape(kk, epochs, width)
+        pos = torch.where(valid.unsqueeze(1), pos, j.view(1, 1, -1).expand_as(pos))
+    gidx = (split.offsets[sel].cpu().view(kk, 1, 1) + local).reshape(-1).to(dev)
+    x = split.x.index_select(0, gidx).reshape(kk, epochs * s, batch_size, *split.x.shape[1:])
+    y = split.y.index_select(0, gidx).reshape(kk, epochs * s, batch_size)
     mask = valid.unsqueeze(1).expand(kk, epochs, width).reshape(kk, epochs * s, batch_size)
     return Batches(
         x=x,

@@ -1,0 +1,21 @@
+"""Algorithm registry: ``ALGORITHMS[name]`` is the dataclass; its fields are the hyper-parameters."""
+
+from __future__ import annotations
+
+from .base import Algorithm, Context
+from .fedavg import FedAvg, FedAvgFT, FedProx
+from .fedem import FedEM
+from .local import Local
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM)
+}
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    if name not in ALGORITHMS:
+        raise KeyError(f"unknown algorithm {name!r}; available: {sorted(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "Context", "FedAvg", "FedAvgFT", "FedEM", "FedProx", "Local", "get_algorithm"]

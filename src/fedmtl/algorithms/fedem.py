@@ -1,0 +1,143 @@
+"""FedEM: federated multi-task learning under a mixture of distributions.
+
+Marfoq, Neglia, Bellet, Kameni, Vidal, "Federated Multi-Task Learning under a Mixture of
+Distributions", NeurIPS 2021, Algorithm 1 and Eq. (6)-(10).
+
+Each client's data is a mixture of M shared distributions; the server holds M component models
+Theta = (theta_1..theta_M), each client t its mixture weights pi_t (kept across rounds).  One round for
+a sampled client (all in one batched computation under the vmap runner: K clients x M components):
+
+* E-step (8): q_t(z_i = m) = softmax_m(log pi_tm - l(theta_m; x_i, y_i)), in log space, computed once
+  with the received components on the whole local training set;
+* pi update (9): pi_tm = mean_i q_t(z_i = m);
+* M-step (10): for each m, ``local_epochs`` of SGD on the q_m-weighted loss, sum_i q_im l_im / |batch|.
+
+Server: theta_m <- sum_t n_t theta_mt / sum_t n_t over the clients that took part (the paper).
+``server_average = "all_clients"`` reproduces the reference code instead: the average runs over all
+clients with weights n_t / n, unsampled clients contributing the previous model (which shrinks the
+step under partial participation).
+
+Prediction for client t is the pi_t-weighted mixture of the components' *probabilities* (Eq. 6), not
+of their logits; the reported loss is the NLL of that mixture.  Unseen clients receive Theta and fit
+their pi by EM with Theta fixed on their own training split, iterated until the L1 change of pi is
+below ``unseen_tol`` or ``unseen_max_iter`` iterations (the reference code instead runs one EM
+iteration per evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+
+from .. import tree as T
+from ..optim import Batches, local_sgd
+from ..tree import Tree
+from .base import Algorithm, Context, check_positive
+
+
+@dataclass(frozen=True)
+class FedEM(Algorithm):
+    name: ClassVar[str] = "fedem"
+    needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
+    num_components: int = 3
+    server_average: str = "participants"  # "participants" (paper) | "all_clients" (reference code)
+    unseen_tol: float = 1e-6
+    unseen_max_iter: int = 200
+
+    def __post_init__(self) -> None:
+        check_positive("num_components", self.num_components)
+        check_positive("unseen_max_iter", self.unseen_max_iter)
+        if self.server_average not in ("participants", "all_clients"):
+            raise ValueError(f"algorithm.server_average must be 'participants' or 'all_clients', got {self.server_average!r}")
+
+    # -- server ---------------------------------------------------------------------------------
+    def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
+        # component m starts from the initializer seeded with seed + m (as the reference code), so
+        # component 0 is the model FedAvg starts from and FedEM with M = 1 is FedAvg.
+        comps = [params] + [ctx.model.init(seed + m) for m in range(1, self.num_components)]
+        comps = [T.to(c, next(iter(params.values())).device) for c in comps]
+        return {"components": T.stack(comps)}
+
+    def payload(self, server: Tree) -> Tree:
+        return server["components"]
+
+    def aggregate(self, ctx: Context, server: Tree, updates: Tree, weights: Tensor) -> Tree:
+        total = float(weights.sum())
+        if total <= 0:
+            return server
+        new = T.weighted_mean(updates, weights)  # (M, ...) average over participants
+        if self.server_average == "all_clients":
+            share = total / ctx.total_train  # n_participants / n
+            new = T.tmap(lambda a, old: share * a + (1.0 - share) * old, new, server["components"])
+        return {"components": new}
+
+    def upload_numel(self, ctx: Context, server: Tree) -> int:
+        return T.num_params(server["components"])
+
+    # -- client ---------------------------------------------------------------------------------
+    def init_client(self, ctx: Context, server: Tree) -> Tree:
+        return {"pi": torch.full((self.num_components,), 1.0 / self.num_components)}
+
+    def component_nll(self, ctx: Context, comps: Tree, x: Tensor, y: Tensor) -> Tensor:
+        """(M, n) per-sample loss of every component."""
+        return vmap(lambda th: ctx.model.nll(ctx.model.apply(th, x), y))(comps)
+
+    @staticmethod
+    def e_step(log_pi: Tensor, nll: Tensor) -> tuple[Tensor, Tensor]:
+        """Responsibilities q (M, n) = softmax_m(log pi_m - nll_m) and per-sample log-likelihood (n,)."""
+        joint = log_pi.unsqueeze(-1) - nll  # (M, n)
+        ll = torch.logsumexp(joint, dim=0)
+        return torch.exp(joint - ll), ll
+
+    def _first_epoch(self, batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
+        s0 = batches.x.shape[0] // epochs
+        x = batches.x[:s0].reshape(-1, *batches.x.shape[2:])
+        return x, batches.y[:s0].reshape(-1), batches.mask[:s0].reshape(-1)
+
+    def client_update(
+        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
+    ) -> tuple[Tree, Tree, Tensor]:
+        x, y, mask = self._first_epoch(batches, ctx.local_epochs)
+        nll = self.component_nll(ctx, payload, x, y)  # (M, S0*B)
+        q, ll = self.e_step(torch.log(state["pi"]).to(nll.dtype), nll)
+        pi = (q * mask).sum(-1) / batches.n  # (M,)
+        mixture_nll = -(ll * mask).sum() / batches.n
+
+        def m_step(theta: Tree, q_m: Tensor) -> Tree:
+            return local_sgd(ctx.model.value_and_grad, theta, batches, lr, ctx.opt, sample_weight=q_m)[0]
+
+        comps = vmap(m_step)(payload, q)
+        return comps, {"pi": pi.to(state["pi"].dtype)}, mixture_nll
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def fit_pi(self, ctx: Context, comps: Tree, pi0: Tensor, batches: Batches) -> Tensor:
+        """EM for pi with the components fixed, to convergence (vmap-safe fixed iteration count)."""
+        x, y, mask = self._first_epoch(batches, self.adapt_epochs)
+        nll = self.component_nll(ctx, comps, x, y)
+        pi = pi0.to(nll.dtype)
+        done = torch.zeros((), dtype=torch.bool)
+        for _ in range(self.unseen_max_iter):
+            q, _ = self.e_step(torch.log(pi), nll)
+            new = (q * mask).sum(-1) / batches.n
+            done = done | ((new - pi).abs().sum() < self.unseen_tol)
+            pi = torch.where(done, pi, new)
+        return pi
+
+    def personalize(
+        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
+    ) -> Tree:
+        pi = state["pi"]
+        if not seen:
+            assert batches is not None
+            pi = self.fit_pi(ctx, payload, pi, batches)
+        return {"components": payload, "pi": pi}
+
+    def predict_log_proba(self, ctx: Context, eval_state: Tree, x: Tensor) -> Tensor:
+        """log sum_m pi_m p_m(y | x): (n, C), a mixture of probabilities (Eq. 6)."""
+        logp = vmap(lambda th: ctx.model.log_proba(ctx.model.apply(th, x)))(eval_state["components"])  # (M, n, C)
+        log_pi = torch.log(eval_state["pi"]).to(logp.dtype).view(-1, 1, 1)
+        return torch.logsumexp(logp + log_pi, dim=0)

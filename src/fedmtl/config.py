@@ -1,0 +1,228 @@
+"""Experiment configuration: TOML tables that map one-to-one onto constructors.
+
+::
+
+    [data]       name = "fedem_synthetic" + the dataset builder's keyword arguments
+    [model]      name = "linear"          + the model builder's keyword arguments
+    [algorithm]  name = "fedem"           + the algorithm dataclass's fields
+    [optim]      fields of fedmtl.optim.SGD
+    [run]        fields of fedmtl.simulate.RunConfig
+
+Unknown tables or keys and wrong value types raise ``ConfigError`` naming the key and the file,
+before any data is built or any work is done.  ``--set table.key=value`` overrides use TOML syntax
+for the value (bare words are taken as strings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import tomllib
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .algorithms import ALGORITHMS
+from .data import DATASETS
+from .model import MODELS
+from .optim import SGD
+from .simulate import RunConfig
+
+TABLES = ("data", "model", "algorithm", "optim", "run")
+
+
+class ConfigError(ValueError):
+    """A configuration error; the message names the file and the key."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; returns the value converted where lossless."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is Any or tp is inspect.Parameter.empty:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected float, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected int, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected bool (true/false), got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected string, got {type(value).__name__} {value!r}")
+        return value
+    return value
+
+
+def _signature_types(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Parameter name -> annotation for a function or dataclass (its init fields)."""
+    if dataclasses.is_dataclass(fn):
+        hints = typing.get_type_hints(fn)
+        return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(fn) if f.init}
+    hints = typing.get_type_hints(fn)
+    return {n: hints.get(n, Any) for n, p in inspect.signature(fn).parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _check_table(table: dict[str, Any], target: Callable[..., Any], where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    allowed = {k: v for k, v in _signature_types(target).items() if k not in skip}
+    out = {}
+    for key, value in table.items():
+        if key not in allowed:
+            raise ConfigError(f"{where}: unknown key {key!r}; allowed: {sorted(allowed)}")
+        out[key] = _coerce(value, allowed[key], f"{where}.{key}")
+    return out
+
+
+@dataclass
+class ExperimentConfig:
+    """A validated experiment; ``raw`` is the resolved TOML content (what the run directory records)."""
+
+    data: dict[str, Any]
+    model: dict[str, Any]
+    algorithm: dict[str, Any]
+    optim: SGD
+    run: RunConfig
+    raw: dict[str, dict[str, Any]] = field(default_factory=dict)
+    source: str = "<config>"
+
+    def build_algorithm(self) -> Any:
+        params = {k: v for k, v in self.algorithm.items() if k != "name"}
+        return ALGORITHMS[self.algorithm["name"]](**params)
+
+    def build_data(self) -> Any:
+        params = {k: v for k, v in self.data.items() if k != "name"}
+        return DATASETS[self.data["name"]](**params)
+
+    def build_model(self, input_dim: int, num_classes: int) -> Any:
+        params = {k: v for k, v in self.model.items() if k != "name"}
+        return MODELS[self.model["name"]](input_dim=input_dim, num_classes=num_classes, **params)
+
+
+def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str) -> tuple[str, Any]:
+    name = table.get("name")
+    if name is None:
+        raise ConfigError(f"{src}: [{tname}] needs a 'name' (one of {sorted(registry)})")
+    if not isinstance(name, str) or name not in registry:
+        raise ConfigError(f"{src}: [{tname}].name = {name!r} is not one of {sorted(registry)}")
+    return name, registry[name]
+
+
+def validate(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig:
+    """Validate a parsed TOML document; raises ``ConfigError`` naming ``source`` and the key."""
+    for t in raw:
+        if t not in TABLES:
+            raise ConfigError(f"{source}: unknown table [{t}]; allowed: {list(TABLES)}")
+        if not isinstance(raw[t], dict):
+            raise ConfigError(f"{source}: '{t}' must be a table, got {type(raw[t]).__name__}")
+    tables = {t: dict(raw.get(t, {})) for t in TABLES}
+    dname, dfn = _named(tables["data"], DATASETS, "data", source)
+    data = {"name": dname, **_check_table({k: v for k, v in tables["data"].items() if k != "name"}, dfn,
+                                         f"{source}: [data]")}
+    mname, mfn = _named(tables["model"], MODELS, "model", source)
+    model = {"name": mname, **_check_table({k: v for k, v in tables["model"].items() if k != "name"}, mfn,
+                                          f"{source}: [model]", skip=("input_dim", "num_classes"))}
+    aname, acls = _named(tables["algorithm"], ALGORITHMS, "algorithm", source)
+    alg = {"name": aname, **_check_table({k: v for k, v in tables["algorithm"].items() if k != "name"}, acls,
+                                        f"{source}: [algorithm]")}
+    try:
+        acls(**{k: v for k, v in alg.items() if k != "name"})
+        optim = SGD(**_check_table(tables["optim"], SGD, f"{source}: [optim]"))
+        run = RunConfig(**_check_table(tables["run"], RunConfig, f"{source}: [run]"))
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{source}: {e}") from e
+    resolved = {
+        "data": data, "model": model, "algorithm": alg,
+        "optim": dataclasses.asdict(optim), "run": dataclasses.asdict(run),
+    }
+    return ExperimentConfig(data, model, alg, optim, run, resolved, source)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``"table.key=value"`` -> (table, key, value); value in TOML syntax, bare words are strings."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected table.key=value")
+    lhs, value = text.split("=", 1)
+    table, key = lhs.strip().split(".", 1)
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return table, key, parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = {t: dict(v) if isinstance(v, dict) else v for t, v in raw.items()}
+    for text in overrides:
+        table, key, value = parse_override(text)
+        out.setdefault(table, {})
+        if not isinstance(out[table], dict):
+            raise ConfigError(f"--set {text!r}: '{table}' is not a table")
+        out[table][key] = value
+    return out
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return validate(apply_overrides(raw, overrides or []), str(path))
+
+
+def dumps(raw: dict[str, dict[str, Any]]) -> str:
+    """Write a resolved config back as TOML (flat tables of scalars and lists)."""
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if v is None:
+            raise ConfigError("None cannot be written to TOML")
+        return repr(v)
+
+    lines = []
+    for t, table in raw.items():
+        lines.append(f"[{t}]")
+        lines += [f"{k} = {val(v)}" for k, v in table.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
