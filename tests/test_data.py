@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from fedmtl.data.federated import ClientGroup, DataError, FederatedData, Split, epoch_orders, padded, round_batches
+
+
+def _split(sizes, d=3, classes=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, d, generator=g) for n in sizes]
+    ys = [torch.randint(0, classes, (n,), generator=g) for n in sizes]
+    return Split.from_lists(xs, ys)
+
+
+def test_valid_data_builds():
+    d = FederatedData(ClientGroup(_split([5, 7]), _split([2, 3])), num_classes=2)
+    assert d.num_clients == 2 and d.feature_shape == (3,)
+
+
+def test_label_out_of_range_is_a_clear_error():
+    tr = _split([5, 7], classes=3)
+    with pytest.raises(DataError, match=r"labels must lie in \[0, 1\], found values in \[0, 2\]"):
+        FederatedData(ClientGroup(tr, _split([2, 3])), num_classes=2)
+
+
+def test_empty_training_client_is_an_error():
+    with pytest.raises(DataError, match=r"clients \[1\] have no examples"):
+        FederatedData(ClientGroup(_split([5, 0, 3]), _split([2, 3, 1])), num_classes=2)
+
+
+def test_shape_mismatch_and_nan_are_errors():
+    tr = _split([5, 7])
+    bad = Split(tr.x[:-1], tr.y, tr.offsets)
+    with pytest.raises(DataError, match="11 examples but 12 labels"):
+        FederatedData(ClientGroup(bad, _split([2, 3])), num_classes=2)
+    with pytest.raises(DataError, match=r"feature shape \(4,\) != \(3,\)"):
+        FederatedData(ClientGroup(tr, _split([2, 3], d=4)), num_classes=2)
+    nan = Split(tr.x.clone(), tr.y, tr.offsets)
+    nan.x[3, 1] = float("nan")
+    with pytest.raises(DataError, match="NaN"):
+        FederatedData(ClientGroup(nan, _split([2, 3])), num_classes=2)
+    with pytest.raises(DataError, match="clients"):
+        FederatedData(ClientGroup(tr, _split([2, 3, 4])), num_classes=2)
+
+
+def test_round_batches_cover_each_client_once_per_epoch():
+    sp = _split([5, 13, 1, 9], d=2)
+    clients = torch.tensor([3, 0, 1])
+    orders = epoch_orders(sp.counts[clients], 2, torch.Generator().manual_seed(1))
+    b = round_batches(sp, clients, orders, torch.arange(3), batch_size=4)
+    s0 = 4  # ceil(13 / 4)
+    assert b.x.shape == (3, 2 * s0, 4, 2)
+    for i, c in enumerate(clients.tolist()):
+        xc, _ = sp.client(c)
+        for e in range(2):
+            m = b.mask[i, e * s0 : (e + 1) * s0].reshape(-1).bool()
+            xe = b.x[i, e * s0 : (e + 1) * s0].reshape(-1, 2)[m]
+            assert xe.shape[0] == xc.shape[0]
+            # the epoch is a permutation of the client's examples
+            assert torch.equal(torch.sort(xe[:, 0]).values, torch.sort(xc[:, 0]).values)
+            # pos points at the same example in the first epoch's order
+            first = b.x[i, :s0].reshape(-1, 2)
+            pos = b.pos[i, e * s0 : (e + 1) * s0].reshape(-1)[m]
+            assert torch.equal(first[pos], xe)
+
+
+def test_batches_do_not_depend_on_grouping():
+    sp = _split([5, 13, 1, 9], d=2)
+    clients = torch.arange(4)
+    orders = epoch_orders(sp.counts, 1, torch.Generator().manual_seed(3))
+    together = round_batches(sp, clients, orders, torch.arange(4), batch_size=4)
+    alone = round_batches(sp, clients, orders, torch.tensor([2]), batch_size=4)
+    assert torch.equal(together.x[2, :1], alone.x[0])
+
+
+def test_padded_views():
+    sp = _split([2, 4])
+    x, y, m = padded(sp, torch.tensor([1, 0]))
+    assert x.shape == (2, 4, 3) and m.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert torch.equal(x[1, :2], sp.client(0)[0])

@@ -1,0 +1,75 @@
+import pytest
+import torch
+from torch import nn
+from torch.func import grad_and_value
+
+from fedmtl.model import build_model
+from fedmtl.optim import SGD, Batches, local_sgd
+
+
+@pytest.mark.parametrize("classes", [2, 5])
+def test_linear_closed_form_gradient_equals_autograd(classes):
+    m = build_model("linear", 7, classes)
+    p = m.init(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 7, generator=g)
+    y = torch.randint(0, classes, (20,), generator=g)
+    mask = (torch.rand(20, generator=g) > 0.3).float()
+    w = torch.rand(20, generator=g)
+    ga, la = m.value_and_grad(p, x, y, mask, w)
+    gb, lb = grad_and_value(m.loss)(p, x, y, mask, w)
+    assert torch.allclose(la, lb, atol=1e-6)
+    for k in p:
+        assert torch.allclose(ga[k], gb[k], atol=1e-6)
+
+
+def test_local_sgd_equals_torch_sgd_with_momentum_and_weight_decay():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 1)
+    m = build_model("linear", 4, 2)
+    params = {k: v.detach().clone() for k, v in lin.named_parameters()}
+    opt = torch.optim.SGD(lin.parameters(), lr=0.3, momentum=0.9, weight_decay=0.01)
+    x = torch.randn(3, 5, 4)
+    y = (torch.rand(3, 5) > 0.5).long()
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0  # a short last batch
+    for s in range(3):
+        opt.zero_grad()
+        n = int(mask[s].sum())
+        out = lin(x[s, :n]).squeeze(-1)
+        nn.functional.binary_cross_entropy_with_logits(out, y[s, :n].float()).backward()
+        opt.step()
+    b = Batches(x, y, mask, torch.zeros(3, 5, dtype=torch.long), torch.tensor(13.0))
+    new, _ = local_sgd(m.value_and_grad, params, b, 0.3, SGD(0.3, 0.9, 0.01))
+    for k, v in lin.named_parameters():
+        assert torch.allclose(new[k], v.detach(), atol=1e-6)
+
+
+def test_padded_steps_are_exact_no_ops():
+    m = build_model("linear", 4, 2)
+    p = m.init(1)
+    x = torch.randn(2, 6, 4)
+    y = (torch.rand(2, 6) > 0.5).long()
+    mask = torch.ones(2, 6)
+    b1 = Batches(x[:1], y[:1], mask[:1], torch.zeros(1, 6, dtype=torch.long), torch.tensor(6.0))
+    padded_mask = torch.stack([mask[0], torch.zeros(6)])
+    b2 = Batches(x, y, padded_mask, torch.zeros(2, 6, dtype=torch.long), torch.tensor(6.0))
+    opt = SGD(0.1, 0.9, 1e-3)
+    a, la = local_sgd(m.value_and_grad, p, b1, 0.1, opt, prox_center=p, prox_mu=0.5)
+    c, lc = local_sgd(m.value_and_grad, p, b2, 0.1, opt, prox_center=p, prox_mu=0.5)
+    for k in p:
+        assert torch.equal(a[k], c[k])
+    assert torch.equal(la, lc)
+
+
+def test_multistep_schedule():
+    opt = SGD(lr=0.1, lr_milestones=(0.5, 0.75))
+    lrs = [opt.lr_at(r, 200) for r in (0, 99, 100, 149, 150, 199)]
+    assert lrs == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+
+
+def test_bad_optimizer_values():
+    with pytest.raises(ValueError, match="momentum"):
+        SGD(lr=0.1, momentum=1.5)
+    with pytest.raises(ValueError, match="lr_milestones"):
+        SGD(lr=0.1, lr_milestones=(50.0,))
