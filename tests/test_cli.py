@@ -1,0 +1,139 @@
+"""CLI: error messages, run outputs, resume after a real interruption."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedmtl.cli import main
+from fedmtl.config import ConfigError, load
+
+TINY = """
+[data]
+name = "fedem_synthetic"
+num_clients = 12
+dim = 8
+n_test = 30
+max_samples = 200
+unseen_frac = 0.25
+seed = 2
+
+[model]
+name = "linear"
+
+[algorithm]
+name = "{alg}"
+
+[optim]
+lr = 0.1
+momentum = 0.9
+weight_decay = 5e-4
+lr_milestones = [0.5, 0.75]
+
+[run]
+rounds = {rounds}
+batch_size = 16
+eval_every = 2
+checkpoint_every = 2
+seed = 5
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_key_and_file(tmp_path, capsys):
+    p = write(tmp_path, TINY.format(alg="fedavg", rounds=2).replace("[algorithm]", "[algorithm]\nmuu = 1.0"))
+    assert main(["run", str(p), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert str(p) in err and "'muu'" in err and "[algorithm]" in err
+    assert not (tmp_path / "o").exists()  # failed before any work
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    p = write(tmp_path, TINY.format(alg="fedprox", rounds=2).replace("[algorithm]", '[algorithm]\nmu = "big"'))
+    with pytest.raises(ConfigError, match=r"c\.toml.*\[algorithm\]\.mu: expected float, got str 'big'"):
+        load(p)
+    with pytest.raises(ConfigError, match=r"\[run\]\.rounds: expected int"):
+        load(write(tmp_path, TINY.format(alg="fedavg", rounds="2.5")))
+    with pytest.raises(ConfigError, match=r"unknown table \[trainer\]"):
+        load(write(tmp_path, TINY.format(alg="fedavg", rounds=2) + "\n[trainer]\nx = 1\n"))
+    with pytest.raises(ConfigError, match=r"\[algorithm\]\.name = 'fedsgd' is not one of"):
+        load(write(tmp_path, TINY.format(alg="fedsgd", rounds=2)))
+    with pytest.raises(ConfigError, match=r"\[data\]: unknown key 'dims'"):
+        load(write(tmp_path, TINY.format(alg="fedavg", rounds=2).replace("dim = 8", "dims = 8")))
+    with pytest.raises(ConfigError, match=r"sampling_rate must be in \(0, 1\]"):
+        load(write(tmp_path, TINY.format(alg="fedavg", rounds=2)), ["run.sampling_rate=1.5"])
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(write(tmp_path, "[data\nname=1"))
+
+
+def test_set_overrides(tmp_path):
+    p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
+    cfg = load(p, ["algorithm.name=fedem", "algorithm.num_components=2", "run.sampling_rate=0.5"])
+    assert cfg.algorithm == {"name": "fedem", "num_components": 2}
+    assert cfg.run.sampling_rate == 0.5
+
+
+def test_list(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fedavg", "fedprox", "fedavg+", "local", "fedem"):
+        assert name in out
+
+
+def test_run_writes_run_directory(tmp_path):
+    p = write(tmp_path, TINY.format(alg="fedem", rounds=4))
+    out = tmp_path / "run"
+    assert main(["run", str(p), "--out", str(out), "--no-progress"]) == 0
+    for f in ("config.toml", "metrics.csv", "clients.csv", "summary.json", "accuracy.png", "checkpoint.pt"):
+        assert (out / f).exists(), f
+    s = json.loads((out / "summary.json").read_text())
+    assert s["rounds"] == 4 and 0.3 < s["final"]["seen_test_acc_mean"] <= 1.0
+    assert "unseen_test_acc_mean" in s["final"] and "participation_gap" in s["final"]
+    lines = (out / "metrics.csv").read_text().strip().splitlines()
+    assert len(lines) == 5
+    # the resolved config can be run again as it is
+    load(out / "config.toml")
+    # a second run into the same directory without --resume is refused, nothing overwritten
+    assert main(["run", str(p), "--out", str(out), "--no-progress"]) == 2
+
+
+@pytest.mark.slow
+def test_resume_after_real_interruption_matches_uninterrupted(tmp_path):
+    rounds = 60
+    p = write(tmp_path, TINY.format(alg="fedem", rounds=rounds).replace("checkpoint_every = 2", "checkpoint_every = 5"))
+    cmd = [sys.executable, "-m", "fedmtl.cli", "run", str(p), "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    full = tmp_path / "full"
+    subprocess.run([*cmd, "--out", str(full)], check=True, env=env, timeout=600)
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([*cmd, "--out", str(cut)], env=env)
+    metrics = cut / "metrics.csv"
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill it once a checkpoint exists but before the end
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 11:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(metrics.read_text().splitlines()) - 1
+    assert 0 < done < rounds, "the run was not interrupted mid-way"
+    assert not (cut / "summary.json").exists()
+    subprocess.run([*cmd, "--out", str(cut), "--resume"], check=True, env=env, timeout=600)
+    a = json.loads((full / "summary.json").read_text())
+    b = json.loads((cut / "summary.json").read_text())
+    assert a["final"] == b["final"]
+    assert (full / "clients.csv").read_text() == (cut / "clients.csv").read_text()
+    ra = (full / "metrics.csv").read_text().splitlines()
+    rb = (cut / "metrics.csv").read_text().splitlines()
+    assert ra == rb
