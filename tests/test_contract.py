@@ -25,7 +25,8 @@ def test_loop_and_vmap_runners_agree(name, small_data):
         st, rows = run_rounds(sim, 3)
         results[runner] = (st, rows, summarize(sim.evaluate(st)))
     (sa, ra, ea), (sb, rb, eb) = results["vmap"], results["loop"]
-    for x, y in zip(T.leaves(sa.server) + T.leaves(sa.clients), T.leaves(sb.server) + T.leaves(sb.clients), strict=True):
+    leaves_a = T.leaves(sa.server) + T.leaves(sa.clients)
+    for x, y in zip(leaves_a, T.leaves(sb.server) + T.leaves(sb.clients), strict=True):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-5)
     for a, b in zip(ra, rb, strict=True):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)

@@ -41,8 +41,9 @@ def test_e_step_is_the_exact_posterior():
     assert np.allclose(q.numpy(), joint / joint.sum(0), atol=1e-6)
     assert np.allclose(ll.numpy(), np.log(joint.sum(0)), atol=1e-6)
     # and the client's pi update is the mean responsibility over its (unpadded) examples
-    b = Batches(torch.cat([x, torch.zeros(1, 2)]).unsqueeze(0), torch.cat([y, torch.zeros(1, dtype=torch.long)]).unsqueeze(0),
-                torch.tensor([[1.0, 1, 1, 0]]), torch.arange(4).unsqueeze(0), torch.tensor(3.0))
+    xp = torch.cat([x, torch.zeros(1, 2)]).unsqueeze(0)
+    yp = torch.cat([y, torch.zeros(1, dtype=torch.long)]).unsqueeze(0)
+    b = Batches(xp, yp, torch.tensor([[1.0, 1, 1, 0]]), torch.arange(4).unsqueeze(0), torch.tensor(3.0))
     _, state, _ = alg.client_update(_ctx(model), comps, {"pi": pi}, b, 0.0)
     assert np.allclose(state["pi"].numpy(), (joint / joint.sum(0)).mean(1), atol=1e-6)
 

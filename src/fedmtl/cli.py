@@ -14,7 +14,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .config import load
     from .experiment import run_experiment
 
-    cfg = load(args.config, args.set)
+    overrides = list(args.set)
+    if args.device:
+        overrides.append(f"run.device={args.device}")
+    cfg = load(args.config, overrides)
     out = args.out or str(Path("runs") / Path(args.config).stem)
     summary = run_experiment(cfg, out, resume=args.resume, progress=not args.no_progress)
     final = summary["final"]
@@ -69,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a config value")
     r.add_argument("--out", help="run directory (default runs/<config name>)")
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    r.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(fn=_cmd_run)
 

@@ -95,7 +95,9 @@ def _signature_types(fn: Callable[..., Any]) -> dict[str, Any]:
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
-def _check_table(table: dict[str, Any], target: Callable[..., Any], where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def _check_table(
+    table: dict[str, Any], target: Callable[..., Any], where: str, skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
     allowed = {k: v for k, v in _signature_types(target).items() if k not in skip}
     out = {}
     for key, value in table.items():

@@ -59,8 +59,10 @@ def evaluate_group(sim: Simulator, state: SimState, group: ClientGroup, seen: bo
     payload = alg.payload(state.server)
     per_ex = int(np.prod(sim.data.feature_shape)) or 1
     cmax = torch.stack([s.counts.cpu() for s in splits.values()]).max(0).values
-    res = {k: {"correct": torch.zeros(n_clients, dtype=torch.float64), "nll": torch.zeros(n_clients, dtype=torch.float64)}
-           for k in splits}
+    res = {
+        k: {"correct": torch.zeros(n_clients, dtype=torch.float64), "nll": torch.zeros(n_clients, dtype=torch.float64)}
+        for k in splits
+    }
     orders = None
     if alg.needs_adaptation or not seen:
         g = torch.Generator().manual_seed(int(cfg.seed) * 7919 + state.round * 104729 + (0 if seen else 1))

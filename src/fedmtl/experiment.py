@@ -65,7 +65,7 @@ def run_experiment(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=rcfg.rounds, initial=state.round, desc=cfg.algorithm["name"], leave=False)
+        bar = tqdm(total=rcfg.rounds, initial=state.round, desc=cfg.algorithm["name"], leave=False, disable=None)
     t_train, rounds_here = 0.0, 0
     per_client: dict[str, Any] | None = None
     while state.round < rcfg.rounds:

@@ -46,7 +46,9 @@ class FedProx(FedAvg):
     def client_update(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
     ) -> tuple[Tree, Tree, Tensor]:
-        params, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.mu)
+        params, loss = local_sgd(
+            ctx.model.value_and_grad, payload, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.mu
+        )
         return params, state, loss
 
 

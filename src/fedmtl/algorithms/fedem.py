@@ -52,7 +52,9 @@ class FedEM(Algorithm):
         check_positive("num_components", self.num_components)
         check_positive("unseen_max_iter", self.unseen_max_iter)
         if self.server_average not in ("participants", "all_clients"):
-            raise ValueError(f"algorithm.server_average must be 'participants' or 'all_clients', got {self.server_average!r}")
+            raise ValueError(
+                f"algorithm.server_average must be 'participants' or 'all_clients', got {self.server_average!r}"
+            )
 
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:

@@ -106,7 +106,8 @@ class ClientGroup:
                 raise DataError(f"{name}.{split_name}: {s.num_clients} clients, train has {self.num_clients}")
 
     def to(self, device: torch.device | str) -> ClientGroup:
-        return ClientGroup(self.train.to(device), self.test.to(device), None if self.val is None else self.val.to(device))
+        val = None if self.val is None else self.val.to(device)
+        return ClientGroup(self.train.to(device), self.test.to(device), val)
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,10 @@ def epoch_orders(counts: Tensor, epochs: int, generator: torch.Generator) -> Ord
     starts = torch.zeros(k + 1, dtype=torch.long)
     starts[1:] = torch.cumsum(counts, 0)
     sizes = counts.tolist()
-    rows = [torch.cat([torch.randperm(n, generator=generator) for n in sizes]) if k else torch.zeros(0, dtype=torch.long)
-            for _ in range(epochs)]
+    rows = [
+        torch.cat([torch.randperm(n, generator=generator) for n in sizes]) if k else torch.zeros(0, dtype=torch.long)
+        for _ in range(epochs)
+    ]
     return Orders(torch.stack(rows), starts)
 
 
