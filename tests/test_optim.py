@@ -73,3 +73,24 @@ def test_bad_optimizer_values():
         SGD(lr=0.1, momentum=1.5)
     with pytest.raises(ValueError, match="lr_milestones"):
         SGD(lr=0.1, lr_milestones=(50.0,))
+
+
+@pytest.mark.parametrize("classes", [2, 4])
+def test_stacked_linear_gradient_equals_per_component_autograd(classes):
+    m = build_model("linear", 5, classes)
+    comps = {k: torch.stack([m.init(s)[k] for s in range(3)]) for k in m.init(0)}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 5, generator=g)
+    y = torch.randint(0, classes, (11,), generator=g)
+    mask = torch.ones(11)
+    mask[-2:] = 0
+    q = torch.rand(3, 11, generator=g)
+    gs, ls = m.value_and_grad_stacked(comps, x, y, mask, q)
+    out = m.apply_stacked(comps, x)
+    for j in range(3):
+        pj = {k: v[j] for k, v in comps.items()}
+        gj, lj = grad_and_value(m.loss)(pj, x, y, mask, q[j])
+        assert torch.allclose(ls[j], lj, atol=1e-6)
+        assert torch.allclose(out[j], m.apply(pj, x), atol=1e-6)
+        for k in pj:
+            assert torch.allclose(gs[k][j], gj[k], atol=1e-6)

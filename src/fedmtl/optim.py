@@ -84,7 +84,9 @@ def local_sgd(
 
     ``grad_fn(params, x, y, mask, weight) -> (grads, loss)`` is usually ``Model.value_and_grad``.
 
-    ``sample_weight`` (S0 * B,) are per-sample weights indexed by ``batches.pos`` (FedEM's q).
+    ``sample_weight`` (..., S0 * B) are per-sample weights indexed by ``batches.pos`` (FedEM's q; a
+    leading axis when ``params`` are M stacked models and ``grad_fn`` is ``Model.value_and_grad_stacked``,
+    whose loss is then an (M,) vector).
     ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient.
     vmap-safe: fixed number of steps, masking instead of branching, no in-place updates.
     """
@@ -95,7 +97,7 @@ def local_sgd(
     rng = range(batches.x.shape[0]) if steps is None else range(*steps.indices(batches.x.shape[0]))
     for s in rng:
         mask = batches.mask[s]
-        w = None if sample_weight is None else sample_weight[batches.pos[s]]
+        w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
         g, loss = grad_fn(params, batches.x[s], batches.y[s], mask, w)
         active = mask.sum() > 0
         new_params = {}

@@ -31,7 +31,6 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor
-from torch.func import vmap
 
 from .. import tree as T
 from ..optim import Batches, local_sgd
@@ -86,7 +85,7 @@ class FedEM(Algorithm):
 
     def component_nll(self, ctx: Context, comps: Tree, x: Tensor, y: Tensor) -> Tensor:
         """(M, n) per-sample loss of every component."""
-        return vmap(lambda th: ctx.model.nll(ctx.model.apply(th, x), y))(comps)
+        return ctx.model.nll(ctx.model.apply_stacked(comps, x), y)
 
     @staticmethod
     def e_step(log_pi: Tensor, nll: Tensor) -> tuple[Tensor, Tensor]:
@@ -109,10 +108,8 @@ class FedEM(Algorithm):
         pi = (q * mask).sum(-1) / batches.n  # (M,)
         mixture_nll = -(ll * mask).sum() / batches.n
 
-        def m_step(theta: Tree, q_m: Tensor) -> Tree:
-            return local_sgd(ctx.model.value_and_grad, theta, batches, lr, ctx.opt, sample_weight=q_m)[0]
-
-        comps = vmap(m_step)(payload, q)
+        # M-step: all M components at once (stacked params, per-component weights q (M, S0*B))
+        comps, _ = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
         return comps, {"pi": pi.to(state["pi"].dtype)}, mixture_nll
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -140,6 +137,6 @@ class FedEM(Algorithm):
 
     def predict_log_proba(self, ctx: Context, eval_state: Tree, x: Tensor) -> Tensor:
         """log sum_m pi_m p_m(y | x): (n, C), a mixture of probabilities (Eq. 6)."""
-        logp = vmap(lambda th: ctx.model.log_proba(ctx.model.apply(th, x)))(eval_state["components"])  # (M, n, C)
+        logp = ctx.model.log_proba(ctx.model.apply_stacked(eval_state["components"], x))  # (M, n, C)
         log_pi = torch.log(eval_state["pi"]).to(logp.dtype).view(-1, 1, 1)
         return torch.logsumexp(logp + log_pi, dim=0)

@@ -41,11 +41,11 @@ def _client_split(n: int, pi: np.ndarray, theta: np.ndarray, noise: float, rng: 
                   legacy: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     counts = rng.multinomial(n, pi)
     x = rng.uniform(-1.0, 1.0, size=(n, theta.shape[1]))
-    y = _labels(x, counts, theta, noise, rng, legacy)
+    y = _labels(x, counts, theta, noise, rng, legacy)  # labels from the float64 features, as the reference
     z = np.repeat(np.arange(len(counts)), counts)  # latent component of each row (before shuffling)
     perm = np.arange(n)
     rng.shuffle(perm)  # the draw sklearn.utils.shuffle makes with the global RandomState
-    return x[perm], y[perm], z[perm]
+    return x[perm].astype(np.float32), y[perm].astype(np.int64), z[perm]
 
 
 def fedem_synthetic(
@@ -91,7 +91,7 @@ def fedem_synthetic(
 
     def split(xs: list[np.ndarray], ys: list[np.ndarray], idx: range) -> Split:
         return Split.from_lists(
-            [torch.from_numpy(xs[i]).float() for i in idx], [torch.from_numpy(ys[i]).long() for i in idx]
+            [torch.from_numpy(xs[i]) for i in idx], [torch.from_numpy(ys[i]) for i in idx]
         )
 
     n_seen = num_clients - int(round(unseen_frac * num_clients)) if unseen_frac else num_clients
