@@ -194,6 +194,7 @@ class Simulator:
         if T.leaves(new_states) and bool(valid.any()):
             keep = valid.to(self.device)
             state.clients = T.put(state.clients, clients.to(self.device)[keep], T.take(new_states, keep))
+        state.server, state.clients = self.alg.post_round(self.ctx, state.server, state.clients)
         state.round = r + 1
         ok = losses[valid]
         return {

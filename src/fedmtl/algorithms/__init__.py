@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from .base import Algorithm, Context
+from .decentralized import DSGD, DFedEM
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedem import FedEM
 from .local import Local
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM)
+    cls.name: cls for cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD)
 }
 
 
@@ -18,4 +19,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
     return ALGORITHMS[name]
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Context", "FedAvg", "FedAvgFT", "FedEM", "FedProx", "Local", "get_algorithm"]
+__all__ = [
+    "ALGORITHMS", "DSGD", "Algorithm", "Context", "DFedEM", "FedAvg", "FedAvgFT", "FedEM", "FedProx", "Local",
+    "get_algorithm",
+]

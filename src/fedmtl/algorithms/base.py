@@ -60,6 +60,10 @@ class Algorithm:
             return server
         return {"params": T.weighted_mean(updates, weights)}
 
+    def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
+        """Runs after aggregation on the stacked states of all clients (decentralized gossip)."""
+        return server, clients
+
     # -- client ---------------------------------------------------------------------------------
     def init_client(self, ctx: Context, server: Tree) -> Tree:
         """State one client starts with (unbatched); the runner replicates it for every client."""
