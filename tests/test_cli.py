@@ -137,3 +137,22 @@ def test_resume_after_real_interruption_matches_uninterrupted(tmp_path):
     ra = (full / "metrics.csv").read_text().splitlines()
     rb = (cut / "metrics.csv").read_text().splitlines()
     assert ra == rb
+
+
+def test_sweep_runs_each_value_and_plots(tmp_path):
+    from fedmtl.sweep import split_top_level
+
+    assert split_top_level("1,2,[0.5, 0.75],'a,b'") == ["1", "2", "[0.5, 0.75]", "'a,b'"]
+    p = write(tmp_path, TINY.format(alg="fedem", rounds=2))
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(p), "--set", "algorithm.num_components=1,2,3", "--set", "run.seed=3",
+                 "--out", str(out), "--no-progress"]) == 0
+    s = json.loads((out / "sweep.json").read_text())
+    assert [r["algorithm.num_components"] for r in s["results"]] == [1, 2, 3]
+    assert all(0 < r["seen_test_acc_mean"] <= 1 for r in s["results"])
+    assert (out / "sweep.png").stat().st_size > 1000
+    assert (out / "algorithm.num_components=2" / "summary.json").exists()
+    with pytest.raises(ConfigError, match="nothing to sweep"):
+        from fedmtl.sweep import run_sweep
+
+        run_sweep(p, ["run.seed=3"], out)

@@ -30,6 +30,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import run_sweep
+
+    out = args.out or str(Path("runs") / f"sweep-{Path(args.config).stem}")
+    run_sweep(args.config, args.set, out, progress=not args.no_progress)
+    print(f"written: {out}/sweep.json, sweep.csv, sweep.png")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from .algorithms import ALGORITHMS
     from .data import DATASETS
@@ -50,9 +59,16 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_main(args: argparse.Namespace) -> int:
-    from .mainjob import main_job
+    from .reproduce import fedem_synthetic
 
-    main_job(Path(args.out), Path(args.configs), quick=args.quick)
+    fedem_synthetic(Path(args.out), quick=args.quick, config_dir=Path(args.configs))
+    return 0
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from .reproduce import REPRODUCTIONS
+
+    REPRODUCTIONS[args.name](Path(args.out), quick=args.quick)
     return 0
 
 
@@ -76,13 +92,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(fn=_cmd_run)
 
+    sw = sub.add_parser("sweep", help="run a config for several values of one or more keys")
+    sw.add_argument("config")
+    sw.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=V1,V2,...")
+    sw.add_argument("--out")
+    sw.add_argument("--no-progress", action="store_true")
+    sw.set_defaults(fn=_cmd_sweep)
+
     sub.add_parser("list", help="list algorithms, datasets, models and configs").set_defaults(fn=_cmd_list)
 
-    m = sub.add_parser("main", help="the main job: every method on the FedEM synthetic data vs the paper")
+    m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
     m.add_argument("--configs", default="configs/synthetic")
     m.add_argument("--quick", action="store_true", help="20 rounds, a smoke run")
     m.set_defaults(fn=_cmd_main)
+
+    rp = sub.add_parser("reproduce", help="reproduce a paper's experiment (tables, plots)")
+    rp.add_argument("name", choices=["fedem-synthetic"])
+    rp.add_argument("--out", required=True)
+    rp.add_argument("--quick", action="store_true", help="a short smoke version")
+    rp.set_defaults(fn=_cmd_reproduce)
 
     from .bench import BENCHMARKS
 

@@ -246,3 +246,46 @@ def padded(split: Split, clients: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = split.x[gidx.reshape(-1)].reshape(len(clients), nmax, *split.x.shape[1:])
         y = split.y[gidx.reshape(-1)].reshape(len(clients), nmax)
     return x, y, valid.to(dev, torch.float32)
+
+
+def federate(
+    x: Tensor,
+    y: Tensor,
+    parts: list[Any],
+    num_classes: int,
+    rng: Any,
+    test_frac: float = 0.2,
+    val_frac: float = 0.0,
+    unseen_frac: float = 0.0,
+    name: str = "data",
+    meta: dict[str, Any] | None = None,
+) -> FederatedData:
+    """Turn per-client index arrays over (x, y) into a FederatedData.
+
+    Each client's examples are split at random into train / val / test (``test_frac``, ``val_frac``);
+    the last ``round(unseen_frac * C)`` clients (after a random shuffle of client order) become unseen
+    clients.  Clients left without training examples are dropped.
+    """
+    import numpy as np
+
+    from .partition import train_test_split
+
+    order = rng.permutation(len(parts))
+    parts = [parts[i] for i in order]
+    tr, va, te = train_test_split(parts, test_frac, rng, val_frac) if test_frac > 0 else (parts, [], [])
+    keep = [i for i in range(len(parts)) if len(tr[i]) > 0]
+    n_unseen = int(round(unseen_frac * len(keep)))
+    groups = []
+    for ids in (keep[: len(keep) - n_unseen], keep[len(keep) - n_unseen :]):
+        if not ids:
+            groups.append(None)
+            continue
+
+        def split(idx_lists: list[Any], ids: list[int] = ids) -> Split:
+            idx = [torch.as_tensor(np.asarray(idx_lists[i], dtype=np.int64)) for i in ids]
+            return Split.from_lists([x[i] for i in idx], [y[i] for i in idx])
+
+        groups.append(ClientGroup(train=split(tr), test=split(te), val=split(va) if val_frac else None))
+    if groups[0] is None:
+        raise DataError(f"{name}: no client has training data")
+    return FederatedData(seen=groups[0], num_classes=num_classes, unseen=groups[1], name=name, meta=meta or {})

@@ -1,0 +1,87 @@
+"""Finding, downloading and caching dataset files, with checksums and atomic writes.
+
+A dataset file is looked for, in order, in the ``data_dir`` the user gives, in the system locations
+(e.g. /usr/share/datasets/fashion-mnist from the Debian package ``dataset-fashion-mnist``), and in
+the cache (``$FEDMTL_CACHE`` or ``~/.cache/fedmtl``); failing that it is downloaded into the cache,
+written to a temporary file, checked against its MD5 and only then renamed into place, so an
+interrupted or corrupt download never leaves a partial file behind.  Offline with no local copy,
+the error says where it looked and what to download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .federated import DataError
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One downloadable file: its name, URL(s) and MD5 (empty md5 = not checked)."""
+
+    filename: str
+    urls: tuple[str, ...]
+    md5: str = ""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FEDMTL_CACHE", Path.home() / ".cache" / "fedmtl"))
+
+
+def md5sum(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download(remote: Remote, dest_dir: Path, timeout: float = 60.0) -> Path:
+    """Download ``remote`` into ``dest_dir`` atomically; verify its checksum; return the path."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / remote.filename
+    errors = []
+    for url in remote.urls:
+        fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{remote.filename}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310
+                while block := r.read(1 << 20):
+                    f.write(block)
+            if remote.md5 and md5sum(Path(tmp)) != remote.md5:
+                raise DataError(f"{url}: checksum mismatch (expected md5 {remote.md5})")
+            os.replace(tmp, dest)
+            return dest
+        except (urllib.error.URLError, OSError, DataError) as e:
+            errors.append(f"{url}: {e}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise DataError(f"could not download {remote.filename}: " + "; ".join(errors))
+
+
+def locate(
+    remote: Remote, name: str, data_dir: str | Path = "", system_dirs: tuple[str, ...] = (), allow_download: bool = True
+) -> Path:
+    """Path of ``remote.filename``: user dir, system dirs, cache, else download into the cache."""
+    candidates = [Path(data_dir)] if data_dir else []
+    candidates += [Path(d) for d in system_dirs] + [cache_dir() / name]
+    for d in candidates:
+        p = d / remote.filename
+        if p.is_file():
+            return p
+    if not allow_download:
+        raise DataError(f"{remote.filename} not found in {[str(c) for c in candidates]} and downloading is off")
+    try:
+        return download(remote, cache_dir() / name)
+    except DataError as e:
+        raise DataError(
+            f"{name}: {remote.filename} not found locally (looked in {[str(c) for c in candidates]}) and the "
+            f"download failed ({e}). Download it from {remote.urls[0]} into one of those folders "
+            "or pass data_dir."
+        ) from None

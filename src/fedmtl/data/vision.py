@@ -1,0 +1,301 @@
+"""Image datasets: MNIST and Fashion-MNIST (IDX files), EMNIST (IDX), FEMNIST (LEAF JSON), CIFAR-10/100.
+
+Images are stored once as uint8 (N, H, W) or (N, C, H, W); models normalize on the fly
+(``meta["mean"]``, ``meta["std"]``).  Partitions (``partition=``): ``label_groups`` (FedEM: label
+groups spread over clients by Dirichlet), ``dirichlet`` (per-label Dirichlet), ``shards``
+(pathological), ``class_fraction`` (Omni-Fedge: each node keeps a U(0, 0.5) fraction of each class),
+``iid``; FEMNIST is naturally partitioned by writer.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import struct
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import partition as P
+from .download import Remote, locate
+from .federated import DataError, FederatedData, federate
+
+IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Parse an IDX file (optionally gzip-compressed); clear errors on corrupt or truncated files."""
+    path = Path(path)
+    try:
+        raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_TYPES:
+        raise DataError(f"{path}: not an IDX file (bad magic number)")
+    ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise DataError(f"{path}: truncated header")
+    shape = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
+    dtype = np.dtype(IDX_TYPES[raw[2]])
+    need = int(np.prod(shape)) * dtype.itemsize
+    body = raw[4 + 4 * ndim :]
+    if len(body) != need:
+        raise DataError(f"{path}: expected {need} bytes of data for shape {shape}, found {len(body)} (truncated?)")
+    return np.frombuffer(body, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+_FMNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+_MNIST_URLS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
+
+IDX_DATASETS: dict[str, dict[str, Any]] = {
+    "fashion_mnist": {
+        "system": ("/usr/share/datasets/fashion-mnist",),
+        "files": {
+            "train_x": Remote("train-images-idx3-ubyte.gz", (_FMNIST_URL + "train-images-idx3-ubyte.gz",),
+                              "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+            "train_y": Remote("train-labels-idx1-ubyte.gz", (_FMNIST_URL + "train-labels-idx1-ubyte.gz",),
+                              "25c81989df183df01b3e8a0aad5dffbe"),
+            "test_x": Remote("t10k-images-idx3-ubyte.gz", (_FMNIST_URL + "t10k-images-idx3-ubyte.gz",),
+                             "bef4ecab320f06d8554ea6380940ec79"),
+            "test_y": Remote("t10k-labels-idx1-ubyte.gz", (_FMNIST_URL + "t10k-labels-idx1-ubyte.gz",),
+                             "bb300cfdad3c16e7a12a480ee83cd310"),
+        },
+        "mean": 0.2860, "std": 0.3530, "classes": 10,
+    },
+    "mnist": {
+        "system": ("/usr/share/datasets/mnist",),
+        "files": {
+            key: Remote(fname, tuple(u + fname for u in _MNIST_URLS), md5)
+            for key, fname, md5 in (
+                ("train_x", "train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
+                ("train_y", "train-labels-idx1-ubyte.gz", "d53e105ee54ea40749a09fcbcd1e9432"),
+                ("test_x", "t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3"),
+                ("test_y", "t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c"),
+            )
+        },
+        "mean": 0.1307, "std": 0.3081, "classes": 10,
+    },
+}
+
+
+def load_idx_dataset(name: str, data_dir: str | Path = "", download: bool = True) -> dict[str, np.ndarray]:
+    """The four arrays of an IDX dataset (uint8 images (N, 28, 28), uint8 labels)."""
+    spec = IDX_DATASETS[name]
+    out = {k: read_idx(locate(r, name, data_dir, spec["system"], download)) for k, r in spec["files"].items()}
+    for split in ("train", "test"):
+        if out[f"{split}_x"].shape[0] != out[f"{split}_y"].shape[0]:
+            raise DataError(f"{name}: {split} images and labels differ in count")
+    return out
+
+
+def partition_labels(labels: np.ndarray, num_clients: int, partition: str, rng: np.random.Generator,
+                     alpha: float, num_groups: int, shards_per_client: int, keep_high: float) -> list[np.ndarray]:
+    if partition == "label_groups":
+        return P.label_groups_dirichlet(labels, num_clients, num_groups, alpha, rng)
+    if partition == "dirichlet":
+        return P.dirichlet(labels, num_clients, alpha, rng, min_size=2)
+    if partition == "shards":
+        return P.shards(labels, num_clients, shards_per_client, rng)
+    if partition == "class_fraction":
+        return P.class_fraction(labels, num_clients, keep_high, rng)
+    if partition == "iid":
+        return P.iid(labels.size, num_clients, rng)
+    raise ValueError(f"unknown partition {partition!r}; use label_groups, dirichlet, shards, class_fraction or iid")
+
+
+def _image_federation(
+    name: str, x: np.ndarray, y: np.ndarray, num_classes: int, mean: Any, std: Any, num_clients: int,
+    partition: str, alpha: float, num_groups: int, shards_per_client: int, keep_high: float, fraction: float,
+    test_frac: float, val_frac: float, unseen_frac: float, seed: int,
+) -> FederatedData:
+    rng = np.random.default_rng(seed)
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if fraction < 1:
+        keep = np.sort(rng.choice(y.size, size=int(fraction * y.size), replace=False))
+        x, y = x[keep], y[keep]
+    parts = partition_labels(y, num_clients, partition, rng, alpha, num_groups, shards_per_client, keep_high)
+    meta = {"mean": mean, "std": std, "input": "image", "partition": partition}
+    return federate(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y.astype(np.int64)), parts,
+                    num_classes, rng, test_frac, val_frac, unseen_frac, name=name, meta=meta)
+
+
+def idx_federation(
+    name: str = "fashion_mnist",
+    num_clients: int = 100,
+    partition: str = "label_groups",
+    alpha: float = 0.4,
+    num_groups: int = 3,
+    shards_per_client: int = 2,
+    keep_high: float = 0.5,
+    fraction: float = 1.0,
+    test_frac: float = 0.2,
+    val_frac: float = 0.0,
+    unseen_frac: float = 0.0,
+    seed: int = 12345,
+    data_dir: str = "",
+    download: bool = True,
+) -> FederatedData:
+    """MNIST / Fashion-MNIST federation: train and test pooled (70,000 images, as FedEM does), a
+    ``fraction`` kept, partitioned over ``num_clients``, then split per client."""
+    if name not in IDX_DATASETS:
+        raise ValueError(f"unknown IDX dataset {name!r}; use {sorted(IDX_DATASETS)}")
+    a = load_idx_dataset(name, data_dir, download)
+    x = np.concatenate([a["train_x"], a["test_x"]])
+    y = np.concatenate([a["train_y"], a["test_y"]]).astype(np.int64)
+    spec = IDX_DATASETS[name]
+    return _image_federation(name, x, y, spec["classes"], spec["mean"], spec["std"], num_clients, partition, alpha,
+                             num_groups, shards_per_client, keep_high, fraction, test_frac, val_frac, unseen_frac, seed)
+
+
+def fashion_mnist(**kwargs: Any) -> FederatedData:
+    """Fashion-MNIST federation (see ``idx_federation`` for the arguments)."""
+    return idx_federation(name="fashion_mnist", **kwargs)
+
+
+def mnist(**kwargs: Any) -> FederatedData:
+    """MNIST federation (same code path as Fashion-MNIST; downloaded with its checksum)."""
+    return idx_federation(name="mnist", **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- EMNIST
+
+EMNIST_ZIP = Remote("gzip.zip", ("https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",),
+                    "58c8d27c78d21e728a6bc7b3cc06412e")
+
+
+def emnist(
+    split: str = "byclass", num_clients: int = 100, partition: str = "label_groups", alpha: float = 0.4,
+    num_groups: int = -1, fraction: float = 0.1, test_frac: float = 0.2, val_frac: float = 0.0,
+    unseen_frac: float = 0.0, seed: int = 12345, data_dir: str = "", download: bool = True,
+) -> FederatedData:
+    """EMNIST (``byclass``: 62 classes) from NIST's ``gzip.zip`` (IDX files inside ``gzip/``); the FedEM
+    setting keeps 10% of train+test and makes every class its own label group (``num_groups=-1``)."""
+    zpath = locate(EMNIST_ZIP, "emnist", data_dir, (), download)
+    arrays = {}
+    try:
+        with zipfile.ZipFile(zpath) as z:
+            for part in ("train", "test"):
+                for kind in ("images-idx3", "labels-idx1"):
+                    member = f"gzip/emnist-{split}-{part}-{kind}-ubyte.gz"
+                    tmp = Path(zpath).parent / Path(member).name
+                    tmp.write_bytes(z.read(member))
+                    try:
+                        arrays[(part, kind)] = read_idx(tmp)
+                    finally:
+                        tmp.unlink()
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise DataError(f"{zpath}: not a valid EMNIST gzip.zip ({e})") from None
+    x = np.concatenate([arrays[("train", "images-idx3")], arrays[("test", "images-idx3")]])
+    x = np.ascontiguousarray(x.transpose(0, 2, 1))  # EMNIST images are stored transposed
+    y = np.concatenate([arrays[("train", "labels-idx1")], arrays[("test", "labels-idx1")]]).astype(np.int64)
+    classes = int(y.max()) + 1 if split != "byclass" else 62
+    return _image_federation(f"emnist_{split}", x, y, classes, 0.1736, 0.3317, num_clients, partition, alpha,
+                             num_groups, 2, 0.5, fraction, test_frac, val_frac, unseen_frac, seed)
+
+
+# ---------------------------------------------------------------------------------------------- FEMNIST
+
+
+def read_leaf_json(paths: list[Path]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """LEAF JSON files ({"users": [...], "user_data": {u: {"x": [...], "y": [...]}}}) -> per-user arrays."""
+    users: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for p in paths:
+        try:
+            doc = json.loads(Path(p).read_text())
+            for u in doc["users"]:
+                d = doc["user_data"][u]
+                x, y = np.asarray(d["x"], dtype=np.float32), np.asarray(d["y"], dtype=np.int64)
+                if x.shape[0] != y.shape[0]:
+                    raise DataError(f"{p}: user {u} has {x.shape[0]} examples but {y.shape[0]} labels")
+                users[u] = (x, y)
+        except (json.JSONDecodeError, KeyError, ValueError) as e:
+            raise DataError(f"{p}: not a valid LEAF JSON file ({e})") from None
+    return users
+
+
+def femnist(
+    data_dir: str = "", writers_frac: float = 0.15, test_frac: float = 0.2, val_frac: float = 0.0,
+    unseen_frac: float = 0.0, seed: int = 12345,
+) -> FederatedData:
+    """FEMNIST: LEAF's per-writer JSON files (``data_dir/*.json``, produced by LEAF's preprocessing of
+    NIST SD19; there is no single download), one client per writer, ``writers_frac`` of writers kept
+    (FedEM: 15%), each writer's images split at random into train / test.  Pixels in LEAF are floats in
+    [0, 1] (1 = white background); stored here as uint8 of the inverted image."""
+    files = sorted(Path(data_dir).glob("*.json")) if data_dir else []
+    if not files:
+        raise DataError(f"femnist: no LEAF JSON files in data_dir={data_dir!r}; run LEAF's femnist preprocessing "
+                        "(data/femnist/preprocess.sh -s niid --sf 1.0 -k 0 -t sample) and point data_dir at all_data/")
+    users = read_leaf_json(files)
+    rng = np.random.default_rng(seed)
+    names = sorted(users)
+    names = [names[i] for i in np.sort(rng.choice(len(names), max(1, int(round(writers_frac * len(names)))),
+                                                  replace=False))]
+    xs, ys, parts, start = [], [], [], 0
+    for u in names:
+        x, y = users[u]
+        if x.shape[1] != 784:
+            raise DataError(f"femnist: user {u} images have {x.shape[1]} pixels, expected 784")
+        xs.append(np.clip(np.round((1.0 - x) * 255), 0, 255).astype(np.uint8).reshape(-1, 28, 28))
+        ys.append(y)
+        parts.append(np.arange(start, start + len(y)))
+        start += len(y)
+    y_all = np.concatenate(ys)
+    if y_all.min() < 0 or y_all.max() >= 62:
+        raise DataError(f"femnist: labels must lie in [0, 61], found [{y_all.min()}, {y_all.max()}]")
+    return federate(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(y_all), parts, 62, rng, test_frac,
+                    val_frac, unseen_frac, name="femnist", meta={"mean": 0.0368, "std": 0.1441, "input": "image"})
+
+
+# ---------------------------------------------------------------------------------------------- CIFAR
+
+CIFAR = {
+    "cifar10": (Remote("cifar-10-python.tar.gz", ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
+                       "c58f30108f718f92721af3b95e74349a"), "cifar-10-batches-py",
+                ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch"],
+                b"labels", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": (Remote("cifar-100-python.tar.gz", ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
+                        "eb9058c3a382ffc7106e4002c42a8d85"), "cifar-100-python", ["train", "test"],
+                 b"fine_labels", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+def load_cifar(name: str, data_dir: str = "", download: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """All 60,000 images (uint8 (N, 3, 32, 32)) and labels of CIFAR-10/100 from the python tarball."""
+    remote, folder, members, key, _, _, _ = CIFAR[name]
+    path = locate(remote, name, data_dir, (), download)
+    xs, ys = [], []
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            for m in members:
+                f = tar.extractfile(f"{folder}/{m}")
+                if f is None:
+                    raise DataError(f"{path}: member {folder}/{m} missing")
+                d = pickle.load(f, encoding="bytes")  # noqa: S301  (the official CIFAR format)
+                x = np.asarray(d[b"data"], dtype=np.uint8)
+                if x.ndim != 2 or x.shape[1] != 3072:
+                    raise DataError(f"{path}: {m} data has shape {x.shape}, expected (N, 3072)")
+                xs.append(x.reshape(-1, 3, 32, 32))
+                ys.append(np.asarray(d[key], dtype=np.int64))
+    except (tarfile.TarError, EOFError, OSError, KeyError, pickle.UnpicklingError) as e:
+        raise DataError(f"{path}: not a valid {name} archive ({e})") from None
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def cifar(
+    name: str = "cifar10", num_clients: int = 80, partition: str = "label_groups", alpha: float = 0.4,
+    num_groups: int = 3, shards_per_client: int = 2, fraction: float = 1.0, test_frac: float = 0.2,
+    val_frac: float = 0.0, unseen_frac: float = 0.0, seed: int = 12345, data_dir: str = "", download: bool = True,
+) -> FederatedData:
+    """CIFAR-10/100 federation (FedEM's CIFAR-10 setting: 80 clients, 3 label groups, alpha 0.4)."""
+    if name not in CIFAR:
+        raise ValueError(f"unknown CIFAR dataset {name!r}; use cifar10 or cifar100")
+    x, y = load_cifar(name, data_dir, download)
+    _, _, _, _, classes, mean, std = CIFAR[name]
+    return _image_federation(name, x, y, classes, mean, std, num_clients, partition, alpha, num_groups,
+                             shards_per_client, 0.5, fraction, test_frac, val_frac, unseen_frac, seed)
