@@ -28,6 +28,7 @@ from typing import Any
 from .algorithms import ALGORITHMS
 from .data import DATASETS
 from .model import MODELS
+from .models import register as _register_models  # noqa: F401
 from .optim import SGD
 from .simulate import RunConfig
 
@@ -127,9 +128,11 @@ class ExperimentConfig:
         params = {k: v for k, v in self.data.items() if k != "name"}
         return DATASETS[self.data["name"]](**params)
 
-    def build_model(self, input_dim: int, num_classes: int) -> Any:
+    def build_model(self, input_shape: tuple[int, ...], num_classes: int, meta: dict[str, Any] | None = None) -> Any:
+        from .model import build_model
+
         params = {k: v for k, v in self.model.items() if k != "name"}
-        return MODELS[self.model["name"]](input_dim=input_dim, num_classes=num_classes, **params)
+        return build_model(self.model["name"], input_shape, num_classes, meta, **params)
 
 
 def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str) -> tuple[str, Any]:
@@ -154,7 +157,7 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig:
                                          f"{source}: [data]")}
     mname, mfn = _named(tables["model"], MODELS, "model", source)
     model = {"name": mname, **_check_table({k: v for k, v in tables["model"].items() if k != "name"}, mfn,
-                                          f"{source}: [model]", skip=("input_dim", "num_classes"))}
+                                          f"{source}: [model]", skip=("input_shape", "num_classes", "meta"))}
     aname, acls = _named(tables["algorithm"], ALGORITHMS, "algorithm", source)
     alg = {"name": aname, **_check_table({k: v for k, v in tables["algorithm"].items() if k != "name"}, acls,
                                         f"{source}: [algorithm]")}

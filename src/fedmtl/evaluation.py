@@ -76,7 +76,7 @@ def evaluate_group(sim: Simulator, state: SimState, group: ClientGroup, seen: bo
     def predict(es: Any, x: Tensor) -> Tensor:
         return alg.predict_log_proba(ctx, es, x)
 
-    per_client = cfg.runner == "loop"
+    per_client = sim.runner == "loop"
     for idx in _chunks(cmax, per_ex, cfg.eval_chunk_elems):
         dev_idx = idx.to(sim.device)
         if seen:

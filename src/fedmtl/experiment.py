@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import checkpoint
 from .config import ConfigError, ExperimentConfig, dumps
 from .data.federated import FederatedData
@@ -32,7 +30,7 @@ log = logging.getLogger("fedmtl")
 
 def build(cfg: ExperimentConfig, data: FederatedData | None = None) -> Simulator:
     data = data if data is not None else cfg.build_data()
-    model = cfg.build_model(int(np.prod(data.feature_shape)), data.num_classes)
+    model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     return Simulator(cfg.build_algorithm(), model, data, cfg.optim, cfg.run)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -35,6 +36,11 @@ class Model:
     name: str = "model"
     #: optional closed-form ``(params, x, y, mask, weight) -> (grads, loss)``; must equal autograd's
     analytic_grad: Callable[..., tuple[Params, Tensor]] | None = field(default=None, compare=False)
+    #: optional pure forward ``(params, x) -> out`` used instead of ``functional_call`` (e.g. an LSTM
+    #: written with batched matmuls, which vmap batches well where ``nn.LSTM`` does not)
+    forward: Callable[[Params, Tensor], Tensor] | None = field(default=None, compare=False)
+    #: compute-bound on CPU (large convolutions): the ``auto`` runner loops over clients on CPU
+    prefer_loop_on_cpu: bool = False
 
     def init(self, seed: int) -> Params:
         """Fresh parameters from the module's own initializer, seeded without touching global RNG."""
@@ -49,7 +55,7 @@ class Model:
         """Forward pass: (n, *features) -> (n,) logits (binary) or (n, C) logits."""
         if self.input_transform is not None:
             x = self.input_transform(x)
-        out = functional_call(self.module, params, (x,))
+        out = self.forward(params, x) if self.forward is not None else functional_call(self.module, params, (x,))
         if self.output == "binary":
             return out.reshape(out.shape[:-1])
         return out
@@ -89,7 +95,9 @@ class Model:
 
     def apply_stacked(self, params: Params, x: Tensor) -> Tensor:
         """Forward pass of M stacked models (params with a leading M axis) on the same x: (M, n, ...)."""
-        if self.analytic_grad is _linear_grad and self.input_transform is None:
+        if self.analytic_grad is _linear_grad:
+            if self.input_transform is not None:
+                x = self.input_transform(x)
             return _linear_forward(params, x, self.output == "binary")
         return vmap(self.apply, in_dims=(0, None))(params, x)
 
@@ -101,7 +109,9 @@ class Model:
         Linear models compute all M components with one matrix product (a nested vmap over clients and
         components batches matmuls badly on CPU: ~15x slower here).
         """
-        if self.analytic_grad is _linear_grad and self.input_transform is None:
+        if self.analytic_grad is _linear_grad:
+            if self.input_transform is not None:
+                x = self.input_transform(x)
             return _linear_grad(params, x, y, mask, weight)
         return vmap(self.value_and_grad, in_dims=(0, None, None, None, 0 if weight is not None else None))(
             params, x, y, mask, weight
@@ -161,32 +171,77 @@ def _linear_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Ten
 
 
 # --------------------------------------------------------------------------------------------
-# Registry of model builders.  Vision and text models join in fedmtl.models.
+# Input transforms: data is stored compactly (uint8 images, uint8 characters), converted on the fly.
 
 
-def _linear(input_dim: int, num_classes: int, bias: bool = True) -> Model:
+class ImageNormalize:
+    """uint8 images -> float (x / 255 - mean) / std, shaped (n, C, H, W) or flattened (n, C*H*W)."""
+
+    def __init__(self, mean: float | tuple[float, ...], std: float | tuple[float, ...], flatten: bool):
+        self.mean = torch.tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
+        self.flatten = flatten
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.dim() == 3:  # (n, H, W) grey images
+            x = x.unsqueeze(1)
+        x = (x.to(torch.float32) / 255.0 - self.mean.to(x.device)) / self.std.to(x.device)
+        return x.flatten(1) if self.flatten else x
+
+
+class Flatten:
+    def __call__(self, x: Tensor) -> Tensor:
+        return x.flatten(1).to(torch.float32)
+
+
+def input_transform_for(
+    input_shape: tuple[int, ...], meta: dict[str, object] | None, flatten: bool
+) -> Callable[[Tensor], Tensor] | None:
+    meta = meta or {}
+    if meta.get("input") == "image":
+        return ImageNormalize(meta.get("mean", 0.0), meta.get("std", 1.0), flatten)  # type: ignore[arg-type]
+    if flatten and len(input_shape) > 1:
+        return Flatten()
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Registry of model builders: (input_shape, num_classes, meta, **kwargs) -> Model.
+# Vision and text models are in fedmtl.models.
+
+
+def _linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
+            bias: bool = True) -> Model:
     out_dim = 1 if num_classes == 2 else num_classes
     output = "binary" if num_classes == 2 else "multiclass"
-    return Model(nn.Linear(input_dim, out_dim, bias=bias), output, num_classes, name="linear",
-                 analytic_grad=_linear_grad)
+    d = int(np.prod(input_shape))
+    return Model(nn.Linear(d, out_dim, bias=bias), output, num_classes, name="linear",
+                 analytic_grad=_linear_grad, input_transform=input_transform_for(input_shape, meta, True))
 
 
-def _mlp(input_dim: int, num_classes: int, hidden: tuple[int, ...] | list[int] = (64,)) -> Model:
+def _mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
+         hidden: tuple[int, ...] | list[int] = (64,)) -> Model:
     layers: list[nn.Module] = []
-    d = input_dim
+    d = int(np.prod(input_shape))
     for h in hidden:
         layers += [nn.Linear(d, h), nn.ReLU()]
         d = h
     out_dim = 1 if num_classes == 2 else num_classes
     layers.append(nn.Linear(d, out_dim))
     output = "binary" if num_classes == 2 else "multiclass"
-    return Model(nn.Sequential(*layers), output, num_classes, name="mlp")
+    return Model(nn.Sequential(*layers), output, num_classes, name="mlp",
+                 input_transform=input_transform_for(input_shape, meta, True))
 
 
 MODELS: dict[str, Callable[..., Model]] = {"linear": _linear, "mlp": _mlp}
 
 
-def build_model(name: str, input_dim: int, num_classes: int, **kwargs: object) -> Model:
+def build_model(name: str, input_shape: int | tuple[int, ...], num_classes: int,
+                meta: dict[str, object] | None = None, **kwargs: object) -> Model:
+    """Build a registered model for inputs of ``input_shape`` (an int means a flat vector)."""
+    from . import models  # noqa: F401  (registers the vision and text models)
+
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; available: {sorted(MODELS)}")
-    return MODELS[name](input_dim=input_dim, num_classes=num_classes, **kwargs)
+    shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
+    return MODELS[name](input_shape=shape, num_classes=num_classes, meta=meta, **kwargs)

@@ -43,7 +43,7 @@ class RunConfig:
     local_epochs: int = 1
     sampling_rate: float = 1.0
     clients_per_round: int = 0  # > 0 overrides sampling_rate
-    runner: str = "vmap"
+    runner: str = "auto"  # auto | vmap | loop (auto: loop for compute-bound models on CPU, else vmap)
     chunk_size: int = 0  # 0 = no limit on clients per vmap call
     bucketing: str = "steps"  # "steps" | "none"
     device: str = "cpu"
@@ -61,8 +61,8 @@ class RunConfig:
             raise ValueError(f"run.sampling_rate must be in (0, 1], got {self.sampling_rate}")
         if self.clients_per_round < 0:
             raise ValueError("run.clients_per_round must be >= 0")
-        if self.runner not in ("vmap", "loop"):
-            raise ValueError(f"run.runner must be 'vmap' or 'loop', got {self.runner!r}")
+        if self.runner not in ("auto", "vmap", "loop"):
+            raise ValueError(f"run.runner must be 'auto', 'vmap' or 'loop', got {self.runner!r}")
         if self.bucketing not in ("steps", "none"):
             raise ValueError(f"run.bucketing must be 'steps' or 'none', got {self.bucketing!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -102,6 +102,9 @@ class Simulator:
         self.model = model
         model.module.to(self.device)
         train = self.data.seen.train
+        self.runner = cfg.runner
+        if cfg.runner == "auto":
+            self.runner = "loop" if (model.prefer_loop_on_cpu and self.device.type == "cpu") else "vmap"
         self.ctx = Context(model, opt, train.num_clients, float(train.counts.sum()), cfg.local_epochs)
         self._update = vmap(self._client_update_fn, in_dims=(None, 0, 0, None), randomness="error")
 
@@ -147,7 +150,7 @@ class Simulator:
         lr: float, group: ClientGroup, runner: str | None = None,
     ) -> Any:
         """Apply ``fn(payload, state, batches, lr)`` to every client in ``clients``; stacked outputs."""
-        runner = runner or self.cfg.runner
+        runner = runner or self.runner
         split = group.train
         counts = split.counts[clients].cpu()
         bsz = self.cfg.batch_size

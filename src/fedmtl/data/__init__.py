@@ -6,7 +6,21 @@ from collections.abc import Callable
 
 from .federated import ClientGroup, DataError, FederatedData, Split
 from .synthetic import fedem_synthetic
+from .tabular import gleam, har, vehicle
+from .text import shakespeare
+from .vision import cifar, emnist, fashion_mnist, femnist, mnist
 
-DATASETS: dict[str, Callable[..., FederatedData]] = {"fedem_synthetic": fedem_synthetic}
+DATASETS: dict[str, Callable[..., FederatedData]] = {
+    "fedem_synthetic": fedem_synthetic,
+    "fashion_mnist": fashion_mnist,
+    "mnist": mnist,
+    "emnist": emnist,
+    "femnist": femnist,
+    "cifar": cifar,
+    "shakespeare": shakespeare,
+    "har": har,
+    "vehicle": vehicle,
+    "gleam": gleam,
+}
 
 __all__ = ["DATASETS", "ClientGroup", "DataError", "FederatedData", "Split", "fedem_synthetic"]

@@ -1,0 +1,51 @@
+"""Convolutional networks of the FedEM experiments.
+
+* ``cnn_femnist``: FEMNIST/EMNIST CNN of Marfoq et al. (and LEAF): conv(C->32, 5x5) - ReLU - maxpool 2 -
+  conv(32->64, 5x5) - ReLU - maxpool 2 - dense(1024 -> 2048) - ReLU - dense(2048 -> classes) on 28x28.
+* ``cnn_cifar``: a small CIFAR CNN (conv 32 - conv 64 - dense 512).  The FedEM paper uses an
+  ImageNet-pretrained MobileNetV2 on CIFAR; pretrained weights cannot be fetched offline here, so that
+  option is left out.
+
+Both run under the vmap runner (torch.func batches conv2d); on CPU they are compute-bound and the
+``auto`` runner loops over clients, which is faster there (``prefer_loop_on_cpu``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model import Model, input_transform_for
+
+
+def _flat_dim(features: nn.Module, input_shape: tuple[int, ...]) -> int:
+    c = 1 if len(input_shape) == 2 else input_shape[0]
+    hw = input_shape[-2:]
+    with torch.no_grad():
+        return int(features(torch.zeros(1, c, *hw)).numel())
+
+
+def _cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None, widths: tuple[int, int],
+         hidden: int, name: str) -> Model:
+    if len(input_shape) not in (2, 3):
+        raise ValueError(f"{name} needs image inputs (H, W) or (C, H, W), got shape {input_shape}")
+    c = 1 if len(input_shape) == 2 else input_shape[0]
+    features = nn.Sequential(
+        nn.Conv2d(c, widths[0], 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(widths[0], widths[1], 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+    )
+    out = 1 if num_classes == 2 else num_classes
+    flat = _flat_dim(features, input_shape)
+    net = nn.Sequential(features, nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, out))
+    return Model(net, "binary" if num_classes == 2 else "multiclass", num_classes, name=name,
+                 input_transform=input_transform_for(input_shape, meta, flatten=False), prefer_loop_on_cpu=True)
+
+
+def femnist_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
+                hidden: int = 2048) -> Model:
+    return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_femnist")
+
+
+def cifar_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
+              hidden: int = 512) -> Model:
+    return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_cifar")

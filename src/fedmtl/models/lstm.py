@@ -1,0 +1,60 @@
+"""Next-character LSTM (LEAF / FedEM Shakespeare model): embedding 8 -> 2-layer LSTM(256) -> dense.
+
+``torch.func.vmap`` over ``nn.LSTM`` has no batching rule for the CPU RNN kernel and falls back to a
+slow per-sample path, so the forward pass is written with matrix products (``lstm_forward``): the
+input projections of all time steps in one product per layer, then the recurrence; vmap over clients
+turns those into batched products.  It reads ``nn.LSTM``'s own parameters (gate order i, f, g, o) and
+equals the module's output (tested).  The prediction is made from the last time step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..model import Model
+from ..tree import Params
+
+
+class CharLSTM(nn.Module):
+    def __init__(self, vocab: int, embed: int = 8, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, layers, batch_first=True)
+        self.decoder = nn.Linear(hidden, vocab)
+        self.layers = layers
+
+    def forward(self, x: Tensor) -> Tensor:  # the module path: reference for the functional one
+        h, _ = self.lstm(self.embedding(x.long()))
+        return self.decoder(h[:, -1])
+
+
+def lstm_forward(params: Params, x: Tensor, layers: int = 2) -> Tensor:
+    """(n, T) character indices -> (n, vocab) logits of the next character."""
+    h_in = F.embedding(x.long(), params["embedding.weight"])  # (n, T, E)
+    n, steps = h_in.shape[0], h_in.shape[1]
+    h = h_in.new_zeros(())
+    for layer in range(layers):
+        w_ih, w_hh = params[f"lstm.weight_ih_l{layer}"], params[f"lstm.weight_hh_l{layer}"]
+        gx = h_in @ w_ih.T + (params[f"lstm.bias_ih_l{layer}"] + params[f"lstm.bias_hh_l{layer}"])  # (n, T, 4H)
+        hidden = w_hh.shape[1]
+        h = gx.new_zeros(n, hidden)
+        c = gx.new_zeros(n, hidden)
+        outs = []
+        for t in range(steps):
+            i, f, g, o = (gx[:, t] + h @ w_hh.T).chunk(4, dim=-1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            if layer < layers - 1:
+                outs.append(h)
+        if layer < layers - 1:
+            h_in = torch.stack(outs, dim=1)
+    return h @ params["decoder.weight"].T + params["decoder.bias"]
+
+
+def char_lstm(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
+              embed: int = 8, hidden: int = 256, layers: int = 2) -> Model:
+    module = CharLSTM(num_classes, embed, hidden, layers)
+    return Model(module, "multiclass", num_classes, name="lstm",
+                 forward=lambda p, x: lstm_forward(p, x, layers))

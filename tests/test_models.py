@@ -1,0 +1,85 @@
+"""Models: functional forms equal their modules; vmap over clients equals a loop."""
+
+import pytest
+import torch
+from torch.func import vmap
+
+from fedmtl import tree as T
+from fedmtl.algorithms import FedAvg
+from fedmtl.data.federated import ClientGroup, FederatedData, Split
+from fedmtl.model import build_model
+from fedmtl.models.lstm import lstm_forward
+
+from .conftest import make_sim, run_rounds
+
+
+def test_functional_lstm_equals_nn_lstm_module():
+    m = build_model("lstm", (80,), 80, hidden=32)
+    p = m.init(0)
+    x = torch.randint(0, 80, (5, 80))
+    with torch.no_grad():
+        ref = m.module(x)
+    assert torch.allclose(lstm_forward(p, x), ref, atol=1e-5)
+    assert torch.allclose(m.apply(p, x), ref, atol=1e-5)
+
+
+def test_functional_lstm_under_vmap_equals_per_client():
+    m = build_model("lstm", (12,), 80, embed=4, hidden=16)
+    ps = T.stack([m.init(s) for s in range(3)])
+    x = torch.randint(0, 80, (3, 6, 12))
+    out = vmap(m.apply)(ps, x)
+    for k in range(3):
+        assert torch.allclose(out[k], m.apply(T.take(ps, k), x[k]), atol=1e-5)
+    g = vmap(lambda p, xx: m.value_and_grad(p, xx, xx[:, 0], torch.ones(6))[0])(ps, x)
+    g1 = m.value_and_grad(T.take(ps, 1), x[1], x[1][:, 0], torch.ones(6))[0]
+    for k in g1:
+        assert torch.allclose(g[k][1], g1[k], atol=1e-5)
+
+
+@pytest.mark.parametrize("name,shape,classes", [("cnn_femnist", (28, 28), 62), ("cnn_cifar", (3, 32, 32), 10)])
+def test_cnn_shapes_and_vmap(name, shape, classes):
+    meta = {"input": "image", "mean": 0.5, "std": 0.25} if len(shape) == 2 else {
+        "input": "image", "mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25)}
+    m = build_model(name, shape, classes, meta, hidden=64)
+    ps = T.stack([m.init(s) for s in range(2)])
+    x = torch.randint(0, 256, (2, 3, *shape), dtype=torch.uint8)
+    out = vmap(m.apply)(ps, x)
+    assert out.shape == (2, 3, classes)
+    assert torch.allclose(out[1], m.apply(T.take(ps, 1), x[1]), atol=1e-5)
+    assert m.prefer_loop_on_cpu
+
+
+def test_femnist_cnn_has_the_paper_architecture():
+    m = build_model("cnn_femnist", (28, 28), 62)
+    shapes = {k: tuple(v.shape) for k, v in m.init(0).items()}
+    assert shapes["0.0.weight"] == (32, 1, 5, 5) and shapes["0.3.weight"] == (64, 32, 5, 5)
+    assert shapes["1.weight"] == (2048, 1024) and shapes["3.weight"] == (62, 2048)
+
+
+def _image_data(n_clients=4, per=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, 256, (per, 28, 28), dtype=torch.uint8, generator=g) for _ in range(n_clients)]
+    ys = [torch.randint(0, 10, (per,), generator=g) for _ in range(n_clients)]
+    tr = Split.from_lists([x[:16] for x in xs], [y[:16] for y in ys])
+    te = Split.from_lists([x[16:] for x in xs], [y[16:] for y in ys])
+    return FederatedData(ClientGroup(tr, te), 10, meta={"input": "image", "mean": 0.3, "std": 0.3})
+
+
+@pytest.mark.parametrize("name", ["linear", "mlp", "cnn_femnist"])
+def test_image_models_loop_and_vmap_agree(name):
+    data = _image_data()
+    kw = {"hidden": 32} if name == "cnn_femnist" else {}
+    model = build_model(name, data.feature_shape, 10, data.meta, **kw)
+    states = []
+    for runner in ("vmap", "loop"):
+        st, _ = run_rounds(make_sim(FedAvg(), data, model=model, runner=runner, batch_size=8), 2)
+        states.append(st.server["params"])
+    for a, b in zip(T.leaves(states[0]), T.leaves(states[1]), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_auto_runner_picks_loop_for_cnn_on_cpu():
+    data = _image_data()
+    cnn = build_model("cnn_femnist", (28, 28), 10, data.meta, hidden=16)
+    assert make_sim(FedAvg(), data, model=cnn).runner == "loop"
+    assert make_sim(FedAvg(), data, model=build_model("mlp", (28, 28), 10, data.meta)).runner == "vmap"
