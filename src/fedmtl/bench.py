@@ -149,3 +149,127 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engine": lambda a: _bench(a, "engine"),
     "fedem": lambda a: _bench(a, "fedem"),
 }
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    """This machine's fp32 matrix-multiply rate (GFLOP/s) with the current thread setting."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def forward_macs(model: Any, x: torch.Tensor) -> int:
+    """Multiply-adds of one forward pass: counted on Linear / Conv2d / LSTM layers with hooks."""
+    macs = 0
+
+    def hook(mod: nn.Module, inp: Any, out: Any) -> None:
+        nonlocal macs
+        if isinstance(mod, nn.Linear):
+            macs += inp[0].numel() // inp[0].shape[-1] * mod.in_features * mod.out_features
+        elif isinstance(mod, nn.Conv2d):
+            macs += out.numel() * (mod.in_channels // mod.groups) * mod.kernel_size[0] * mod.kernel_size[1]
+        elif isinstance(mod, nn.LSTM):
+            n, t = inp[0].shape[0], inp[0].shape[1]
+            for layer in range(mod.num_layers):
+                d_in = mod.input_size if layer == 0 else mod.hidden_size
+                macs += n * t * 4 * mod.hidden_size * (d_in + mod.hidden_size)
+
+    hs = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d | nn.LSTM)]
+    with torch.no_grad():
+        model(x)
+    for h in hs:
+        h.remove()
+    return macs
+
+
+def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size: int, transform: Any) -> None:
+    """One FedAvg round the way peer libraries run it: module + optimizer + DataLoader per client."""
+    train = data.seen.train
+    global_state = {k: v.clone() for k, v in module.state_dict().items()}
+    acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
+    total = float(train.counts.sum())
+    for k in range(train.num_clients):
+        module.load_state_dict(global_state)
+        opt = torch.optim.SGD(module.parameters(), lr=0.01)
+        x, y = train.client(k)
+        for xb, yb in DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True):
+            opt.zero_grad()
+            nn.functional.cross_entropy(module(transform(xb)), yb).backward()
+            opt.step()
+        w = len(y) / total
+        for name, v in module.state_dict().items():
+            acc[name] += v * w
+    module.load_state_dict(acc)
+
+
+def _bench_models(args: argparse.Namespace) -> int:
+    from .data.text import shakespeare
+    from .data.vision import fashion_mnist
+    from .model import build_model
+
+    torch.set_num_threads(args.threads)
+    res: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                           "cpu_count": os.cpu_count(), "matmul_gflops": matmul_gflops()}
+    rss0 = _peak_rss_mb()
+    fm = fashion_mnist(num_clients=100, partition="label_groups", fraction=args.fraction, download=False)
+    res["fmnist_federation_bytes"] = int(sum(s.x.numel() * s.x.element_size() + s.y.numel() * 8
+                                             for s in fm.seen.splits().values()))
+    res["peak_rss_mb_after_fmnist"] = _peak_rss_mb()
+    res["peak_rss_mb_before_fmnist"] = rss0
+    sh = shakespeare(stride=80, seed=1)
+    keep = torch.arange(100)  # the first 100 roles (a random order of all roles)
+    from .data.federated import ClientGroup, Split
+
+    def sub(s: Split) -> Split:
+        return Split.from_lists([s.client(int(k))[0] for k in keep], [s.client(int(k))[1] for k in keep])
+
+    sh = FederatedData(ClientGroup(sub(sh.seen.train), sub(sh.seen.test)), sh.num_classes, name="shakespeare100",
+                       meta=sh.meta)
+    # (data, model, batch size (FedEM's reference experiments use 128), clients per vmap call: bounds memory)
+    workloads = {
+        "cnn": (fm, build_model("cnn_femnist", fm.feature_shape, 10, fm.meta), 128, 10),
+        "lstm": (sh, build_model("lstm", sh.feature_shape, 80, sh.meta), 128, 25),
+    }
+    opt = SGD(lr=0.01)
+    for key, (data, model, bsz, chunk) in workloads.items():
+        n_train = int(data.seen.train.counts.sum())
+        sample = data.seen.train.x[:8]
+        tx = model.input_transform or (lambda x: x)
+        macs = forward_macs(model.module, tx(sample)) / 8 * n_train * 3  # forward + backward ~ 3 forwards
+        res[f"{key}_train_examples"] = n_train
+        res[f"{key}_round_macs"] = macs
+        res[f"{key}_floor_s"] = 2 * macs / (res["matmul_gflops"] * 1e9)
+        times = {}
+        for runner in ("vmap", "loop", "auto"):
+            if runner == "auto":
+                times["auto_is"] = Simulator(FedAvg(), model, data, opt, RunConfig(runner="auto")).runner
+                continue
+            sim = Simulator(FedAvg(), model, data, opt,
+                            RunConfig(rounds=10, runner=runner, batch_size=bsz, chunk_size=chunk))
+            st = sim.init_state()
+            times[runner] = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), args.rounds, 1))
+            print(f"{key} {runner}: {times[runner]:.2f} s/round", flush=True)
+        times["per_client"] = statistics.median(_time_rounds(
+            lambda m=model.module, d=data, b=bsz, t=tx: _per_client_module_round(m, d, b, t), max(1, args.rounds), 0))
+        print(f"{key} per_client: {times['per_client']:.2f} s/round", flush=True)
+        default = times[str(times["auto_is"])]
+        res[f"{key}_round_s"] = {k: v for k, v in times.items() if k != "auto_is"}
+        res[f"{key}_batch_size"] = bsz
+        res[f"{key}_vmap_chunk"] = chunk
+        res[f"{key}_default_runner"] = times["auto_is"]
+        res[f"{key}_floor_ratio"] = default / res[f"{key}_floor_s"]
+        res[f"speedup_default_vs_per_client_{key}"] = times["per_client"] / default
+    res["peak_rss_mb"] = _peak_rss_mb()
+    write_json(_out(args.out), res)
+    for k, v in res.items():
+        print(f"{k:40s} {v}")
+    return 0
+
+
+BENCHMARKS["models"] = _bench_models

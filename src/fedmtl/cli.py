@@ -39,6 +39,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data(args: argparse.Namespace) -> int:
+    from .config import load
+    from .data.federated import describe
+
+    cfg = load(args.config, args.set)
+    data = cfg.build_data()
+    print(describe(data))
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from .algorithms import ALGORITHMS
     from .data import DATASETS
@@ -59,9 +69,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_main(args: argparse.Namespace) -> int:
-    from .reproduce import fedem_synthetic
+    from .reproduce import main_job
 
-    fedem_synthetic(Path(args.out), quick=args.quick, config_dir=Path(args.configs))
+    main_job(Path(args.out), quick=args.quick)
     return 0
 
 
@@ -99,11 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=_cmd_sweep)
 
+    d = sub.add_parser("data", help="build a config's dataset and print its statistics")
+    d.add_argument("config")
+    d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    d.set_defaults(fn=_cmd_data)
+
     sub.add_parser("list", help="list algorithms, datasets, models and configs").set_defaults(fn=_cmd_list)
 
     m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
-    m.add_argument("--configs", default="configs/synthetic")
     m.add_argument("--quick", action="store_true", help="20 rounds, a smoke run")
     m.set_defaults(fn=_cmd_main)
 
@@ -120,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True)
     b.add_argument("--rounds", type=int, default=10)
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--fraction", type=float, default=0.25, help="models: fraction of Fashion-MNIST used")
     b.set_defaults(fn=_cmd_bench)
     return p
 

@@ -16,6 +16,7 @@ for the value (bare words are taken as strings).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import tomllib
 import types
@@ -88,6 +89,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def _signature_types(fn: Callable[..., Any]) -> dict[str, Any]:
     """Parameter name -> annotation for a function or dataclass (its init fields)."""
+    if isinstance(fn, functools.partial):  # a builder with some arguments fixed
+        return {k: v for k, v in _signature_types(fn.func).items() if k not in fn.keywords}
     if dataclasses.is_dataclass(fn):
         hints = typing.get_type_hints(fn)
         return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(fn) if f.init}

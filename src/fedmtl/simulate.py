@@ -154,12 +154,16 @@ class Simulator:
         split = group.train
         counts = split.counts[clients].cpu()
         bsz = self.cfg.batch_size
-        if runner == "loop":
-            outs = []
+        if runner == "loop":  # one client at a time, written straight into a preallocated stack
+            result = None
             for i in range(len(clients)):
                 b = round_batches(split, clients, orders, torch.tensor([i]), bsz)
-                outs.append(fn(payload, T.take(states, i), T.take(b, 0), lr))
-            return T.stack(outs)
+                out = fn(payload, T.take(states, i), T.take(b, 0), lr)
+                if result is None:
+                    result = T.tmap(lambda x: x.new_empty((len(clients), *x.shape)), out)
+                for dst, src in zip(T.leaves(result), T.leaves(out), strict=True):
+                    dst[i] = src
+            return result
         vfn = self._update if fn is self._client_update_fn else vmap(fn, in_dims=(None, 0, 0, None))
         outs, where = [], []
         for pos in self._buckets(counts, bsz):

@@ -85,17 +85,16 @@ def broadcast(tree: Tree, n: int) -> Tree:
 def weighted_mean(stacked: Tree, weights: Tensor) -> Tree:
     """Weighted mean over the leading axis; ``weights`` (K,) need not be normalized.
 
-    Rows with zero weight contribute nothing, even if they hold NaN/Inf (they are masked out, not
-    multiplied), so excluded client updates can never poison the result.
+    Rows with zero weight are skipped (not multiplied), so excluded client updates holding NaN/Inf
+    can never poison the result.  One contraction per leaf, no (K, ...) temporaries.
     """
     w = weights.to(torch.float64)
-    total = w.sum()
-    keep = w > 0
+    keep = torch.nonzero(w > 0).flatten()
+    wk = (w[keep] / w[keep].sum())
 
     def _mean(x: Tensor) -> Tensor:
-        xs = torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype))
-        ww = (w / total).to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
-        return (xs * ww).sum(0)
+        rows = x.index_select(0, keep.to(x.device))
+        return torch.tensordot(wk.to(x.dtype).to(x.device), rows, dims=1)
 
     return tmap(_mean, stacked)
 

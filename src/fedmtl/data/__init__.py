@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from .federated import ClientGroup, DataError, FederatedData, Split
 from .synthetic import fedem_synthetic
 from .tabular import gleam, har, vehicle
 from .text import shakespeare
-from .vision import cifar, emnist, fashion_mnist, femnist, mnist
+from .vision import cifar, emnist, fashion_mnist, femnist, idx_federation, mnist
 
 DATASETS: dict[str, Callable[..., FederatedData]] = {
     "fedem_synthetic": fedem_synthetic,
-    "fashion_mnist": fashion_mnist,
-    "mnist": mnist,
+    "fashion_mnist": functools.partial(idx_federation, name="fashion_mnist"),
+    "mnist": functools.partial(idx_federation, name="mnist"),
     "emnist": emnist,
     "femnist": femnist,
     "cifar": cifar,
@@ -23,4 +24,7 @@ DATASETS: dict[str, Callable[..., FederatedData]] = {
     "gleam": gleam,
 }
 
-__all__ = ["DATASETS", "ClientGroup", "DataError", "FederatedData", "Split", "fedem_synthetic"]
+__all__ = [
+    "DATASETS", "ClientGroup", "DataError", "FederatedData", "Split", "cifar", "emnist", "fashion_mnist",
+    "fedem_synthetic", "femnist", "gleam", "har", "mnist", "shakespeare", "vehicle",
+]

@@ -151,6 +151,21 @@ class FederatedData:
         return g
 
 
+def describe(data: FederatedData) -> str:
+    """Clients and examples per client of every split (what LEAF reports for its datasets)."""
+    lines = [f"{data.name}: {data.num_classes} classes, features {data.feature_shape} ({data.seen.train.x.dtype})"]
+    for gname in ("seen", "unseen"):
+        g = data.seen if gname == "seen" else data.unseen
+        if g is None:
+            continue
+        for sname, s in g.splits().items():
+            c = s.counts.double()
+            lines.append(f"  {gname:6s} {sname:5s} clients {s.num_clients:6d}  examples {int(c.sum()):9d}  per client: "
+                         f"mean {float(c.mean()):9.1f}  std {float(c.std()) if c.numel() > 1 else 0.0:9.1f}  "
+                         f"median {float(c.median()):8.1f}  min {int(c.min()):6d}  max {int(c.max()):7d}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # Padded views
 
