@@ -77,3 +77,20 @@ def test_padded_views():
     x, y, m = padded(sp, torch.tensor([1, 0]))
     assert x.shape == (2, 4, 3) and m.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert torch.equal(x[1, :2], sp.client(0)[0])
+
+
+def test_ragged_batches_equal_padded_ones_without_padding():
+    from fedmtl.data.federated import ragged_batches
+
+    sp = _split([70, 33, 8], d=2)
+    clients = torch.arange(3)
+    orders = epoch_orders(sp.counts, 3, torch.Generator().manual_seed(5))
+    for i, n in enumerate([70, 33, 8]):
+        pad = round_batches(sp, clients, orders, torch.tensor([i]), batch_size=16)
+        rag = ragged_batches(sp, clients, orders, i, 16)
+        assert sum(len(x) for x in rag.x) == 3 * n
+        for s in range(len(rag.x)):
+            k = len(rag.x[s])
+            assert torch.equal(rag.x[s], pad.x[0, s, :k]) and torch.equal(rag.pos[s], pad.pos[0, s, :k])
+            assert int(pad.mask[0, s].sum()) == k
+        assert int(torch.cat(rag.pos).max()) < n  # positions index the client's real examples only

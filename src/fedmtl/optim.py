@@ -22,6 +22,10 @@ from .tree import Params
 class Batches(NamedTuple):
     """One client's training batches for a round (padded; shapes for one client).
 
+    The loop runner passes lists of per-step tensors instead, the last batch of each epoch holding
+    only the remaining examples (``data.federated.ragged_batches``); everything here iterates steps
+    with ``x[s]`` so both forms work.
+
     x: (S, B, *feat)   y: (S, B)   mask: (S, B) 1.0 for real samples, 0.0 for padding
     pos: (S, B) long   position of each slot in the client's first-epoch order, i.e. an index into
                        ``x[:S0].reshape(S0 * B, ...)`` where S0 = steps of one epoch (used by FedEM to
@@ -92,9 +96,9 @@ def local_sgd(
     """
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
     buf = {k: torch.zeros_like(v) for k, v in params.items()} if mom > 0 else None
-    loss_sum = torch.zeros((), dtype=batches.x.dtype if batches.x.is_floating_point() else torch.float32)
+    loss_sum = torch.zeros((), dtype=torch.float32)
     active_steps = torch.zeros_like(loss_sum)
-    rng = range(batches.x.shape[0]) if steps is None else range(*steps.indices(batches.x.shape[0]))
+    rng = range(len(batches.x)) if steps is None else range(*steps.indices(len(batches.x)))
     for s in rng:
         mask = batches.mask[s]
         w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
@@ -115,3 +119,12 @@ def local_sgd(
         loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
         active_steps = active_steps + active.to(loss_sum.dtype)
     return params, loss_sum / active_steps.clamp_min(1.0)
+
+
+def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """All examples of the first epoch, flattened: x (S0 * B, ...), y, mask — the index space of ``pos``."""
+    s0 = len(batches.x) // epochs
+    if isinstance(batches.x, list):
+        return torch.cat(batches.x[:s0]), torch.cat(batches.y[:s0]), torch.cat(batches.mask[:s0])
+    x = batches.x[:s0].reshape(-1, *batches.x.shape[2:])
+    return x, batches.y[:s0].reshape(-1), batches.mask[:s0].reshape(-1)

@@ -25,7 +25,15 @@ from torch.func import vmap
 
 from . import tree as T
 from .algorithms.base import Algorithm, Context
-from .data.federated import ClientGroup, FederatedData, Orders, epoch_orders, round_batches, steps_per_epoch
+from .data.federated import (
+    ClientGroup,
+    FederatedData,
+    Orders,
+    epoch_orders,
+    ragged_batches,
+    round_batches,
+    steps_per_epoch,
+)
 from .model import Model
 from .optim import SGD
 from .tree import Tree
@@ -157,8 +165,7 @@ class Simulator:
         if runner == "loop":  # one client at a time, written straight into a preallocated stack
             result = None
             for i in range(len(clients)):
-                b = round_batches(split, clients, orders, torch.tensor([i]), bsz)
-                out = fn(payload, T.take(states, i), T.take(b, 0), lr)
+                out = fn(payload, T.take(states, i), ragged_batches(split, clients, orders, i, bsz), lr)
                 if result is None:
                     result = T.tmap(lambda x: x.new_empty((len(clients), *x.shape)), out)
                 for dst, src in zip(T.leaves(result), T.leaves(out), strict=True):

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, local_sgd
+from ..optim import Batches, first_epoch, local_sgd
 from ..tree import Tree
 from .base import Algorithm, Context, check_positive
 
@@ -94,15 +94,10 @@ class FedEM(Algorithm):
         ll = torch.logsumexp(joint, dim=0)
         return torch.exp(joint - ll), ll
 
-    def _first_epoch(self, batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
-        s0 = batches.x.shape[0] // epochs
-        x = batches.x[:s0].reshape(-1, *batches.x.shape[2:])
-        return x, batches.y[:s0].reshape(-1), batches.mask[:s0].reshape(-1)
-
     def client_update(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
     ) -> tuple[Tree, Tree, Tensor]:
-        x, y, mask = self._first_epoch(batches, ctx.local_epochs)
+        x, y, mask = first_epoch(batches, ctx.local_epochs)
         nll = self.component_nll(ctx, payload, x, y)  # (M, S0*B)
         q, ll = self.e_step(torch.log(state["pi"]).to(nll.dtype), nll)
         pi = (q * mask).sum(-1) / batches.n  # (M,)
@@ -115,7 +110,7 @@ class FedEM(Algorithm):
     # -- evaluation -----------------------------------------------------------------------------
     def fit_pi(self, ctx: Context, comps: Tree, pi0: Tensor, batches: Batches) -> Tensor:
         """EM for pi with the components fixed, to convergence (vmap-safe fixed iteration count)."""
-        x, y, mask = self._first_epoch(batches, self.adapt_epochs)
+        x, y, mask = first_epoch(batches, self.adapt_epochs)
         nll = self.component_nll(ctx, comps, x, y)
         pi = pi0.to(nll.dtype)
         done = torch.zeros((), dtype=torch.bool)

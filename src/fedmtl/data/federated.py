@@ -228,21 +228,38 @@ def round_batches(
     if epochs == 1:
         pos = j.view(1, 1, -1).expand(kk, 1, width)
     else:  # position of each example in the first epoch's order (inverse permutation of epoch 0)
-        inv0 = torch.zeros(kk, width, dtype=torch.long)
-        inv0.scatter_(1, local[:, 0], j.unsqueeze(0).expand(kk, width).contiguous())
+        inv0 = torch.zeros(kk, width + 1, dtype=torch.long)  # column `width` absorbs the padding slots
+        target = torch.where(valid, local[:, 0], torch.full_like(local[:, 0], width))
+        inv0.scatter_(1, target, j.unsqueeze(0).expand(kk, width).contiguous())
         pos = torch.gather(inv0, 1, local.reshape(kk, -1)).reshape(kk, epochs, width)
         pos = torch.where(valid.unsqueeze(1), pos, j.view(1, 1, -1).expand_as(pos))
     gidx = (split.offsets[sel].cpu().view(kk, 1, 1) + local).reshape(-1).to(dev)
     x = split.x.index_select(0, gidx).reshape(kk, epochs * s, batch_size, *split.x.shape[1:])
     y = split.y.index_select(0, gidx).reshape(kk, epochs * s, batch_size)
     mask = valid.unsqueeze(1).expand(kk, epochs, width).reshape(kk, epochs * s, batch_size)
-    return Batches(
+    out = Batches(
         x=x,
         y=y,
         mask=mask.to(dev, torch.float32),
         pos=pos.reshape(kk, epochs * s, batch_size).to(dev),
         n=counts.to(dev, torch.float32),
     )
+    return out
+
+
+def ragged_batches(split: Split, clients: Tensor, orders: Orders, row: int, batch_size: int) -> Batches:
+    """One client's batches without padding (the loop runner): x, y, mask, pos are lists of (b_s, ...)
+    tensors whose last batch of each epoch holds only the remaining examples, as a DataLoader gives.
+    Numerically identical to the padded batches (padding rows have zero weight)."""
+    b = round_batches(split, clients, orders, torch.tensor([row]), batch_size)
+    n = int(b.n[0])
+    steps = int(steps_per_epoch(torch.tensor(n), batch_size))
+    epochs = orders.local.shape[0]
+    last = n - (steps - 1) * batch_size
+    keep = [last if (s % steps) == steps - 1 else batch_size for s in range(epochs * steps)]
+    cut = [t[0, s, : keep[s]] for t in (b.x, b.y, b.mask, b.pos) for s in range(epochs * steps)]
+    k = epochs * steps
+    return Batches(cut[:k], cut[k : 2 * k], cut[2 * k : 3 * k], cut[3 * k :], b.n[0])  # type: ignore[arg-type]
 
 
 def padded(split: Split, clients: Tensor) -> tuple[Tensor, Tensor, Tensor]:
