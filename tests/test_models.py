@@ -83,3 +83,18 @@ def test_auto_runner_picks_loop_for_cnn_on_cpu():
     cnn = build_model("cnn_femnist", (28, 28), 10, data.meta, hidden=16)
     assert make_sim(FedAvg(), data, model=cnn).runner == "loop"
     assert make_sim(FedAvg(), data, model=build_model("mlp", (28, 28), 10, data.meta)).runner == "vmap"
+
+
+def test_lstm_loop_and_vmap_runners_agree():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 80, (n, 10), dtype=torch.uint8, generator=g) for n in (9, 14, 5)]
+    ys = [torch.randint(0, 80, (n,), generator=g) for n in (9, 14, 5)]
+    data = FederatedData(ClientGroup(Split.from_lists(xs, ys), Split.from_lists(xs, ys)), 80)
+    model = build_model("lstm", (10,), 80, hidden=16, embed=4)
+    assert model.prefer_loop_on_cpu and make_sim(FedAvg(), data, model=model).runner == "loop"
+    states = []
+    for runner in ("vmap", "loop"):
+        st, _ = run_rounds(make_sim(FedAvg(), data, model=model, runner=runner, batch_size=4), 2)
+        states.append(st.server["params"])
+    for a, b in zip(T.leaves(states[0]), T.leaves(states[1]), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=10)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--fraction", type=float, default=0.25, help="models: fraction of Fashion-MNIST used")
+    b.add_argument("--models", default="cnn,lstm", help="models: which workloads (cnn, lstm)")
     b.set_defaults(fn=_cmd_bench)
     return p
 

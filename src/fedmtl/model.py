@@ -41,6 +41,9 @@ class Model:
     forward: Callable[[Params, Tensor], Tensor] | None = field(default=None, compare=False)
     #: compute-bound on CPU (large convolutions): the ``auto`` runner loops over clients on CPU
     prefer_loop_on_cpu: bool = False
+    #: outside torch.func transforms, run the module itself (e.g. nn.LSTM's fused CPU kernel) instead
+    #: of ``forward``; both must agree (tested)
+    module_when_eager: bool = False
 
     def init(self, seed: int) -> Params:
         """Fresh parameters from the module's own initializer, seeded without touching global RNG."""
@@ -55,7 +58,10 @@ class Model:
         """Forward pass: (n, *features) -> (n,) logits (binary) or (n, C) logits."""
         if self.input_transform is not None:
             x = self.input_transform(x)
-        out = self.forward(params, x) if self.forward is not None else functional_call(self.module, params, (x,))
+        if self.forward is not None and not (self.module_when_eager and _eager()):
+            out = self.forward(params, x)
+        else:
+            out = functional_call(self.module, params, (x,))
         if self.output == "binary":
             return out.reshape(out.shape[:-1])
         return out
@@ -125,7 +131,20 @@ class Model:
             if self.input_transform is not None:
                 x = self.input_transform(x)
             return self.analytic_grad(params, x, y, mask, weight)
+        if _eager():  # plain autograd: torch.func.grad's per-op overhead is 5x here for recurrent nets
+            with torch.enable_grad():
+                leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+                loss = self.loss(leaves, x, y, mask, weight)
+                grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)}, (
+                loss.detach()
+            )
         return grad_and_value(self.loss)(params, x, y, mask, weight)
+
+
+def _eager() -> bool:
+    """True when no torch.func transform (vmap, grad) is active."""
+    return torch._C._functorch.peek_interpreter_stack() is None
 
 
 def _linear_forward(params: Params, x: Tensor, binary: bool) -> Tensor:

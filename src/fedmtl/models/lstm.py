@@ -4,7 +4,10 @@
 slow per-sample path, so the forward pass is written with matrix products (``lstm_forward``): the
 input projections of all time steps in one product per layer, then the recurrence; vmap over clients
 turns those into batched products.  It reads ``nn.LSTM``'s own parameters (gate order i, f, g, o) and
-equals the module's output (tested).  The prediction is made from the last time step.
+equals the module's output (tested).  Outside torch.func transforms (the loop runner, evaluation on
+one client) the module itself runs, with nn.LSTM's fused CPU kernel and plain autograd: on 2 CPU cores
+that is ~5x faster than any batched form written with matmuls here, so the ``auto`` runner loops over
+clients for this model on CPU.  The prediction is made from the last time step.
 """
 
 from __future__ import annotations
@@ -56,5 +59,5 @@ def lstm_forward(params: Params, x: Tensor, layers: int = 2) -> Tensor:
 def char_lstm(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
               embed: int = 8, hidden: int = 256, layers: int = 2) -> Model:
     module = CharLSTM(num_classes, embed, hidden, layers)
-    return Model(module, "multiclass", num_classes, name="lstm",
-                 forward=lambda p, x: lstm_forward(p, x, layers))
+    return Model(module, "multiclass", num_classes, name="lstm", forward=lambda p, x: lstm_forward(p, x, layers),
+                 module_when_eager=True, prefer_loop_on_cpu=True)
