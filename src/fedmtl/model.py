@@ -136,9 +136,8 @@ class Model:
                 leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
                 loss = self.loss(leaves, x, y, mask, weight)
                 grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-            return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)}, (
-                loss.detach()
-            )
+            out = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)}
+            return out, loss.detach()
         return grad_and_value(self.loss)(params, x, y, mask, weight)
 
 
