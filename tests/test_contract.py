@@ -13,8 +13,13 @@ from .conftest import make_sim, run_rounds
 NAMES = sorted(ALGORITHMS)
 
 
+# hyper-parameters for the toy task where a default is tuned for other data (Per-FedAvg's beta = 0.001
+# is the paper's MNIST value; with it 15 rounds barely move the loss)
+TOY = {"perfedavg": {"beta": 0.05}, "clustered": {"warmup_rounds": 2}, "pfedme": {"personal_lr": 0.05}}
+
+
 def _alg(name):
-    return ALGORITHMS[name]()
+    return ALGORITHMS[name](**TOY.get(name, {}))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -97,7 +102,9 @@ def test_nan_update_is_excluded_and_counted(name, small_data, caplog):
         def client_update(self, ctx, payload, state, batches, lr):
             upd, new_state, loss = super().client_update(ctx, payload, state, batches, lr)
             bad = batches.n == float(small_data.seen.train.counts[0])
-            poison = lambda t: torch.where(bad, torch.full_like(t, float("nan")), t)  # noqa: E731
+            def poison(t):
+                return torch.where(bad, torch.full_like(t, float("nan")), t) if t.is_floating_point() else t
+
             return T.tmap(poison, upd), T.tmap(poison, new_state), torch.where(bad, loss * float("nan"), loss)
 
     sim = make_sim(Poisoned(), small_data)

@@ -128,3 +128,22 @@ def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
         return torch.cat(batches.x[:s0]), torch.cat(batches.y[:s0]), torch.cat(batches.mask[:s0])
     x = batches.x[:s0].reshape(-1, *batches.x.shape[2:])
     return x, batches.y[:s0].reshape(-1), batches.mask[:s0].reshape(-1)
+
+
+def num_batches(batches: Batches) -> Tensor | int:
+    """Number of non-empty batches (a 0-d tensor for padded batches, an int for ragged ones)."""
+    if isinstance(batches.x, list):
+        return len(batches.x)
+    return (batches.mask.sum(-1) > 0).sum()
+
+
+def pick_batch(batches: Batches, i: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch ``i mod (number of non-empty batches)``: vmap-safe cyclic access for fixed-step methods."""
+    if isinstance(batches.x, list):
+        j = i % len(batches.x)
+        return batches.x[j], batches.y[j], batches.mask[j]
+    active = (batches.mask.sum(-1) > 0).to(torch.long)  # (S,) non-empty steps (padding sits between epochs)
+    k = torch.remainder(torch.tensor(i), active.sum().clamp_min(1))
+    j = torch.argmax((torch.cumsum(active, 0) == k + 1).to(torch.long)).reshape(1)  # the k-th non-empty step
+    return (batches.x.index_select(0, j).squeeze(0), batches.y.index_select(0, j).squeeze(0),
+            batches.mask.index_select(0, j).squeeze(0))

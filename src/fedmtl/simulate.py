@@ -204,7 +204,7 @@ class Simulator:
             log.warning("round %d: excluded %d client update(s) with NaN/Inf: clients %s", r, n_bad, bad[:20])
             state.counters["excluded_updates"] = state.counters.get("excluded_updates", 0) + n_bad
         weights = self.data.seen.train.counts[clients].to(torch.float64) * valid.to(torch.float64)
-        state.server = self.alg.aggregate(self.ctx, state.server, updates, weights.to(self.device))
+        state.server = self.alg.aggregate(self.ctx, state.server, updates, weights.to(self.device), clients)
         if T.leaves(new_states) and bool(valid.any()):
             keep = valid.to(self.device)
             state.clients = T.put(state.clients, clients.to(self.device)[keep], T.take(new_states, keep))

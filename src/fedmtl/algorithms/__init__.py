@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from .apfl import APFL
 from .base import Algorithm, Context
+from .clustered import ClusteredFL
+from .ditto import Ditto
+from .perfedavg import PerFedAvg
+from .pfedme import PFedMe
 from .decentralized import DSGD, DFedEM
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedem import FedEM
 from .local import Local
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD)
+    cls.name: cls
+    for cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL)
 }
 
 
@@ -20,6 +26,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
+    "APFL", "ClusteredFL", "Ditto", "PFedMe", "PerFedAvg",
     "ALGORITHMS", "DSGD", "Algorithm", "Context", "DFedEM", "FedAvg", "FedAvgFT", "FedEM", "FedProx", "Local",
     "get_algorithm",
 ]

@@ -54,8 +54,11 @@ class Algorithm:
     def payload(self, server: Tree) -> Tree:
         return server["params"]
 
-    def aggregate(self, ctx: Context, server: Tree, updates: Tree, weights: Tensor) -> Tree:
-        """``weights`` (K,) are n_k for valid updates and 0 for excluded (NaN/Inf) ones."""
+    def aggregate(
+        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
+    ) -> Tree:
+        """``weights`` (K,) are n_k for valid updates and 0 for excluded (NaN/Inf) ones; ``clients`` (K,)
+        are the indices of the clients the updates come from (server-side bookkeeping, e.g. clusters)."""
         if float(weights.sum()) <= 0:
             return server
         return {"params": T.weighted_mean(updates, weights)}

@@ -62,7 +62,9 @@ class DFedEM(_Gossip, FedEM):
         comps, st, nll = super().client_update(ctx, state["components"], state, batches, lr)
         return {}, {"components": comps, "pi": st["pi"]}, nll
 
-    def aggregate(self, ctx: Context, server: Tree, updates: Tree, weights: Tensor) -> Tree:
+    def aggregate(
+        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
+    ) -> Tree:
         return server
 
     def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
@@ -101,7 +103,9 @@ class DSGD(_Gossip, FedAvg):
         params, _, loss = super().client_update(ctx, state["params"], state, batches, lr)
         return {}, {"params": params}, loss
 
-    def aggregate(self, ctx: Context, server: Tree, updates: Tree, weights: Tensor) -> Tree:
+    def aggregate(
+        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
+    ) -> Tree:
         return server
 
     def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:

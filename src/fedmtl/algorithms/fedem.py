@@ -66,7 +66,9 @@ class FedEM(Algorithm):
     def payload(self, server: Tree) -> Tree:
         return server["components"]
 
-    def aggregate(self, ctx: Context, server: Tree, updates: Tree, weights: Tensor) -> Tree:
+    def aggregate(
+        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
+    ) -> Tree:
         total = float(weights.sum())
         if total <= 0:
             return server

@@ -33,7 +33,9 @@ class Local(Algorithm):
         params, loss = local_sgd(ctx.model.value_and_grad, state["params"], batches, lr, ctx.opt)
         return {}, {"params": params}, loss
 
-    def aggregate(self, ctx: Context, server: Tree, updates: Tree, weights: Tensor) -> Tree:
+    def aggregate(
+        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
+    ) -> Tree:
         return server
 
     def personalize(
