@@ -5,13 +5,13 @@ from __future__ import annotations
 from .apfl import APFL
 from .base import Algorithm, Context
 from .clustered import ClusteredFL
-from .ditto import Ditto
-from .perfedavg import PerFedAvg
-from .pfedme import PFedMe
 from .decentralized import DSGD, DFedEM
+from .ditto import Ditto
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedem import FedEM
 from .local import Local
+from .perfedavg import PerFedAvg
+from .pfedme import PFedMe
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls

@@ -48,10 +48,10 @@ class APFL(Algorithm):
             x, y, mask = batches.x[s], batches.y[s], batches.mask[s]
             active = mask.sum() > 0
             gw, loss = ctx.model.value_and_grad(w, x, y, mask)
-            h = T.tmap(lambda vi, wi: a * vi + (1 - a) * wi, v, w)
+            h = T.tmap(lambda vi, wi, a=a: a * vi + (1 - a) * wi, v, w)
             gh, _ = ctx.model.value_and_grad(h, x, y, mask)
             new_w = T.tmap(lambda p, g: p - lr * (g + wd * p), w, gw)
-            new_v = T.tmap(lambda p, g: p - lr * (a * g + wd * p), v, gh)
+            new_v = T.tmap(lambda p, g, a=a: p - lr * (a * g + wd * p), v, gh)
             if self.adapt_alpha:
                 grad_a = sum((g * (vi - wi)).sum() for g, vi, wi in zip(T.leaves(gh), T.leaves(v), T.leaves(w),
                                                                        strict=True))
