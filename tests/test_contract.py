@@ -84,10 +84,11 @@ def test_same_seed_same_metrics(name, small_data):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_loss_decreases_on_toy_task(name, small_data):
-    sim = make_sim(_alg(name), small_data, rounds=15)
+    rounds = 45 if name == "omnifedge" else 15  # Omni-Fedge makes one gradient query per round
+    sim = make_sim(_alg(name), small_data, rounds=rounds)
     st = sim.init_state()
     before = summarize(sim.evaluate(st))["seen_train_loss"]
-    for _ in range(15):
+    for _ in range(rounds):
         sim.round(st)
     after = summarize(sim.evaluate(st))["seen_train_loss"]
     assert after < before - 0.05

@@ -120,8 +120,7 @@ class Simulator:
     def init_state(self) -> SimState:
         params = T.to(self.model.init(self.cfg.seed), self.device)
         server = self.alg.init_server(self.ctx, params, self.cfg.seed)
-        one = self.alg.init_client(self.ctx, server)
-        clients = T.tmap(lambda x: x.unsqueeze(0).repeat(self.ctx.num_clients, *([1] * x.dim())), one)
+        clients = T.to(self.alg.init_clients(self.ctx, server), self.device)
         return SimState(round=0, server=server, clients=clients)
 
     # ------------------------------------------------------------------------------ sampling

@@ -10,12 +10,13 @@ from .ditto import Ditto
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedem import FedEM
 from .local import Local
+from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
 from .pfedme import PFedMe
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL)
+    for cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL, OmniFedge)
 }
 
 
@@ -26,7 +27,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
-    "APFL", "ClusteredFL", "Ditto", "PFedMe", "PerFedAvg",
+    "APFL", "ClusteredFL", "Ditto", "OmniFedge", "PFedMe", "PerFedAvg",
     "ALGORITHMS", "DSGD", "Algorithm", "Context", "DFedEM", "FedAvg", "FedAvgFT", "FedEM", "FedProx", "Local",
     "get_algorithm",
 ]

@@ -72,6 +72,11 @@ class Algorithm:
         """State one client starts with (unbatched); the runner replicates it for every client."""
         return {}
 
+    def init_clients(self, ctx: Context, server: Tree) -> Tree:
+        """Stacked states of all ``ctx.num_clients`` clients (default: ``init_client`` replicated)."""
+        one = self.init_client(ctx, server)
+        return T.tmap(lambda x: x.unsqueeze(0).repeat(ctx.num_clients, *([1] * x.dim())), one)
+
     def client_update(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
     ) -> tuple[Tree, Tree, Tensor]:

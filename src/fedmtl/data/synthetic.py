@@ -111,3 +111,33 @@ def fedem_synthetic(
         name="fedem_synthetic" + ("_legacy" if legacy else ""),
         meta={"theta": theta, "pi": pis, "sizes": sizes, "latent": tr_z, "seen_clients": n_seen},
     )
+
+
+def permuted_groups(
+    num_clients: int = 40,
+    num_groups: int = 2,
+    dim: int = 20,
+    num_classes: int = 4,
+    n_train: int = 100,
+    n_test: int = 200,
+    seed: int = 0,
+) -> FederatedData:
+    """Data built to need personalization: one linear labelling rule y = argmax(x W), x ~ N(0, I),
+    and clients in ``num_groups`` groups whose labels are permuted by a group-specific permutation
+    (group 0 keeps the identity).  One global model cannot fit two groups; clustering or
+    personalization can.  ``meta["group"]`` gives each client's group."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(dim, num_classes))
+    perms = [np.arange(num_classes)] + [rng.permutation(num_classes) for _ in range(num_groups - 1)]
+    for g in range(1, num_groups):  # make sure every group's permutation differs from the identity
+        while np.array_equal(perms[g], np.arange(num_classes)):
+            perms[g] = rng.permutation(num_classes)
+    groups = np.arange(num_clients) % num_groups
+    xs_tr, ys_tr, xs_te, ys_te = [], [], [], []
+    for k in range(num_clients):
+        for n, xs, ys in ((n_train, xs_tr, ys_tr), (n_test, xs_te, ys_te)):
+            x = rng.normal(size=(n, dim)).astype(np.float32)
+            ys.append(torch.from_numpy(perms[groups[k]][np.argmax(x @ w, axis=1)]))
+            xs.append(torch.from_numpy(x))
+    return FederatedData(ClientGroup(Split.from_lists(xs_tr, ys_tr), Split.from_lists(xs_te, ys_te)),
+                         num_classes=num_classes, name="permuted_groups", meta={"group": groups})
