@@ -78,7 +78,8 @@ def test_pfedme_is_evaluated_with_theta(small_data):
 def test_pfedme_large_lambda_approaches_fedavg(small_data):
     opt = SGD(lr=0.05)
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, opt=opt), 3)
-    sb, _ = run_rounds(make_sim(PFedMe(lam=200.0, personal_lr=0.0025, inner_steps=60, weighted=True), small_data, opt=opt), 3)
+    pfedme = PFedMe(lam=200.0, personal_lr=0.0025, inner_steps=60, weighted=True)
+    sb, _ = run_rounds(make_sim(pfedme, small_data, opt=opt), 3)
     diff = float(T.sq_dist(sa.server["params"], sb.server["params"])) ** 0.5
     moved = float(T.sq_dist(sa.server["params"], make_sim(FedAvg(), small_data).init_state().server["params"])) ** 0.5
     assert diff < 0.05 * moved
@@ -133,7 +134,7 @@ def test_omega_solves_its_convex_problem():
         L = rng.uniform(0.05, 3.0, size=6)
         w = solve_omega(torch.tensor(L), lam).numpy()
 
-        def obj(v):
+        def obj(v, L=L, lam=lam):
             return float(v @ L - lam * np.log(np.clip(v, 1e-12, None)).sum())
 
         res = minimize(obj, np.full(6, 1 / 6), method="SLSQP", bounds=[(1e-9, 1)] * 6,
