@@ -219,6 +219,8 @@ def round_batches(
     kk = sel.numel()
     epochs = orders.local.shape[0]
     s = int(steps_per_epoch(counts, batch_size).max()) if steps is None else steps
+    if s == 1:  # a batch larger than every client's data is the client's whole data: pad only that far
+        batch_size = max(1, min(batch_size, int(counts.max())))
     width = s * batch_size
     j = torch.arange(width)
     valid = j.unsqueeze(0) < counts.unsqueeze(1)  # (K, W)
