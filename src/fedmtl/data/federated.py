@@ -308,18 +308,40 @@ def federate(
     parts = [parts[i] for i in order]
     tr, va, te = train_test_split(parts, test_frac, rng, val_frac) if test_frac > 0 else (parts, [], [])
     keep = [i for i in range(len(parts)) if len(tr[i]) > 0]
-    n_unseen = int(round(unseen_frac * len(keep)))
-    groups = []
-    for ids in (keep[: len(keep) - n_unseen], keep[len(keep) - n_unseen :]):
-        if not ids:
+
+    def pairs(idx_lists: list[Any]) -> list[tuple[Tensor, Tensor]]:
+        out = []
+        for i in keep:
+            idx = torch.as_tensor(np.asarray(idx_lists[i], dtype=np.int64))
+            out.append((x[idx], y[idx]))
+        return out
+
+    return from_clients(pairs(tr), pairs(te), num_classes, int(round(unseen_frac * len(keep))),
+                        pairs(va) if val_frac else None, name, meta)
+
+
+def from_clients(
+    train: list[tuple[Tensor, Tensor]],
+    test: list[tuple[Tensor, Tensor]],
+    num_classes: int,
+    n_unseen: int = 0,
+    val: list[tuple[Tensor, Tensor]] | None = None,
+    name: str = "data",
+    meta: dict[str, Any] | None = None,
+) -> FederatedData:
+    """Per-client (x, y) pairs -> FederatedData; the last ``n_unseen`` clients are held out (unseen)."""
+    k = len(train)
+    if not 0 <= n_unseen < k:
+        raise DataError(f"{name}: {n_unseen} unseen clients out of {k} leaves no client to train")
+    groups: list[ClientGroup | None] = []
+    for ids in (range(0, k - n_unseen), range(k - n_unseen, k)):
+        if len(ids) == 0:
             groups.append(None)
             continue
 
-        def split(idx_lists: list[Any], ids: list[int] = ids) -> Split:
-            idx = [torch.as_tensor(np.asarray(idx_lists[i], dtype=np.int64)) for i in ids]
-            return Split.from_lists([x[i] for i in idx], [y[i] for i in idx])
+        def split(lst: list[tuple[Tensor, Tensor]], ids: range = ids) -> Split:
+            return Split.from_lists([lst[i][0] for i in ids], [lst[i][1] for i in ids])
 
-        groups.append(ClientGroup(train=split(tr), test=split(te), val=split(va) if val_frac else None))
-    if groups[0] is None:
-        raise DataError(f"{name}: no client has training data")
-    return FederatedData(seen=groups[0], num_classes=num_classes, unseen=groups[1], name=name, meta=meta or {})
+        groups.append(ClientGroup(train=split(train), test=split(test), val=None if val is None else split(val)))
+    return FederatedData(seen=groups[0], num_classes=num_classes, unseen=groups[1], name=name,  # type: ignore[arg-type]
+                         meta=meta or {})

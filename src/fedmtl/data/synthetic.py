@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .federated import ClientGroup, FederatedData, Split
+from .federated import FederatedData, from_clients
 
 
 def _labels(x: np.ndarray, counts: np.ndarray, theta: np.ndarray, noise: float,
@@ -89,27 +89,14 @@ def fedem_synthetic(
         te_x.append(xt)
         te_y.append(yt)
 
-    def split(xs: list[np.ndarray], ys: list[np.ndarray], idx: range) -> Split:
-        return Split.from_lists(
-            [torch.from_numpy(xs[i]) for i in idx], [torch.from_numpy(ys[i]) for i in idx]
-        )
+    def pairs(xs: list[np.ndarray], ys: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(xs, ys, strict=True)]
 
     n_seen = num_clients - int(round(unseen_frac * num_clients)) if unseen_frac else num_clients
-    groups = []
-    for idx in (range(0, n_seen), range(n_seen, num_clients)):
-        if len(idx) == 0:
-            groups.append(None)
-            continue
-        groups.append(ClientGroup(
-            train=split(tr_x, tr_y, idx), test=split(te_x, te_y, idx),
-            val=split(va_x, va_y, idx) if val_frac else None,
-        ))
-    return FederatedData(
-        seen=groups[0],  # type: ignore[arg-type]
-        unseen=groups[1],
-        num_classes=2,
-        name="fedem_synthetic" + ("_legacy" if legacy else ""),
-        meta={"theta": theta, "pi": pis, "sizes": sizes, "latent": tr_z, "seen_clients": n_seen},
+    return from_clients(
+        pairs(tr_x, tr_y), pairs(te_x, te_y), 2, num_clients - n_seen, pairs(va_x, va_y) if val_frac else None,
+        "fedem_synthetic" + ("_legacy" if legacy else ""),
+        {"theta": theta, "pi": pis, "sizes": sizes, "latent": tr_z, "seen_clients": n_seen},
     )
 
 
@@ -139,5 +126,5 @@ def permuted_groups(
             x = rng.normal(size=(n, dim)).astype(np.float32)
             ys.append(torch.from_numpy(perms[groups[k]][np.argmax(x @ w, axis=1)]))
             xs.append(torch.from_numpy(x))
-    return FederatedData(ClientGroup(Split.from_lists(xs_tr, ys_tr), Split.from_lists(xs_te, ys_te)),
-                         num_classes=num_classes, name="permuted_groups", meta={"group": groups})
+    return from_clients(list(zip(xs_tr, ys_tr, strict=True)), list(zip(xs_te, ys_te, strict=True)), num_classes,
+                        name="permuted_groups", meta={"group": groups})

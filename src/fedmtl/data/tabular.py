@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .download import Remote, locate
-from .federated import ClientGroup, DataError, FederatedData, Split
+from .federated import DataError, FederatedData, from_clients
 
 HAR_ZIP = Remote("UCI HAR Dataset.zip",
                  ("https://archive.ics.uci.edu/ml/machine-learning-databases/00240/UCI%20HAR%20Dataset.zip",), "")
@@ -58,20 +58,11 @@ def tasks_to_federation(xs: list[np.ndarray], ys: list[np.ndarray], num_classes:
             sd[sd == 0] = 1.0
             x = (x - mu) / sd
         parts.append((x[tr], y[tr], x[te], y[te]))
-    n_unseen = int(round(unseen_frac * len(parts)))
-    groups = []
-    for group in (parts[: len(parts) - n_unseen], parts[len(parts) - n_unseen :]):
-        if not group:
-            groups.append(None)
-            continue
+    def pairs(i: int, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.from_numpy(p[i]).float(), torch.from_numpy(p[j])) for p in parts]
 
-        def split(i: int, j: int, group: list = group) -> Split:  # type: ignore[type-arg]
-            return Split.from_lists([torch.from_numpy(p[i]).float() for p in group],
-                                    [torch.from_numpy(p[j]) for p in group])
-
-        groups.append(ClientGroup(train=split(0, 1), test=split(2, 3)))
-    return FederatedData(seen=groups[0], unseen=groups[1], num_classes=num_classes, name=name,  # type: ignore[arg-type]
-                         meta={"input": "tabular"})
+    return from_clients(pairs(0, 1), pairs(2, 3), num_classes, int(round(unseen_frac * len(parts))), None, name,
+                        {"input": "tabular"})
 
 
 # -------------------------------------------------------------------------------------------------- HAR

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .federated import ClientGroup, DataError, FederatedData, Split
+from .federated import DataError, FederatedData, from_clients
 
 #: LEAF's 80 symbols; a character's index is its position in this string.
 VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -159,21 +159,11 @@ def shakespeare(
         clients = kept
     else:
         clients = [clients[i] for i in rng.permutation(len(clients))]
-    n_unseen = int(round(unseen_frac * len(clients)))
-    groups = []
-    for part in (clients[: len(clients) - n_unseen], clients[len(clients) - n_unseen :]):
-        if not part:
-            groups.append(None)
-            continue
+    def pairs(i: int, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.from_numpy(c[i]), torch.from_numpy(c[j])) for c in clients]
 
-        def split(cols: tuple[int, int], part: list = part) -> Split:  # type: ignore[type-arg]
-            return Split.from_lists([torch.from_numpy(c[cols[0]]) for c in part],
-                                    [torch.from_numpy(c[cols[1]]) for c in part])
-
-        groups.append(ClientGroup(train=split((1, 2)), test=split((3, 4))))
-    names = [c[0] for c in clients]
-    return FederatedData(seen=groups[0], unseen=groups[1], num_classes=len(VOCAB), name="shakespeare",  # type: ignore[arg-type]
-                         meta={"input": "text", "clients": names, "vocab": VOCAB})
+    return from_clients(pairs(1, 2), pairs(3, 4), len(VOCAB), int(round(unseen_frac * len(clients))), None,
+                        "shakespeare", {"input": "text", "clients": [c[0] for c in clients], "vocab": VOCAB})
 
 
 def statistics(data: FederatedData) -> dict[str, float]:
