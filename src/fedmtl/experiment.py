@@ -64,13 +64,14 @@ def run_experiment(
         from tqdm import tqdm
 
         bar = tqdm(total=rcfg.rounds, initial=state.round, desc=cfg.algorithm["name"], leave=False, disable=None)
-    t_train, rounds_here = 0.0, 0
+    t_train = 0.0
     per_client: dict[str, Any] | None = None
     while state.round < rcfg.rounds:
         t0 = time.perf_counter()
         row = sim.round(state)
-        t_train += time.perf_counter() - t0
-        rounds_here += 1
+        dt = time.perf_counter() - t0
+        t_train += dt
+        state.counters["train_seconds"] = state.counters.get("train_seconds", 0.0) + dt  # type: ignore[assignment]
         if state.round % rcfg.eval_every == 0 or state.round == rcfg.rounds:
             per_client = sim.evaluate(state)
             row.update(summarize(per_client))
@@ -98,7 +99,8 @@ def run_experiment(
         "final": final,
         "excluded_updates": state.counters.get("excluded_updates", 0),
         "train_seconds_this_process": t_train,
-        "seconds_per_round": t_train / rounds_here if rounds_here else None,
+        # over all rounds of the run, interrupted or not (the training time is kept in the checkpoint)
+        "seconds_per_round": state.counters.get("train_seconds", 0.0) / state.round if state.round else None,
         "config": cfg.raw,
     }
     if out_dir is not None:
