@@ -37,21 +37,42 @@ class _Gossip:
     adjacency_file: str = ""
     graph_seed: int = 0
 
+    #: the client-state entry holding the gossiped model(s)
+    model_key: ClassVar[str] = "params"
+
     def mixing_matrix(self, n: int) -> Tensor:
         adj = build_graph(self.topology, n, self.edge_prob, self.graph_seed, self.adjacency_file)
         return mixing_matrix(adj, self.mixing).to(torch.float32)
+
+    def gossip_server(self, ctx: Context, model: Tree) -> Tree:
+        """No server: only the mixing matrix and the average over clients (unseen clients, reporting)."""
+        return {"W": self.mixing_matrix(ctx.num_clients), "average": model}
+
+    def payload(self, server: Tree) -> Tree:
+        return server["average"]
+
+    def aggregate(
+        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
+    ) -> Tree:
+        return server
+
+    def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
+        """Gossip step theta_i <- sum_j W_ij theta_j on the model entry; other client state stays."""
+        mixed = T.tmap(lambda x: mix(server["W"], x), clients[self.model_key])
+        average = T.tmap(lambda x: x.mean(0), mixed)
+        return {"W": server["W"], "average": average}, {**clients, self.model_key: mixed}
+
+    def upload_numel(self, ctx: Context, server: Tree) -> int:
+        return T.num_params(server["average"])
 
 
 @dataclass(frozen=True)
 class DFedEM(_Gossip, FedEM):
     name: ClassVar[str] = "dfedem"
+    model_key: ClassVar[str] = "components"
 
     def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
-        comps = super().init_server(ctx, params, seed)["components"]
-        return {"W": self.mixing_matrix(ctx.num_clients), "average": comps}
-
-    def payload(self, server: Tree) -> Tree:
-        return server["average"]
+        return self.gossip_server(ctx, FedEM.init_server(self, ctx, params, seed)["components"])
 
     def init_client(self, ctx: Context, server: Tree) -> Tree:
         return {"components": server["average"], **super().init_client(ctx, server)}
@@ -62,24 +83,11 @@ class DFedEM(_Gossip, FedEM):
         comps, st, nll = super().client_update(ctx, state["components"], state, batches, lr)
         return {}, {"components": comps, "pi": st["pi"]}, nll
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
-        return server
-
-    def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
-        comps = T.tmap(lambda x: mix(server["W"], x), clients["components"])
-        average = T.tmap(lambda x: x.mean(0), comps)
-        return {"W": server["W"], "average": average}, {"components": comps, "pi": clients["pi"]}
-
     def personalize(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
     ) -> Tree:
         comps = state["components"] if seen else payload
         return super().personalize(ctx, comps, state, batches, lr, seen)
-
-    def upload_numel(self, ctx: Context, server: Tree) -> int:
-        return T.num_params(server["average"])
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,7 @@ class DSGD(_Gossip, FedAvg):
     name: ClassVar[str] = "dsgd"
 
     def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
-        return {"W": self.mixing_matrix(ctx.num_clients), "average": params}
-
-    def payload(self, server: Tree) -> Tree:
-        return server["average"]
+        return self.gossip_server(ctx, params)
 
     def init_client(self, ctx: Context, server: Tree) -> Tree:
         return {"params": server["average"]}
@@ -103,19 +108,7 @@ class DSGD(_Gossip, FedAvg):
         params, _, loss = super().client_update(ctx, state["params"], state, batches, lr)
         return {}, {"params": params}, loss
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
-        return server
-
-    def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
-        params = T.tmap(lambda x: mix(server["W"], x), clients["params"])
-        return {"W": server["W"], "average": T.tmap(lambda x: x.mean(0), params)}, {"params": params}
-
     def personalize(
         self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
     ) -> Tree:
         return state["params"] if seen else payload
-
-    def upload_numel(self, ctx: Context, server: Tree) -> int:
-        return T.num_params(server["average"])
