@@ -7,6 +7,7 @@
     [algorithm]  name = "fedem"           + the algorithm dataclass's fields
     [optim]      fields of fedmtl.optim.SGD
     [run]        fields of fedmtl.simulate.RunConfig
+    [systems]    fields of fedmtl.systems.SystemsModel (stragglers, drops, network for the time estimate)
 
 Unknown tables or keys and wrong value types raise ``ConfigError`` naming the key and the file,
 before any data is built or any work is done.  ``--set table.key=value`` overrides use TOML syntax
@@ -32,8 +33,9 @@ from .model import MODELS
 from .models import register as _register_models  # noqa: F401
 from .optim import SGD
 from .simulate import RunConfig
+from .systems import SystemsModel
 
-TABLES = ("data", "model", "algorithm", "optim", "run")
+TABLES = ("data", "model", "algorithm", "optim", "run", "systems")
 
 
 class ConfigError(ValueError):
@@ -122,6 +124,7 @@ class ExperimentConfig:
     run: RunConfig
     raw: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = "<config>"
+    systems: SystemsModel = field(default_factory=SystemsModel)
 
     def build_algorithm(self) -> Any:
         params = {k: v for k, v in self.algorithm.items() if k != "name"}
@@ -168,6 +171,7 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig:
         acls(**{k: v for k, v in alg.items() if k != "name"})
         optim = SGD(**_check_table(tables["optim"], SGD, f"{source}: [optim]"))
         run = RunConfig(**_check_table(tables["run"], RunConfig, f"{source}: [run]"))
+        systems = SystemsModel(**_check_table(tables["systems"], SystemsModel, f"{source}: [systems]"))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -175,8 +179,9 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig:
     resolved = {
         "data": data, "model": model, "algorithm": alg,
         "optim": dataclasses.asdict(optim), "run": dataclasses.asdict(run),
+        "systems": dataclasses.asdict(systems),
     }
-    return ExperimentConfig(data, model, alg, optim, run, resolved, source)
+    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -31,7 +31,7 @@ log = logging.getLogger("fedmtl")
 def build(cfg: ExperimentConfig, data: FederatedData | None = None) -> Simulator:
     data = data if data is not None else cfg.build_data()
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-    return Simulator(cfg.build_algorithm(), model, data, cfg.optim, cfg.run)
+    return Simulator(cfg.build_algorithm(), model, data, cfg.optim, cfg.run, cfg.systems)
 
 
 def run_experiment(

@@ -31,6 +31,8 @@ class Batches(NamedTuple):
                        ``x[:S0].reshape(S0 * B, ...)`` where S0 = steps of one epoch (used by FedEM to
                        look up per-sample responsibilities computed once on the whole local set)
     n: () float        number of training samples of the client
+    limit: () long     optional: the client stops after ``limit`` non-empty steps (a straggler of the
+                       systems layer, ``fedmtl.systems``); ``None`` = no limit
     """
 
     x: Tensor
@@ -38,6 +40,20 @@ class Batches(NamedTuple):
     mask: Tensor
     pos: Tensor
     n: Tensor
+    limit: Tensor | None = None
+
+
+def live_steps(batches: Batches) -> Tensor:
+    """(S,) bool: the steps a client actually runs — non-empty, and within its straggler ``limit``."""
+    if isinstance(batches.x, list):
+        live = torch.ones(len(batches.x), dtype=torch.bool)
+        if batches.limit is not None:
+            live &= torch.arange(len(batches.x)) < batches.limit
+        return live
+    nonempty = batches.mask.sum(-1) > 0
+    if batches.limit is None:
+        return nonempty
+    return nonempty & (torch.cumsum(nonempty.to(torch.long), 0) <= batches.limit)
 
 
 @dataclass(frozen=True)
@@ -99,11 +115,12 @@ def local_sgd(
     loss_sum = torch.zeros((), dtype=torch.float32)
     active_steps = torch.zeros_like(loss_sum)
     rng = range(len(batches.x)) if steps is None else range(*steps.indices(len(batches.x)))
+    live = live_steps(batches)
     for s in rng:
         mask = batches.mask[s]
         w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
         g, loss = grad_fn(params, batches.x[s], batches.y[s], mask, w)
-        active = mask.sum() > 0
+        active = live[s]
         new_params = {}
         for k, p in params.items():
             d = g[k]
@@ -131,18 +148,18 @@ def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def num_batches(batches: Batches) -> Tensor | int:
-    """Number of non-empty batches (a 0-d tensor for padded batches, an int for ragged ones)."""
+    """Number of batches the client runs (a 0-d tensor for padded batches, an int for ragged ones)."""
     if isinstance(batches.x, list):
-        return len(batches.x)
-    return (batches.mask.sum(-1) > 0).sum()
+        return int(live_steps(batches).sum())
+    return live_steps(batches).sum()
 
 
 def pick_batch(batches: Batches, i: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Batch ``i mod (number of non-empty batches)``: vmap-safe cyclic access for fixed-step methods."""
+    """Batch ``i mod (number of live batches)``: vmap-safe cyclic access for fixed-step methods."""
     if isinstance(batches.x, list):
-        j = i % len(batches.x)
+        j = i % max(int(live_steps(batches).sum()), 1)
         return batches.x[j], batches.y[j], batches.mask[j]
-    active = (batches.mask.sum(-1) > 0).to(torch.long)  # (S,) non-empty steps (padding sits between epochs)
+    active = live_steps(batches).to(torch.long)  # (S,) live steps (padding sits between epochs)
     k = torch.remainder(torch.tensor(i), active.sum().clamp_min(1))
     j = torch.argmax((torch.cumsum(active, 0) == k + 1).to(torch.long)).reshape(1)  # the k-th non-empty step
     return (batches.x.index_select(0, j).squeeze(0), batches.y.index_select(0, j).squeeze(0),

@@ -36,6 +36,7 @@ from .data.federated import (
 )
 from .model import Model
 from .optim import SGD
+from .systems import SystemsModel
 from .tree import Tree
 
 log = logging.getLogger("fedmtl")
@@ -93,18 +94,22 @@ class SimState:
     server: Tree
     clients: Tree  # stacked over all seen clients
     history: list[dict[str, Any]] = field(default_factory=list)
-    counters: dict[str, int] = field(default_factory=lambda: {"excluded_updates": 0})
+    counters: dict[str, Any] = field(default_factory=lambda: {"excluded_updates": 0})
 
 
 class Simulator:
     """Runs ``algorithm`` on ``data`` with ``model`` and the local solver ``opt``."""
 
-    def __init__(self, algorithm: Algorithm, model: Model, data: FederatedData, opt: SGD, cfg: RunConfig):
+    def __init__(
+        self, algorithm: Algorithm, model: Model, data: FederatedData, opt: SGD, cfg: RunConfig,
+        systems: SystemsModel | None = None,
+    ):
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"run.device={cfg.device!r} but torch.cuda.is_available() is False")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.alg, self.model, self.opt, self.cfg = algorithm, model, opt, cfg
+        self.systems = systems or SystemsModel()
         self.device = torch.device(cfg.device)
         self.data = data.to(self.device)
         self.model = model
@@ -185,9 +190,28 @@ class Simulator:
         cfg = self.cfg
         clients = self.sample_clients(r)
         lr = self.opt.lr_at(r, cfg.rounds)
-        g = round_generator(cfg.seed, r, 2)
-        orders = epoch_orders(self.data.seen.train.counts[clients].cpu(), cfg.local_epochs, g)
         payload = self.alg.payload(state.server)
+        sys = self.systems
+        counts = self.data.seen.train.counts[clients].cpu()
+        budget = (steps_per_epoch(counts, cfg.batch_size) * cfg.local_epochs).numpy()
+        draw = sys.draw(cfg.seed, r, clients.numpy())
+        done = sys.steps(draw, budget)
+        n_dropped = int(draw.dropped.sum())
+        est = self._estimated_seconds(payload, draw, budget, done)
+        state.counters["est_time_s"] = float(state.counters.get("est_time_s", 0.0)) + est
+        if n_dropped:
+            state.counters["dropped_updates"] = int(state.counters.get("dropped_updates", 0)) + n_dropped
+            keep = torch.from_numpy(~draw.dropped)
+            clients, counts, budget, done = clients[keep], counts[keep], budget[~draw.dropped], done[~draw.dropped]
+        base = {"round": r + 1, "lr": lr, "clients": len(clients), "dropped": n_dropped,
+                "est_time_s": state.counters["est_time_s"]}
+        if len(clients) == 0:  # nobody answered: the server keeps its model
+            state.round = r + 1
+            return {**base, "excluded": 0, "train_loss": float("nan")}
+        g = round_generator(cfg.seed, r, 2)
+        orders = epoch_orders(counts, cfg.local_epochs, g)
+        if (done < budget).any():
+            orders = orders._replace(limit=torch.from_numpy(done))
         states = T.take(state.clients, clients.to(self.device))
         updates, new_states, losses = self.run_clients(
             self._client_update_fn, payload, states, clients, orders, lr, self.data.seen
@@ -210,13 +234,18 @@ class Simulator:
         state.server, state.clients = self.alg.post_round(self.ctx, state.server, state.clients)
         state.round = r + 1
         ok = losses[valid]
-        return {
-            "round": r + 1,
-            "lr": lr,
-            "clients": len(clients),
-            "excluded": n_bad,
-            "train_loss": float(ok.mean()) if ok.numel() else float("nan"),
-        }
+        return {**base, "excluded": n_bad, "train_loss": float(ok.mean()) if ok.numel() else float("nan")}
+
+    def _estimated_seconds(self, payload: Tree, draw: Any, budget: Any, done: Any) -> float:
+        """Estimated wall-clock seconds of this round on the systems model's device network: the
+        compute of the round's clock cycle (or of its slowest node, in ``wait`` mode) at 6 FLOPs per
+        parameter per example (forward and backward), plus the payload down and an update as large up."""
+        if not hasattr(self, "_n_params"):
+            self._n_params = sum(int(p.numel()) for p in self.model.module.parameters())
+        step_flops = 6.0 * self._n_params * self.cfg.batch_size
+        nbytes = float(sum(int(x.numel()) * x.element_size() for x in T.leaves(payload)))
+        steps = self.systems.compute_time_steps(draw, budget, done)
+        return self.systems.time_model.round_seconds(steps * step_flops, nbytes, nbytes)
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self, state: SimState, groups: tuple[str, ...] = ("seen", "unseen")) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches
+from ..optim import Batches, live_steps
 from ..tree import Tree
 from .base import Algorithm, Context, check_positive
 
@@ -44,9 +44,10 @@ class APFL(Algorithm):
         w, v, a = payload, state["v"], state["a"]
         wd = ctx.opt.weight_decay
         loss_sum, count = torch.zeros(()), torch.zeros(())
+        live = live_steps(batches)
         for s in range(len(batches.x)):
             x, y, mask = batches.x[s], batches.y[s], batches.mask[s]
-            active = mask.sum() > 0
+            active = live[s]
             gw, loss = ctx.model.value_and_grad(w, x, y, mask)
             h = T.tmap(lambda vi, wi, a=a: a * vi + (1 - a) * wi, v, w)
             gh, _ = ctx.model.value_and_grad(h, x, y, mask)

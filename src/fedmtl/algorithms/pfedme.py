@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches
+from ..optim import Batches, live_steps
 from ..tree import Tree
 from .base import Algorithm, Context, check_positive
 
@@ -53,9 +53,10 @@ class PFedMe(Algorithm):
     def _local(self, ctx: Context, w: Tree, theta: Tree, batches: Batches, lr: float) -> tuple[Tree, Tree, Tensor]:
         loss_sum = torch.zeros(())
         count = torch.zeros(())
+        live = live_steps(batches)
         for s in range(len(batches.x)):
             x, y, mask = batches.x[s], batches.y[s], batches.mask[s]
-            active = mask.sum() > 0
+            active = live[s]
             th = theta
             loss = torch.zeros(())
             for _ in range(self.inner_steps):

@@ -179,6 +179,7 @@ class Orders(NamedTuple):
 
     local: Tensor
     starts: Tensor
+    limit: Tensor | None = None  # (K,) long: client i stops after limit[i] local steps (systems layer)
 
 
 def epoch_orders(counts: Tensor, epochs: int, generator: torch.Generator) -> Orders:
@@ -245,6 +246,7 @@ def round_batches(
         mask=mask.to(dev, torch.float32),
         pos=pos.reshape(kk, epochs * s, batch_size).to(dev),
         n=counts.to(dev, torch.float32),
+        limit=(torch.full((kk,), epochs * s, dtype=torch.long) if orders.limit is None else orders.limit[rows]).to(dev),
     )
     return out
 
@@ -258,10 +260,11 @@ def ragged_batches(split: Split, clients: Tensor, orders: Orders, row: int, batc
     steps = int(steps_per_epoch(torch.tensor(n), batch_size))
     epochs = orders.local.shape[0]
     last = n - (steps - 1) * batch_size
-    keep = [last if (s % steps) == steps - 1 else batch_size for s in range(epochs * steps)]
-    cut = [t[0, s, : keep[s]] for t in (b.x, b.y, b.mask, b.pos) for s in range(epochs * steps)]
     k = epochs * steps
-    return Batches(cut[:k], cut[k : 2 * k], cut[2 * k : 3 * k], cut[3 * k :], b.n[0])  # type: ignore[arg-type]
+    keep = [last if (s % steps) == steps - 1 else batch_size for s in range(k)]
+    cut = [t[0, s, : keep[s]] for t in (b.x, b.y, b.mask, b.pos) for s in range(k)]
+    limit = b.limit[0] if b.limit is not None else None
+    return Batches(cut[:k], cut[k : 2 * k], cut[2 * k : 3 * k], cut[3 * k :], b.n[0], limit)  # type: ignore[arg-type]
 
 
 def padded(split: Split, clients: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,0 +1,172 @@
+"""Systems heterogeneity shared by every method: stragglers, dropped nodes and an estimated clock.
+
+MOCHA (Smith et al., NeurIPS 2017, Sections 3.4 and 5.3-5.4) models a federated round as one clock
+cycle in which node t does whatever local work its device allows, and may not answer at all:
+
+* **Local work.**  Each round every node draws a speed ``s ~ U[low, 1]`` (``variability``: "none"
+  ``low = 1``, "low" ``low = 0.9``, "high" ``low = 0.1``, or ``speed_low`` directly).  A method with
+  flexible local work (MOCHA, FedAvg-like local SGD: ``mode = "deadline"``) does ``floor(s * budget)``
+  of its ``budget`` steps (at least one) and the round lasts one clock cycle, the time a full-speed node
+  needs for the largest budget.  A method whose nodes must finish a fixed amount of work (CoCoA's fixed
+  theta: ``mode = "wait"``) does all of it and the synchronous round lasts until its slowest node is done
+  (``steps / s``).
+* **Drops.**  Each node independently returns nothing with probability ``drop_prob`` (theta = 1 in the
+  paper); ``never_respond`` lists nodes that never answer (the paper's failing case).
+* **Estimated time.**  ``TimeModel``: compute (FLOPs over the device's rate) plus communication (latency
+  plus bytes over bandwidth, down and up) with presets for 3G, LTE and WiFi, so any run can report how
+  long it would take on a device network.  ``TimeModel.paper(network)`` is the unit model of the MOCHA
+  reference code (one unit per FLOP-coefficient, communication 10 / 100 / 1000 units for WiFi / LTE / 3G),
+  used to reproduce the paper's figures; the physical presets are ours (documented below).
+
+All draws come from generators seeded by ``(seed, round, stream)``, independent of every other random
+choice of the run, so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+VARIABILITY = {"none": 1.0, "low": 0.9, "high": 0.1}
+
+
+@dataclass(frozen=True)
+class Network:
+    """A link: one-way ``latency_s`` per message and ``bandwidth_bps`` (bits per second)."""
+
+    latency_s: float
+    bandwidth_bps: float
+
+    def seconds(self, num_bytes: float) -> float:
+        bw = self.bandwidth_bps
+        return self.latency_s + (0.0 if math.isinf(bw) else 8.0 * num_bytes / bw)
+
+
+# Physical presets (typical uplink figures; our choice, not from the paper): 3G ~1 Mbit/s and 150 ms,
+# LTE ~10 Mbit/s and 50 ms, WiFi ~50 Mbit/s and 5 ms.
+NETWORKS = {
+    "3g": Network(0.150, 1e6),
+    "lte": Network(0.050, 10e6),
+    "wifi": Network(0.005, 50e6),
+}
+# The MOCHA reference code's per-round communication cost in its FLOP-like units.
+PAPER_COMM_UNITS = {"wifi": 10.0, "lte": 100.0, "3g": 1000.0}
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Estimated seconds of one synchronous round: ``compute + 2 messages`` (down and up)."""
+
+    network: str = "lte"
+    device_flops: float = 1e9  # sustained FLOP/s of one device
+    latency_s: float | None = None  # overrides the preset
+    bandwidth_bps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.network not in NETWORKS and self.network != "paper":
+            raise ValueError(f"systems.network must be one of {sorted(NETWORKS)}, got {self.network!r}")
+        if self.device_flops <= 0:
+            raise ValueError("systems.device_flops must be > 0")
+
+    @staticmethod
+    def paper(network: str) -> TimeModel:
+        """The reference code's units: compute in FLOP-coefficient units, communication 10/100/1000."""
+        if network not in PAPER_COMM_UNITS:
+            raise ValueError(f"network must be one of {sorted(PAPER_COMM_UNITS)}, got {network!r}")
+        return TimeModel("paper", 1.0, PAPER_COMM_UNITS[network] / 2, math.inf)
+
+    @property
+    def link(self) -> Network:
+        base = NETWORKS.get(self.network, Network(0.0, math.inf))
+        return Network(
+            base.latency_s if self.latency_s is None else self.latency_s,
+            base.bandwidth_bps if self.bandwidth_bps is None else self.bandwidth_bps,
+        )
+
+    def round_seconds(self, compute_flops: float, bytes_down: float, bytes_up: float) -> float:
+        link = self.link
+        return compute_flops / self.device_flops + link.seconds(bytes_down) + link.seconds(bytes_up)
+
+
+class SystemsDraw(NamedTuple):
+    """One round's draw for the K participating nodes."""
+
+    speed: np.ndarray  # (K,) in (0, 1]
+    dropped: np.ndarray  # (K,) bool
+
+
+@dataclass(frozen=True)
+class SystemsModel:
+    """The ``[systems]`` table.  The defaults model an ideal network: full speed, nobody drops."""
+
+    variability: str = "none"  # none | low | high
+    speed_low: float = 0.0  # > 0 overrides the variability preset's lower bound
+    drop_prob: float = 0.0
+    never_respond: list[int] = field(default_factory=list)
+    mode: str = "deadline"  # deadline (flexible local work) | wait (fixed work, wait for stragglers)
+    network: str = "lte"
+    device_flops: float = 1e9
+
+    def __post_init__(self) -> None:
+        if self.variability not in VARIABILITY:
+            raise ValueError(f"systems.variability must be one of {sorted(VARIABILITY)}, got {self.variability!r}")
+        if not 0 <= self.speed_low <= 1:
+            raise ValueError(f"systems.speed_low must be in [0, 1], got {self.speed_low}")
+        if not 0 <= self.drop_prob < 1:
+            raise ValueError(f"systems.drop_prob must be in [0, 1), got {self.drop_prob}")
+        if self.mode not in ("deadline", "wait"):
+            raise ValueError(f"systems.mode must be 'deadline' or 'wait', got {self.mode!r}")
+        if any(i < 0 for i in self.never_respond):
+            raise ValueError("systems.never_respond holds node ids, which are >= 0")
+        TimeModel(self.network, self.device_flops)  # validates network / device_flops
+
+    @property
+    def low(self) -> float:
+        return self.speed_low if self.speed_low > 0 else VARIABILITY[self.variability]
+
+    @property
+    def ideal(self) -> bool:
+        return self.low >= 1.0 and self.drop_prob == 0 and not self.never_respond
+
+    @property
+    def time_model(self) -> TimeModel:
+        return TimeModel(self.network, self.device_flops)
+
+    def draw(self, seed: int, round_idx: int, nodes: np.ndarray) -> SystemsDraw:
+        """Speeds and drops of ``nodes`` (global ids) in round ``round_idx``: a node's draw depends only
+        on (seed, round, node id), not on which other nodes take part."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        speed = np.ones(len(nodes))
+        dropped = np.zeros(len(nodes), dtype=bool)
+        never = set(self.never_respond)
+        for j, t in enumerate(nodes.tolist()):
+            rng = np.random.default_rng([seed, round_idx, 7, t])
+            u, v = rng.random(2)
+            speed[j] = self.low + (1.0 - self.low) * u if self.low < 1 else 1.0
+            dropped[j] = (v < self.drop_prob) or (t in never)
+        return SystemsDraw(np.maximum(speed, 1e-6), dropped)
+
+    def steps(self, draw: SystemsDraw, budget: np.ndarray) -> np.ndarray:
+        """Local steps each node does: ``floor(speed * budget)`` (>= 1) in deadline mode, the full
+        ``budget`` in wait mode; 0 for dropped nodes."""
+        budget = np.asarray(budget, dtype=np.int64)
+        if self.mode == "deadline":
+            done = np.maximum(np.floor(draw.speed * budget + 1e-9).astype(np.int64), np.minimum(budget, 1))
+        else:
+            done = budget.copy()
+        return np.where(draw.dropped, 0, done)
+
+    def compute_time_steps(self, draw: SystemsDraw, budget: np.ndarray, done: np.ndarray | None = None) -> float:
+        """The round's compute duration in full-speed steps: one clock cycle (the largest budget) in
+        deadline mode; the slowest answering node's ``steps / speed`` in wait mode."""
+        budget = np.asarray(budget, dtype=np.float64)
+        if budget.size == 0:
+            return 0.0
+        if self.mode == "deadline":
+            return float(budget.max())
+        done = budget if done is None else np.asarray(done, dtype=np.float64)
+        live = ~draw.dropped
+        return float((done[live] / draw.speed[live]).max()) if live.any() else float(budget.max())
