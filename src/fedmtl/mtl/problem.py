@@ -1,0 +1,176 @@
+"""The convex multi-task problem that MOCHA solves, its dual and the losses' conjugates.
+
+Smith, Chiang, Sanjabi, Talwalkar, "Federated Multi-Task Learning", NeurIPS 2017, problem (1) with the
+reference code's scaling (per-task *mean* loss, so every task weighs the same):
+
+    P(W)    = sum_t (1/n_t) sum_i l(y_ti x_ti^T w_t) + (lam/2) tr(W Omega W^T)
+    D(beta) = sum_t (1/n_t) sum_i -phi(beta_ti) - (1/(2 lam)) tr(B^T Sigma B),   Sigma = Omega^{-1}
+    b_t     = (1/n_t) sum_i beta_ti y_ti x_ti,     W(beta) = Sigma B / lam   (rows are tasks)
+
+where ``l(m) = max_beta [-beta m - phi(beta)]`` is the loss of the margin m and beta = alpha * y is the
+dual variable in label-free form.  Hinge: phi(beta) = -beta on [0, 1].  Squared hinge
+l(m) = max(0, 1 - m)^2: phi(beta) = -beta + beta^2 / 4 on [0, inf).  P(W(beta)) - D(beta) >= 0 is the
+duality gap.
+
+Arrays are float64 numpy, padded over tasks: X (m, n_max, d), y (m, n_max) in {-1, +1} (0 = padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.federated import DataError
+
+
+class Loss:
+    name = "loss"
+    smooth = False
+
+    def primal(self, margin: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def conj(self, beta: np.ndarray) -> np.ndarray:
+        """phi(beta) (finite on the dual domain)."""
+        raise NotImplementedError
+
+    def coordinate(self, beta: np.ndarray, margin: np.ndarray, curv: np.ndarray) -> np.ndarray:
+        """argmax_b -phi(b) - (b - beta) margin - curv (b - beta)^2 / 2 (one SDCA coordinate step)."""
+        raise NotImplementedError
+
+    def subgradient(self, margin: np.ndarray) -> np.ndarray:
+        """dl/dm."""
+        raise NotImplementedError
+
+
+class Hinge(Loss):
+    name = "hinge"
+
+    def primal(self, margin: np.ndarray) -> np.ndarray:
+        return np.maximum(0.0, 1.0 - margin)
+
+    def conj(self, beta: np.ndarray) -> np.ndarray:
+        return -beta
+
+    def coordinate(self, beta: np.ndarray, margin: np.ndarray, curv: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            step = np.where(curv > 0, (1.0 - margin) / curv, 0.0)
+        return np.clip(beta + step, 0.0, 1.0)
+
+    def subgradient(self, margin: np.ndarray) -> np.ndarray:
+        return -(margin < 1.0).astype(np.float64)
+
+
+class SquaredHinge(Loss):
+    name = "squared_hinge"
+    smooth = True
+
+    def primal(self, margin: np.ndarray) -> np.ndarray:
+        return np.maximum(0.0, 1.0 - margin) ** 2
+
+    def conj(self, beta: np.ndarray) -> np.ndarray:
+        return -beta + beta * beta / 4.0
+
+    def coordinate(self, beta: np.ndarray, margin: np.ndarray, curv: np.ndarray) -> np.ndarray:
+        step = (1.0 - margin - beta / 2.0) / (0.5 + curv)
+        return np.maximum(beta + step, 0.0)
+
+    def subgradient(self, margin: np.ndarray) -> np.ndarray:
+        return -2.0 * np.maximum(0.0, 1.0 - margin)
+
+
+LOSSES: dict[str, Loss] = {"hinge": Hinge(), "squared_hinge": SquaredHinge()}
+
+
+def get_loss(name: str) -> Loss:
+    if name not in LOSSES:
+        raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {name!r}")
+    return LOSSES[name]
+
+
+@dataclass
+class MTLData:
+    """m binary tasks, padded.  Build with ``from_tasks``."""
+
+    X: np.ndarray  # (m, n_max, d)
+    y: np.ndarray  # (m, n_max) in {-1, 0, +1}
+    counts: np.ndarray  # (m,) int
+
+    @property
+    def m(self) -> int:
+        return self.X.shape[0]
+
+    @property
+    def d(self) -> int:
+        return self.X.shape[2]
+
+    @property
+    def mask(self) -> np.ndarray:
+        return np.arange(self.X.shape[1])[None, :] < self.counts[:, None]
+
+    @property
+    def sqnorm(self) -> np.ndarray:
+        return np.einsum("tnd,tnd->tn", self.X, self.X)
+
+    @classmethod
+    def from_tasks(cls, xs: list[np.ndarray], ys: list[np.ndarray]) -> MTLData:
+        """Tasks as (n_t, d) features and labels in {-1, +1} or {0, 1} (mapped to -1, +1)."""
+        if len(xs) != len(ys) or not xs:
+            raise DataError(f"need as many label arrays as feature arrays (got {len(xs)} and {len(ys)}), >= 1")
+        d = None
+        for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            x, y = np.asarray(x), np.asarray(y).ravel()
+            if x.ndim != 2 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
+                raise DataError(f"task {t}: features {x.shape} and {y.shape[0]} labels (need (n, d), n >= 1)")
+            if d is not None and x.shape[1] != d:
+                raise DataError(f"task {t}: {x.shape[1]} features, earlier tasks have {d}")
+            d = x.shape[1]
+            if not np.isfinite(x).all():
+                raise DataError(f"task {t}: features contain NaN or Inf")
+            if not np.isin(y, (-1, 1)).all() and not np.isin(y, (0, 1)).all():
+                raise DataError(f"task {t}: labels must be in {{-1, +1}} or {{0, 1}}, found {np.unique(y)[:5]}")
+        counts = np.array([len(y) for y in ys], dtype=np.int64)
+        m, nmax = len(xs), int(counts.max())
+        X = np.zeros((m, nmax, d or 0))
+        Y = np.zeros((m, nmax))
+        for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            y = np.asarray(y, dtype=np.float64).ravel()
+            X[t, : len(y)] = x
+            Y[t, : len(y)] = np.where(y > 0, 1.0, -1.0)
+        return cls(X, Y, counts)
+
+    def subset(self, keep: list[np.ndarray]) -> MTLData:
+        """Per-task index arrays -> a new MTLData (used for CV folds and splits)."""
+        return MTLData.from_tasks([self.X[t, k] for t, k in enumerate(keep)], [self.y[t, k] for t, k in enumerate(keep)])
+
+
+def margins(data: MTLData, W: np.ndarray) -> np.ndarray:
+    """(m, n_max) y_ti x_ti^T w_t (0 on padding)."""
+    return data.y * np.einsum("tnd,td->tn", data.X, W)
+
+
+def primal(data: MTLData, W: np.ndarray, omega: np.ndarray, lam: float, loss: Loss) -> float:
+    per = (loss.primal(margins(data, W)) * data.mask).sum(1) / data.counts
+    return float(per.sum() + 0.5 * lam * np.sum(omega * (W @ W.T)))
+
+
+def dual_B(data: MTLData, beta: np.ndarray) -> np.ndarray:
+    """(m, d) rows b_t = (1/n_t) X_t^T (beta_t * y_t)."""
+    return np.einsum("tn,tnd->td", beta * data.y, data.X) / data.counts[:, None]
+
+
+def dual(data: MTLData, beta: np.ndarray, sigma: np.ndarray, lam: float, loss: Loss) -> float:
+    B = dual_B(data, beta)
+    per = (-loss.conj(beta) * data.mask).sum(1) / data.counts
+    return float(per.sum() - 0.5 / lam * np.sum(sigma * (B @ B.T)))
+
+
+def w_of(B: np.ndarray, sigma: np.ndarray, lam: float) -> np.ndarray:
+    return sigma @ B / lam
+
+
+def error_rate(data: MTLData, W: np.ndarray) -> np.ndarray:
+    """Per-task 0/1 error of sign(x^T w_t) (a zero score counts as an error)."""
+    wrong = (margins(data, W) <= 0) & data.mask
+    return wrong.sum(1) / data.counts

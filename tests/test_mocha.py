@@ -1,0 +1,195 @@
+"""MOCHA: W-step against centralized solvers, sigma', the Omega-steps, drops, baselines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedmtl.data.federated import DataError
+from fedmtl.mtl import MTLData, MochaConfig, solve
+from fedmtl.mtl.omega import ClusterRelaxation, FixedOmega, TaskCovariance, identity, mean_regularized, sigma_prime
+from fedmtl.mtl.problem import LOSSES, dual, primal
+from fedmtl.systems import SystemsModel
+
+cp = pytest.importorskip("cvxpy")
+
+
+def tasks(seed=0, sizes=(30, 50, 40, 25), d=5):
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=d)
+    xs = [rng.normal(size=(n, d)) for n in sizes]
+    ys = [np.sign(x @ (base + 0.5 * rng.normal(size=d)) + 0.3 * rng.normal(size=n)) for x, n in zip(xs, sizes)]
+    return xs, ys, MTLData.from_tasks(xs, ys)
+
+
+def cvx_solution(xs, ys, omega, lam, loss):
+    m, d = len(xs), xs[0].shape[1]
+    W = cp.Variable((m, d))
+    terms = []
+    for t in range(m):
+        marg = cp.multiply(ys[t], xs[t] @ W[t])
+        z = cp.pos(1 - marg)
+        terms.append(cp.sum(z if loss == "hinge" else cp.square(z)) / len(ys[t]))
+    L = np.linalg.cholesky(omega)
+    obj = cp.sum(terms) + lam / 2 * cp.sum_squares(L.T @ W)
+    prob = cp.Problem(cp.Minimize(obj))
+    prob.solve(solver=cp.CLARABEL)
+    return W.value, prob.value
+
+
+@pytest.mark.parametrize("loss", ["hinge", "squared_hinge"])
+@pytest.mark.parametrize("omega_kind", ["mean", "random"])
+def test_w_step_matches_cvxpy(loss, omega_kind):
+    xs, ys, data = tasks()
+    m = data.m
+    if omega_kind == "mean":
+        omega = mean_regularized(m, 0.2).omega
+    else:
+        a = np.random.default_rng(1).normal(size=(m, m))
+        omega = a @ a.T / m + 0.5 * np.eye(m)
+    lam = 0.05
+    W_ref, p_ref = cvx_solution(xs, ys, omega, lam, loss)
+    res = solve(data, MochaConfig(lam=lam, loss=loss, inner=1500, local_frac=1.0, record_every=50), FixedOmega(omega))
+    last = res.trace[-1]
+    assert last["gap"] < 1e-4 and last["gap"] >= -1e-9
+    assert abs(last["primal"] - p_ref) < 1e-4 * max(1.0, abs(p_ref))
+    assert np.linalg.norm(res.W - W_ref) / np.linalg.norm(W_ref) < 1e-2
+    gaps = [r["gap"] for r in res.trace]
+    assert gaps[-1] < 1e-3 * gaps[0]
+
+
+def test_identity_coupling_is_independent_svms():
+    from sklearn.svm import LinearSVC
+
+    xs, ys, data = tasks(2)
+    lam = 0.02
+    res = solve(data, MochaConfig(lam=lam, inner=2000, local_frac=1.0), identity(data.m))
+    for t in range(data.m):
+        svc = LinearSVC(C=1 / (lam * len(ys[t])), loss="hinge", fit_intercept=False, tol=1e-10, max_iter=200000)
+        svc.fit(xs[t], ys[t])
+        assert np.allclose(res.W[t], svc.coef_[0], atol=1e-6)
+
+
+def test_sigma_prime_satisfies_inequality_28():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        m = int(rng.integers(2, 7))
+        a = rng.normal(size=(m, m))
+        sigma = a @ a.T + 0.1 * np.eye(m)
+        dB = rng.normal(size=(m, 4))
+        lhs = np.sum(sigma * (dB @ dB.T))
+        for per_task in (False, True):
+            sp = sigma_prime(sigma, 1.0, per_task)
+            rhs = np.sum(sp * np.diag(sigma) * (dB * dB).sum(1))
+            assert lhs <= rhs + 1e-9
+
+
+def test_sdca_coordinate_step_is_the_exact_maximiser():
+    rng = np.random.default_rng(4)
+    grid = np.linspace(0, 3, 300001)
+    for name, loss in LOSSES.items():
+        for _ in range(20):
+            beta, margin, curv = rng.uniform(0, 1), rng.normal(), rng.uniform(0.05, 3)
+            got = loss.coordinate(np.array([beta]), np.array([margin]), np.array([curv]))[0]
+            g = grid[grid <= 1] if name == "hinge" else grid
+            f = -loss.conj(g) - (g - beta) * margin - curv * (g - beta) ** 2 / 2
+            assert abs(got - g[np.argmax(f)]) < 1e-4
+
+
+def test_task_covariance_step_is_closed_form_minimiser():
+    rng = np.random.default_rng(5)
+    W = rng.normal(size=(4, 6))
+    reg = TaskCovariance(eps=0.0)
+    omega, sigma = reg.step(W, np.eye(4))
+    A = W @ W.T
+    best = np.trace(omega @ A)
+    vals = np.linalg.eigvalsh(A)
+    assert best == pytest.approx(np.sqrt(vals).sum() ** 2, rel=1e-8)
+    assert np.trace(sigma) == pytest.approx(1.0) and np.allclose(sigma @ omega, np.eye(4), atol=1e-8)
+    for _ in range(200):  # random feasible Sigma (PSD, trace 1) never does better
+        b = rng.normal(size=(4, 4))
+        s = b @ b.T + 1e-3 * np.eye(4)
+        s /= np.trace(s)
+        assert np.trace(np.linalg.solve(s, A)) >= best - 1e-9
+    o2, _ = reg.step(3.0 * W, np.eye(4))
+    assert np.allclose(o2, omega)  # invariant to W -> cW
+
+
+def test_cluster_step_matches_cvxpy():
+    rng = np.random.default_rng(6)
+    W = rng.normal(size=(5, 3))
+    reg = ClusterRelaxation(k=2, eta=0.5)
+    M_ours = reg.solve_m(W)
+    M = cp.Variable((5, 5), symmetric=True)
+    A = W @ W.T
+    Lc = np.linalg.cholesky(A + 1e-12 * np.eye(5))
+    obj = cp.matrix_frac(Lc, reg.eta * np.eye(5) + M)
+    cons = [M >> 0, np.eye(5) - M >> 0, cp.trace(M) == 2]
+    p = cp.Problem(cp.Minimize(obj), cons)
+    p.solve(solver=cp.CLARABEL)
+    ours = np.trace(A @ np.linalg.inv(reg.eta * np.eye(5) + M_ours))
+    assert ours == pytest.approx(p.value, rel=1e-4)
+    assert np.trace(M_ours) == pytest.approx(2.0)
+    ev = np.linalg.eigvalsh(M_ours)
+    assert ev.min() > -1e-9 and ev.max() < 1 + 1e-9
+
+
+def test_drops_keep_dual_feasible_and_never_responding_node_stalls():
+    xs, ys, data = tasks(7)
+    lam = 0.05
+    cfg = MochaConfig(lam=lam, inner=600, local_frac=1.0, record_every=100)
+    drop = solve(data, cfg, identity(data.m), SystemsModel(drop_prob=0.5))
+    assert ((drop.beta >= -1e-12) & (drop.beta <= 1 + 1e-12)).all()
+    assert all(r["gap"] >= -1e-9 for r in drop.trace)
+    assert drop.trace[-1]["gap"] < 1e-4  # drops with p < 1 still converge
+    never = solve(data, cfg, identity(data.m), SystemsModel(never_respond=[1]))
+    assert np.all(never.beta[1] == 0) and np.all(never.W[1] == 0)
+    assert never.trace[-1]["gap"] > 1e-2  # ... but a node that never answers stops convergence
+
+
+def test_full_mocha_learns_omega_and_decreases_objective():
+    rng = np.random.default_rng(8)
+    d, centers = 6, rng.normal(size=(2, 6)) * 2
+    xs, ys = [], []
+    for t in range(6):
+        w = centers[t % 2] + 0.1 * rng.normal(size=d)
+        x = rng.normal(size=(30, d))
+        xs.append(x)
+        ys.append(np.sign(x @ w))
+    data = MTLData.from_tasks(xs, ys)
+    res = solve(data, MochaConfig(lam=0.01, outer=5, inner=200, local_frac=1.0, record_every=200), TaskCovariance())
+    corr = res.sigma / np.sqrt(np.outer(np.diag(res.sigma), np.diag(res.sigma)))
+    same = np.mean([corr[i, j] for i in range(6) for j in range(6) if i != j and i % 2 == j % 2])
+    diff = np.mean([corr[i, j] for i in range(6) for j in range(6) if i % 2 != j % 2])
+    assert same > diff + 0.3  # the learned task covariance recovers the two groups
+
+
+@pytest.mark.parametrize("method", ["cocoa", "mbsdca", "mbsgd"])
+def test_baselines_approach_the_optimum(method):
+    xs, ys, data = tasks(9)
+    lam = 0.05
+    ref = solve(data, MochaConfig(lam=lam, inner=1500, local_frac=1.0), identity(data.m))
+    p_star = ref.trace[-1]["primal"]
+    res = solve(data, MochaConfig(lam=lam, method=method, inner=400, scaling=5.0 if method == "mbsdca" else 1.0),
+                identity(data.m), p_star=p_star)
+    sub = [r["subopt"] for r in res.trace]
+    assert sub[-1] >= -1e-6 and sub[-1] < 0.2 * sub[0]
+
+
+def test_bad_tasks_raise():
+    with pytest.raises(DataError, match="labels"):
+        MTLData.from_tasks([np.zeros((3, 2))], [np.array([0, 2, 1])])
+    with pytest.raises(DataError, match="NaN"):
+        MTLData.from_tasks([np.full((2, 2), np.nan)], [np.array([1, -1])])
+    with pytest.raises(ValueError, match="method"):
+        MochaConfig(method="admm")
+
+
+def test_reference_w_update_equals_paper_for_fixed_omega():
+    xs, ys, data = tasks(10)
+    a = solve(data, MochaConfig(lam=0.05, inner=50), identity(data.m))
+    b = solve(data, MochaConfig(lam=0.05, inner=50, reference_w_update=True), identity(data.m))
+    assert np.allclose(a.W, b.W, atol=1e-10)
+    p, dv = primal(data, a.W, np.eye(data.m), 0.05, LOSSES["hinge"]), dual(data, a.beta, np.eye(data.m), 0.05,
+                                                                           LOSSES["hinge"])
+    assert p >= dv - 1e-12
