@@ -142,7 +142,8 @@ class MTLData:
 
     def subset(self, keep: list[np.ndarray]) -> MTLData:
         """Per-task index arrays -> a new MTLData (used for CV folds and splits)."""
-        return MTLData.from_tasks([self.X[t, k] for t, k in enumerate(keep)], [self.y[t, k] for t, k in enumerate(keep)])
+        xs = [self.X[t, k] for t, k in enumerate(keep)]
+        return MTLData.from_tasks(xs, [self.y[t, k] for t, k in enumerate(keep)])
 
 
 def margins(data: MTLData, W: np.ndarray) -> np.ndarray:
