@@ -18,7 +18,7 @@ def tasks(seed=0, sizes=(30, 50, 40, 25), d=5):
     rng = np.random.default_rng(seed)
     base = rng.normal(size=d)
     xs = [rng.normal(size=(n, d)) for n in sizes]
-    ys = [np.sign(x @ (base + 0.5 * rng.normal(size=d)) + 0.3 * rng.normal(size=n)) for x, n in zip(xs, sizes, strict=True)]
+    ys = [np.sign(x @ (base + 0.5 * rng.normal(size=d)) + 0.3 * rng.normal(size=len(x))) for x in xs]
     return xs, ys, MTLData.from_tasks(xs, ys)
 
 
