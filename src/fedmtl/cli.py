@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=_cmd_main)
 
     rp = sub.add_parser("reproduce", help="reproduce a paper's experiment (tables, plots)")
-    rp.add_argument("name", choices=["fedem-synthetic", "personalization", "omnifedge-fmnist"])
+    from .reproduce import REPRODUCTIONS
+
+    rp.add_argument("name", choices=sorted(REPRODUCTIONS))
     rp.add_argument("--out", required=True)
     rp.add_argument("--quick", action="store_true", help="a short smoke version")
     rp.set_defaults(fn=_cmd_reproduce)

@@ -250,7 +250,15 @@ def omnifedge_fmnist(out: Path, quick: bool = False) -> dict[str, Any]:
     return rows
 
 
+def mocha(out: Path, quick: bool = False) -> dict[str, Any]:
+    """MOCHA's Table 1 and Figures 1-3 analogues (``fedmtl.mtl.reproduce``)."""
+    from .mtl.reproduce import run
+
+    return run(out, quick=quick)
+
+
 REPRODUCTIONS: dict[str, Callable[..., Any]] = {
+    "mocha": mocha,
     "fedem-synthetic": fedem_synthetic,
     "personalization": personalization,
     "omnifedge-fmnist": omnifedge_fmnist,

@@ -139,14 +139,13 @@ class SystemsModel:
         """Speeds and drops of ``nodes`` (global ids) in round ``round_idx``: a node's draw depends only
         on (seed, round, node id), not on which other nodes take part."""
         nodes = np.asarray(nodes, dtype=np.int64)
-        speed = np.ones(len(nodes))
-        dropped = np.zeros(len(nodes), dtype=bool)
-        never = set(self.never_respond)
-        for j, t in enumerate(nodes.tolist()):
-            rng = np.random.default_rng([seed, round_idx, 7, t])
-            u, v = rng.random(2)
-            speed[j] = self.low + (1.0 - self.low) * u if self.low < 1 else 1.0
-            dropped[j] = (v < self.drop_prob) or (t in never)
+        if self.ideal:
+            return SystemsDraw(np.ones(len(nodes)), np.zeros(len(nodes), dtype=bool))
+        size = int(nodes.max(initial=-1)) + 1
+        u = np.random.default_rng([seed, round_idx, 7, 0]).random(size)  # prefixes of one stream per purpose:
+        v = np.random.default_rng([seed, round_idx, 7, 1]).random(size)  # node t's draw never depends on others
+        speed = self.low + (1.0 - self.low) * u[nodes] if self.low < 1 else np.ones(len(nodes))
+        dropped = (v[nodes] < self.drop_prob) | np.isin(nodes, np.asarray(self.never_respond, dtype=np.int64))
         return SystemsDraw(np.maximum(speed, 1e-6), dropped)
 
     def steps(self, draw: SystemsDraw, budget: np.ndarray) -> np.ndarray:

@@ -88,15 +88,21 @@ def read_har_zip(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(ss)
 
 
-def har(data_dir: str = "", binary: bool = True, test_frac: float = 0.25, standardize: bool = True,
-        seed: int = 0, unseen_frac: float = 0.0, download: bool = True) -> FederatedData:
+def har_tasks(data_dir: str = "", binary: bool = True, download: bool = True
+              ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One task per subject (30): features and labels (MOCHA's task: sitting = 1 vs the rest = 0)."""
     x, y, subj = read_har_zip(locate(HAR_ZIP, "har", data_dir, (), download))
     if y.min() < 1 or y.max() > 6:
         raise DataError(f"har: activity labels must be 1..6, found {y.min()}..{y.max()}")
     labels = (y == 4).astype(np.int64) if binary else y - 1
     ids = np.unique(subj)
-    return tasks_to_federation([x[subj == s] for s in ids], [labels[subj == s] for s in ids], 2 if binary else 6,
-                               "har", test_frac, standardize, seed, unseen_frac)
+    return [x[subj == s] for s in ids], [labels[subj == s] for s in ids]
+
+
+def har(data_dir: str = "", binary: bool = True, test_frac: float = 0.25, standardize: bool = True,
+        seed: int = 0, unseen_frac: float = 0.0, download: bool = True) -> FederatedData:
+    xs, ys = har_tasks(data_dir, binary, download)
+    return tasks_to_federation(xs, ys, 2 if binary else 6, "har", test_frac, standardize, seed, unseen_frac)
 
 
 # ---------------------------------------------------------------------------------------------- Vehicle
@@ -138,8 +144,8 @@ def read_sensit_folder(root: str | Path) -> tuple[list[np.ndarray], list[np.ndar
     return [np.concatenate(per_sensor[k][0]) for k in keys], [np.concatenate(per_sensor[k][1]) for k in keys]
 
 
-def vehicle(data_dir: str = "", test_frac: float = 0.25, standardize: bool = True, seed: int = 0,
-            unseen_frac: float = 0.0) -> FederatedData:
+def vehicle_tasks(data_dir: str = "") -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One task per sensor (23): 100 features, AAV = 1 vs DW = 0."""
     root = Path(data_dir) if data_dir else None
     if root is None or not root.exists():
         raise DataError("vehicle: set data_dir to a folder with MOCHA's vehicle.mat or the raw SensIT "
@@ -148,6 +154,12 @@ def vehicle(data_dir: str = "", test_frac: float = 0.25, standardize: bool = Tru
     xs, ys = read_vehicle_mat(mat) if mat.is_file() else read_sensit_folder(root)
     if any(x.shape[1] != 100 for x in xs):
         raise DataError(f"vehicle: expected 100 features per example, found {sorted({x.shape[1] for x in xs})}")
+    return xs, ys
+
+
+def vehicle(data_dir: str = "", test_frac: float = 0.25, standardize: bool = True, seed: int = 0,
+            unseen_frac: float = 0.0) -> FederatedData:
+    xs, ys = vehicle_tasks(data_dir)
     return tasks_to_federation(xs, ys, 2, "vehicle", test_frac, standardize, seed, unseen_frac)
 
 
@@ -235,7 +247,12 @@ def read_gleam_tar(path: str | Path) -> tuple[list[np.ndarray], list[np.ndarray]
     return xs, ys
 
 
+def gleam_tasks(data_dir: str = "", download: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One task per participant (38): 180 window features, eating = 1 vs the rest = 0."""
+    return read_gleam_tar(locate(GLEAM_TAR, "gleam", data_dir, (), download))
+
+
 def gleam(data_dir: str = "", test_frac: float = 0.25, standardize: bool = True, seed: int = 0,
           unseen_frac: float = 0.0, download: bool = True) -> FederatedData:
-    xs, ys = read_gleam_tar(locate(GLEAM_TAR, "gleam", data_dir, (), download))
+    xs, ys = gleam_tasks(data_dir, download)
     return tasks_to_federation(xs, ys, 2, "gleam", test_frac, standardize, seed, unseen_frac)

@@ -54,9 +54,8 @@ class Hinge(Loss):
         return -beta
 
     def coordinate(self, beta: np.ndarray, margin: np.ndarray, curv: np.ndarray) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            step = np.where(curv > 0, (1.0 - margin) / curv, 0.0)
-        return np.clip(beta + step, 0.0, 1.0)
+        step = np.divide(1.0 - margin, curv, out=np.zeros_like(margin), where=curv > 0)
+        return np.minimum(np.maximum(beta + step, 0.0), 1.0)
 
     def subgradient(self, margin: np.ndarray) -> np.ndarray:
         return -(margin < 1.0).astype(np.float64)
