@@ -257,8 +257,16 @@ def mocha(out: Path, quick: bool = False) -> dict[str, Any]:
     return run(out, quick=quick)
 
 
+def networked(out: Path, quick: bool = False) -> dict[str, Any]:
+    """Networked FL by GTV minimization: the seed's SBM toy experiments (``fedmtl.networked.reproduce``)."""
+    from .networked.reproduce import run
+
+    return run(out, quick=quick)
+
+
 REPRODUCTIONS: dict[str, Callable[..., Any]] = {
     "mocha": mocha,
+    "networked": networked,
     "fedem-synthetic": fedem_synthetic,
     "personalization": personalization,
     "omnifedge-fmnist": omnifedge_fmnist,
