@@ -274,3 +274,12 @@ def _bench_models(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS["models"] = _bench_models
+
+
+def _bench_networked(args: argparse.Namespace) -> int:
+    from .networked.bench import main
+
+    return main(args)
+
+
+BENCHMARKS["networked"] = _bench_networked
