@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -82,6 +83,30 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_flower(args: argparse.Namespace) -> int:
+    from .config import dumps, load
+
+    cfg = load(args.config, args.set)
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ConfigError("Flower is not installed: pip install 'fedmtl[flower]'") from None
+    n = cfg.build_data().seen.num_clients
+    if args.clients and args.clients != n:
+        raise ConfigError(f"--clients {args.clients}: {args.config} has {n} seen clients (one SuperNode each)")
+    if args.action == "app":
+        from .flower.project import write_project
+
+        out = write_project(cfg, args.out or "flower-app", n)
+        print(f"wrote a Flower app project to {out} (flwr run {out}); deployment recipe: {out / 'DEPLOY.md'}")
+        return 0
+    from .flower.simulation import simulate
+
+    res = simulate(dumps(cfg.raw), n, args.out or "")
+    print(json.dumps({k: v for k, v in res["final"].items()}, indent=1))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import BENCHMARKS
 
@@ -128,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", required=True)
     rp.add_argument("--quick", action="store_true", help="a short smoke version")
     rp.set_defaults(fn=_cmd_reproduce)
+
+    fl = sub.add_parser("flower", help="run over Flower: 'simulate' (simulation engine) or 'app' (write a project)")
+    fl.add_argument("action", choices=["simulate", "app"])
+    fl.add_argument("config")
+    fl.add_argument("--clients", type=int, default=0, help="SuperNodes (must equal the config's seen clients)")
+    fl.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    fl.add_argument("--out", help="simulate: run directory; app: project directory (default flower-app)")
+    fl.set_defaults(fn=_cmd_flower)
 
     from .bench import BENCHMARKS
 

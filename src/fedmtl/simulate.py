@@ -80,6 +80,17 @@ class RunConfig:
             raise ValueError("run.eval_every must be >= 1; checkpoint_every and chunk_size >= 0")
 
 
+def sample_clients(cfg: RunConfig, num_clients: int, round_idx: int) -> Tensor:
+    """The clients of round ``round_idx`` (sorted ids): everyone, or a uniform sample without replacement of
+    ``clients_per_round`` (else ``round(sampling_rate * num_clients)``) from stream 1 of the round."""
+    k = cfg.clients_per_round or max(1, int(round(cfg.sampling_rate * num_clients)))
+    k = min(k, num_clients)
+    if k == num_clients:
+        return torch.arange(num_clients)
+    g = round_generator(cfg.seed, round_idx, 1)
+    return torch.sort(torch.randperm(num_clients, generator=g)[:k]).values
+
+
 def round_generator(seed: int, round_idx: int, stream: int = 0) -> torch.Generator:
     """Generator for one round and one purpose, independent of everything that came before."""
     mixed = np.random.SeedSequence([seed, round_idx, stream]).generate_state(1, dtype=np.uint64)[0]
@@ -130,13 +141,7 @@ class Simulator:
 
     # ------------------------------------------------------------------------------ sampling
     def sample_clients(self, round_idx: int) -> Tensor:
-        n = self.ctx.num_clients
-        k = self.cfg.clients_per_round or max(1, int(round(self.cfg.sampling_rate * n)))
-        k = min(k, n)
-        if k == n:
-            return torch.arange(n)
-        g = round_generator(self.cfg.seed, round_idx, 1)
-        return torch.sort(torch.randperm(n, generator=g)[:k]).values
+        return sample_clients(self.cfg, self.ctx.num_clients, round_idx)
 
     # ------------------------------------------------------------------------------ runners
     def _client_update_fn(self, payload: Tree, state: Tree, batches: Any, lr: float) -> Any:

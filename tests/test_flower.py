@@ -1,0 +1,133 @@
+"""fedmtl over Flower: record conversion, simulation-engine equivalence with the in-process simulator,
+dropped clients and server resume."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from fedmtl import tree as T  # noqa: E402
+from fedmtl.config import dumps, validate  # noqa: E402
+from fedmtl.evaluation import summarize  # noqa: E402
+from fedmtl.experiment import build  # noqa: E402
+from fedmtl.flower.records import (  # noqa: E402
+    RecordError,
+    from_record,
+    record_to_tree,
+    to_config,
+    to_metrics,
+    tree_to_record,
+)
+
+
+class State(NamedTuple):
+    pi: torch.Tensor
+    steps: torch.Tensor
+
+
+def test_record_round_trip_of_stacked_tensors_and_namedtuples():
+    tree = {"components": {"fc.weight": torch.randn(3, 2, 5), "fc.bias": torch.randn(3, 2)},
+            "state": State(torch.softmax(torch.randn(3), 0), torch.tensor([7], dtype=torch.long))}
+    rec = tree_to_record(tree)
+    assert "['components']['fc.weight']" in rec.keys()
+    back = record_to_tree(rec, T.tmap(torch.zeros_like, tree))
+    assert isinstance(back["state"], State)
+    for a, b in zip(T.leaves(tree), T.leaves(back), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(RecordError, match="expected"):
+        record_to_tree(rec, {"other": torch.zeros(1)})
+    wrong = T.tmap(torch.zeros_like, tree)
+    wrong["components"]["fc.bias"] = torch.zeros(3, 3)
+    with pytest.raises(RecordError, match="fc.bias"):
+        record_to_tree(rec, wrong)
+
+
+def test_scalar_records_keep_integers_exact():
+    big = 2**62 + 1  # a node id: never through float
+    c = from_record(to_config({"client": big, "lr": 0.1, "counts": [3, 4, 5], "name": "fedem"}))
+    assert c["client"] == big and isinstance(c["client"], int) and c["counts"] == [3, 4, 5]
+    m = from_record(to_metrics({"loss": torch.tensor(0.25), "n": 12}))
+    assert m == {"loss": 0.25, "n": 12}
+    with pytest.raises(RecordError):
+        to_metrics({"name": "x"})
+    with pytest.raises(RecordError):
+        to_config({"mixed": [1, 0.5]})
+
+
+CONFIG = """
+[data]
+name = "fedem_synthetic"
+num_clients = 5
+dim = 6
+n_test = 20
+max_samples = 120
+seed = 2
+
+[model]
+name = "linear"
+
+[algorithm]
+name = "{alg}"
+{extra}
+
+[optim]
+lr = 0.1
+momentum = 0.9
+
+[run]
+rounds = 3
+batch_size = 32
+clients_per_round = {k}
+seed = 5
+"""
+
+
+def _in_process(text):
+    import tomllib
+
+    cfg = validate(tomllib.loads(text))
+    sim = build(cfg)
+    st = sim.init_state()
+    for _ in range(cfg.run.rounds):
+        sim.round(st)
+    return st, summarize({"seen": sim.evaluate(st, ("seen",))["seen"]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alg,extra,k", [("fedem", "num_components = 2", 3), ("fedavg", "", 0)])
+def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
+    import tomllib
+
+    from fedmtl.flower.simulation import simulate
+
+    text = dumps(validate(tomllib.loads(CONFIG.format(alg=alg, extra=extra, k=k))).raw)
+    res = simulate(text, out=tmp_path / "run")
+    st, final = _in_process(text)
+    for a, b in zip(T.leaves(res["server"]), T.leaves(st.server), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    for key, v in final.items():
+        assert abs(res["final"][key] - v) < 1e-5, key
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypatch):
+    import tomllib
+
+    from fedmtl.flower.simulation import simulate
+
+    monkeypatch.setenv("FEDMTL_FLOWER_FAIL", "1:1,3:2")
+    text = dumps(validate(tomllib.loads(CONFIG.format(alg="fedavg", extra="", k=0))).raw)
+    res = simulate(text, out=tmp_path / "run", round_timeout=120)
+    assert [h["dropped"] for h in res["history"]] == [0, 1, 1]
+    assert res["counters"]["dropped_updates"] == 2
+    assert res["final"]["seen_test_acc"] > 0.5
+    # a restarted server finds the checkpoint of round 3 and only evaluates
+    again = simulate(text, out=tmp_path / "run", round_timeout=120)
+    assert len(again["history"]) == 3
+    for a, b in zip(T.leaves(again["server"]), T.leaves(res["server"]), strict=True):
+        assert torch.equal(a, b)
