@@ -9,7 +9,7 @@ from typing import Any
 from .apps import ServerOptions, config_from_text, make_client_app, make_server_app
 
 
-def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: int = 2,
+def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: int = 1,
              round_timeout: float = 600.0) -> dict[str, Any]:
     """Run the experiment ``cfg_text`` (TOML) over Flower's simulation engine; returns the summary."""
     from flwr.simulation import run_simulation
