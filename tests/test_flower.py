@@ -134,3 +134,36 @@ def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypa
     assert len(again["history"]) == 3
     for a, b in zip(T.leaves(again["server"]), T.leaves(res["server"]), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_deployment_with_tls_and_node_authentication(tmp_path):
+    """A real SuperLink (TLS, node authentication) and two SuperNodes on 127.0.0.1 run 3 FedEM rounds
+    through ``flwr run``; the result equals the in-process simulator; an unregistered node is refused."""
+    import json
+    import time
+    import tomllib
+
+    from fedmtl.flower.deploy import LocalDeployment
+    from fedmtl.flower.project import write_project
+
+    cfg = validate(tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", k=3)))
+    app = write_project(cfg, tmp_path / "app", 5)
+    with LocalDeployment(tmp_path / "dep", partitions=[[0, 1, 2], [3, 4]]) as dep:
+        deadline = time.time() + 120
+        while dep.online_nodes() < 2:
+            assert time.time() < deadline, "SuperNodes did not come online"
+            time.sleep(2)
+        intruder = dep.start_unregistered_node()
+        dep.run(app, tmp_path / "out")
+        intruder.wait(120)  # type: ignore[attr-defined]
+        assert intruder.returncode != 0 or "failed" in (tmp_path / "dep" / "unregistered.log").read_text()
+        assert dep.online_nodes() == 2  # the unregistered key never joined
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    server = torch.load(tmp_path / "out" / "server.pt", weights_only=False)
+    st, final = _in_process(dumps(cfg.raw))
+    for a, b in zip(T.leaves(server), T.leaves(st.server), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    for key, v in final.items():
+        assert abs(summary["final"][key] - v) < 1e-5, key
+    assert len(summary["history"]) == 3

@@ -102,8 +102,8 @@ def _state_file(cfg_text: str, k: int) -> Path | None:
 
 def _load_state(rt: _Runtime, context: Context, cfg_text: str, k: int, ctx: AlgContext) -> Any:
     template = T.take(rt.alg.init_clients(ctx, rt.server0), k)
-    if STATE_KEY in context.state:
-        rec = context.state[STATE_KEY]
+    if f"{STATE_KEY}.{k}" in context.state:
+        rec = context.state[f"{STATE_KEY}.{k}"]
         assert isinstance(rec, ArrayRecord)
         return record_to_tree(rec, template)
     f = _state_file(cfg_text, k)
@@ -115,7 +115,7 @@ def _load_state(rt: _Runtime, context: Context, cfg_text: str, k: int, ctx: AlgC
 def _save_state(state: Any, context: Context, cfg_text: str, k: int) -> None:
     if not T.leaves(state):
         return
-    context.state[STATE_KEY] = tree_to_record(state)
+    context.state[f"{STATE_KEY}.{k}"] = tree_to_record(state)
     f = _state_file(cfg_text, k)
     if f is not None:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -124,11 +124,27 @@ def _save_state(state: Any, context: Context, cfg_text: str, k: int) -> None:
         tmp.replace(f)
 
 
-def _partition(context: Context) -> int:
-    if "partition-id" not in context.node_config:
+def _partitions(context: Context) -> list[int]:
+    """The clients this SuperNode serves: node config ``partition-id=K`` (one client, Flower's convention)
+    or ``partition-ids="A-B"`` / ``"A,B,C"`` (several clients on one machine)."""
+    nc = context.node_config
+    if "partition-ids" in nc:
+        out: list[int] = []
+        for part in str(nc["partition-ids"]).split(","):
+            a, _, b = part.strip().partition("-")
+            out += list(range(int(a), int(b) + 1)) if b else [int(a)]
+        return out
+    if "partition-id" not in nc:
         raise ValueError("this SuperNode has no node config 'partition-id' (start it with "
                          "--node-config 'partition-id=K num-partitions=N')")
-    return int(context.node_config["partition-id"])
+    return [int(nc["partition-id"])]
+
+
+def _client_of(msg: Message, context: Context) -> int:
+    k = int(from_record(msg.content["config"])["client"])  # type: ignore[arg-type]
+    if k not in _partitions(context):
+        raise ValueError(f"message for client {k} reached a SuperNode serving partitions {_partitions(context)[:8]}")
+    return k
 
 
 def _maybe_fail(k: int, rnd: int) -> None:
@@ -142,12 +158,12 @@ def _maybe_fail(k: int, rnd: int) -> None:
 
 def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
     rt = runtime(cfg_text)
-    k = _partition(context)
+    ks = _partitions(context)
     d = rt.data
-    if not 0 <= k < d.seen.num_clients:
-        raise ValueError(f"partition-id {k} out of range: the federation has {d.seen.num_clients} seen clients")
+    if not all(0 <= k < d.seen.num_clients for k in ks):
+        raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {d.seen.num_clients} seen clients")
     info = to_config({
-        "partition_id": k, "n_train": int(d.seen.train.counts[k]), "num_clients": d.seen.num_clients,
+        "partition_ids": ks, "num_clients": d.seen.num_clients,
         "all_train_counts": d.seen.train.counts.tolist(),
         "config_sha": hashlib.sha256(cfg_text.encode()).hexdigest(),
         "feature_shape": list(d.feature_shape), "num_classes": d.num_classes,
@@ -158,10 +174,8 @@ def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
 
 def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
     rt = runtime(cfg_text)
-    k = _partition(context)
+    k = _client_of(msg, context)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
-    if int(conf["client"]) != k:
-        raise ValueError(f"message for client {conf['client']} reached partition {k}")
     r = int(conf["round"])
     _maybe_fail(k, r)
     cfg = rt.cfg
@@ -183,14 +197,14 @@ def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
         _save_state(new_state, context, cfg_text, k)
     content = RecordDict({
         "update": tree_to_record(update),
-        "metrics": to_metrics({"loss": float(loss), "n": int(split.counts[0]), "finite": int(ok)}),
+        "metrics": to_metrics({"loss": float(loss), "n": int(split.counts[0]), "finite": int(ok), "client": k}),
     })
     return Message(content, reply_to=msg)
 
 
 def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
     rt = runtime(cfg_text)
-    k = _partition(context)
+    k = _client_of(msg, context)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     cfg, alg = rt.cfg, rt.alg
     ctx = _alg_ctx(cfg, rt.model, int(conf["num_clients"]), float(conf["total_train"]))
@@ -206,7 +220,7 @@ def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
                           cfg.run.batch_size)
         batches = T.take(b, 0)
     es = alg.personalize(ctx, payload, state, batches, float(conf["lr"]), True)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"client": k}
     for name, split in rt.data.seen.splits().items():
         x, y = split.client(k)
         out[f"{name}_n"] = len(y)
@@ -271,10 +285,10 @@ def _discover(grid: Any, want: int | None, timeout: float) -> dict[int, dict[str
         if rep.has_error():
             raise RuntimeError(f"node {rep.metadata.src_node_id} failed the partition query: {rep.error.reason}")
         info = from_record(rep.content["info"])  # type: ignore[arg-type]
-        pid = int(info["partition_id"])
-        if pid in out:
-            raise RuntimeError(f"two SuperNodes claim partition {pid}")
-        out[pid] = {"node_id": int(rep.metadata.src_node_id), **info}
+        for pid in info["partition_ids"]:
+            if pid in out:
+                raise RuntimeError(f"two SuperNodes claim partition {pid}")
+            out[int(pid)] = {"node_id": int(rep.metadata.src_node_id), **info}
     return out
 
 
@@ -325,18 +339,19 @@ def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> dict[str, Any]
                               "num_clients": n_clients, "total_train": total})
             msgs.append(Message(RecordDict({"payload": prec, "config": conf}), dst_node_id=nodes[k]["node_id"],
                                 message_type="train", group_id=str(r)))
-        by_node = {m.metadata.dst_node_id: i for i, m in enumerate(msgs)}
+        position = {k: i for i, k in enumerate(clients.tolist())}
         replies = list(grid.send_and_receive(msgs, timeout=opts.round_timeout))
         updates: list[Any] = [None] * len(msgs)
         losses = np.full(len(msgs), np.nan)
         for rep in replies:
-            i = by_node.get(int(rep.metadata.src_node_id))
-            if i is None or rep.has_error():
-                if rep.has_error():
-                    log.warning("round %d: client %d failed: %s", r, int(clients[i]) if i is not None else -1,
-                                rep.error.reason[:200])
+            if rep.has_error():
+                log.warning("round %d: a client on node %s failed: %s", r, rep.metadata.src_node_id,
+                            rep.error.reason[:200])
                 continue
             met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
+            i = position.get(int(met.get("client", -1)))
+            if i is None:
+                continue
             if not met.get("finite", 1):
                 continue
             try:
@@ -381,17 +396,18 @@ def evaluate_all(grid: Any, alg: Algorithm, server: Any, nodes: dict[int, dict[s
                  n_clients: int, total: float, counts_all: torch.Tensor, opts: ServerOptions) -> dict[str, Any]:
     prec = tree_to_record(alg.payload(server))
     r = cfg.run.rounds
-    conf = to_config({"round": r, "lr": cfg.optim.lr_at(max(r - 1, 0), r), "num_clients": n_clients,
-                      "total_train": total, "all_train_counts": counts_all.tolist()})
-    msgs = [Message(RecordDict({"payload": prec, "config": conf}), dst_node_id=nodes[k]["node_id"],
+    base = {"round": r, "lr": cfg.optim.lr_at(max(r - 1, 0), r), "num_clients": n_clients, "total_train": total,
+            "all_train_counts": counts_all.tolist()}
+    msgs = [Message(RecordDict({"payload": prec, "config": to_config({**base, "client": k})}),
+                    dst_node_id=nodes[k]["node_id"],
                     message_type="evaluate", group_id="eval") for k in range(n_clients)]
-    node_to_k = {nodes[k]["node_id"]: k for k in range(n_clients)}
     res: dict[int, dict[str, Any]] = {}
     for rep in grid.send_and_receive(msgs, timeout=opts.round_timeout):
         if rep.has_error():
             log.warning("evaluation failed on node %s: %s", rep.metadata.src_node_id, rep.error.reason[:200])
             continue
-        res[node_to_k[int(rep.metadata.src_node_id)]] = from_record(rep.content["metrics"])  # type: ignore[arg-type]
+        met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
+        res[int(met.pop("client"))] = met
     names = sorted({key.rsplit("_", 1)[0] for m in res.values() for key in m})
     out: dict[str, Any] = {}
     for name in names:

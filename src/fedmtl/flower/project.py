@@ -48,7 +48,7 @@ address = ":local:"
 options.num-supernodes = {n}
 
 [superlink.deployment]
-address = "127.0.0.1:9093"
+address = "127.0.0.1:9091"
 root-certificates = "{certs}/ca.crt"
 """
 
@@ -68,14 +68,16 @@ config and seed and trains only on its own partition (`partition-id`).
 
    (`fedmtl.flower.deploy.make_certificates(dir)` writes the same files with Python's `cryptography`.)
 
-2. One key pair per SuperNode (elliptic-curve, OpenSSH public-key format):
+2. One key pair per SuperNode (elliptic-curve, OpenSSH format; or `fedmtl.flower.deploy.make_node_keys`):
 
        ssh-keygen -t ecdsa -b 384 -N "" -f keys/node0      # ... node{last}
 
-3. The SuperLink with TLS and SuperNode authentication:
+3. The SuperLink with TLS and SuperNode authentication (Flower 1.41 serves the Fleet and Control APIs on one
+   HTTPS port, `--port`, default 9091; the app's dependencies are already installed, hence the last flag):
 
        flower-superlink --ssl-ca-certfile certs/ca.crt --ssl-certfile certs/server.pem \\
-           --ssl-keyfile certs/server.key --enable-supernode-auth
+           --ssl-keyfile certs/server.key --enable-supernode-auth --port 9091 \\
+           --disable-runtime-dependency-installation
 
 4. Register each node's public key with the SuperLink (Control API; only registered keys may connect):
 
@@ -83,13 +85,18 @@ config and seed and trains only on its own partition (`partition-id`).
 
 5. Start the SuperNodes (one per partition):
 
-       flower-supernode --superlink 127.0.0.1:9092 --root-certificates certs/ca.crt \\
+       flower-supernode --superlink 127.0.0.1:9091 --root-certificates certs/ca.crt \\
            --auth-supernode-private-key keys/node0 --node-config "partition-id=0 num-partitions={n}" \\
-           --clientappio-api-address 127.0.0.1:9094
+           --port 9094        # a free local port per SuperNode on one machine
+
+   A node may serve several clients: `--node-config 'partition-ids="0-49" num-partitions={n}'`.
+   A node whose key was not registered is refused by the SuperLink.
 
 6. Run the experiment (copy flwr-config.toml to $FLWR_HOME/config.toml first):
 
        flwr run . deployment --stream
+
+`fedmtl.flower.deploy.LocalDeployment` runs exactly these steps on 127.0.0.1 (the test suite uses it).
 
 The server writes `flower-run/summary.json` and checkpoints `flower-run/checkpoint.pt` after every round; a
 restarted run resumes from it.  Set `FEDMTL_FLOWER_STATE_DIR` on a SuperNode to keep its client state
