@@ -283,3 +283,13 @@ def _bench_networked(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS["networked"] = _bench_networked
+
+
+def _bench_flower(args: argparse.Namespace) -> int:
+    from .flower.bench import run
+
+    run(args.out, clients=args.clients, rounds=max(2, args.rounds))
+    return 0
+
+
+BENCHMARKS["flower"] = _bench_flower

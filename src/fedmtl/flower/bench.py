@@ -1,0 +1,87 @@
+"""``fedmtl bench flower``: seconds per FedAvg round for one workload on the three paths.
+
+Workload: FedEM's synthetic federation with ``clients`` clients (linear model, batch 128, one local epoch,
+every client every round).  ``vmap_round_s``: the in-process vmap runner; ``flower_simulation_round_s``:
+Flower's simulation engine (one virtual SuperNode per client, one Ray actor); ``flower_deployment_round_s``:
+a real SuperLink and two SuperNodes (each serving half of the clients) on 127.0.0.1 with TLS and node
+authentication.  Each is the median over rounds after the first (which pays start-up costs), reported with
+the first round's time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+CONFIG = """
+[data]
+name = "fedem_synthetic"
+num_clients = {n}
+seed = 1
+
+[model]
+name = "linear"
+
+[algorithm]
+name = "fedavg"
+
+[optim]
+lr = 0.1
+
+[run]
+rounds = {rounds}
+batch_size = 128
+seed = 3
+runner = "vmap"
+"""
+
+
+def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
+    from ..config import dumps, validate
+    from ..experiment import build
+    from .deploy import LocalDeployment
+    from .project import write_project
+    from .simulation import simulate
+
+    cfg = validate(tomllib.loads(CONFIG.format(n=clients, rounds=rounds)))
+    text = dumps(cfg.raw)
+    res: dict[str, Any] = {"clients": clients, "rounds": rounds, "algorithm": "fedavg"}
+    sim = build(cfg)
+    st = sim.init_state()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        sim.round(st)
+        times.append(time.perf_counter() - t0)
+    res["vmap_round_s"] = statistics.median(times[1:])
+    t0 = time.perf_counter()
+    s = simulate(text, clients)
+    res["flower_simulation_total_s"] = time.perf_counter() - t0
+    hs = [h["seconds"] for h in s["history"]]
+    res["flower_simulation_round_s"] = statistics.median(hs[1:])
+    res["flower_simulation_first_round_s"] = hs[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        app = write_project(cfg, Path(tmp) / "app", clients)
+        half = clients // 2
+        with LocalDeployment(Path(tmp) / "dep", [list(range(half)), list(range(half, clients))]) as dep:
+            deadline = time.time() + 120
+            while dep.online_nodes() < 2 and time.time() < deadline:
+                time.sleep(2)
+            t0 = time.perf_counter()
+            dep.run(app, Path(tmp) / "out", timeout=3600)
+            res["flower_deployment_total_s"] = time.perf_counter() - t0
+        d = json.loads((Path(tmp) / "out" / "summary.json").read_text())
+        hd = [h["seconds"] for h in d["history"]]
+        res["flower_deployment_round_s"] = statistics.median(hd[1:])
+        res["flower_deployment_first_round_s"] = hd[0]
+    res["simulation_over_vmap"] = res["flower_simulation_round_s"] / res["vmap_round_s"]
+    res["deployment_over_vmap"] = res["flower_deployment_round_s"] / res["vmap_round_s"]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=1))
+    return res
