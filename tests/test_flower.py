@@ -167,3 +167,19 @@ def test_deployment_with_tls_and_node_authentication(tmp_path):
     for key, v in final.items():
         assert abs(summary["final"][key] - v) < 1e-5, key
     assert len(summary["history"]) == 3
+
+
+def test_cli_writes_a_flower_app_project(tmp_path):
+    import tomllib
+
+    from fedmtl.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(alg="fedavg", extra="", k=0))
+    assert main(["flower", "app", str(cfg), "--out", str(tmp_path / "app")]) == 0
+    py = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
+    assert py["tool"]["flwr"]["app"]["components"]["serverapp"] == "fedmtl_app.server_app:app"
+    embedded = tomllib.loads(py["tool"]["flwr"]["app"]["config"]["fedmtl-config"])
+    assert embedded["algorithm"]["name"] == "fedavg" and embedded["data"]["num_clients"] == 5
+    assert "enable-supernode-auth" in (tmp_path / "app" / "DEPLOY.md").read_text()
+    assert main(["flower", "app", str(cfg), "--clients", "7", "--out", str(tmp_path / "x")]) == 2
