@@ -57,7 +57,8 @@ def run(out: str | Path, sizes: tuple[int, ...] = (1000, 10000, 100000), cvxpy_m
         else:
             t0 = time.perf_counter()
             w_ref = solve(g, data, GTVConfig(lam=cfg.lam, penalty="tv", iterations=max_iterations, tol=1e-10)).w
-            row.update(reference="own solver to relative iterate change 1e-10", reference_seconds=time.perf_counter() - t0)
+            row.update(reference="own solver to relative iterate change 1e-10",
+                       reference_seconds=time.perf_counter() - t0)
         every = 10
         traced = solve(g, data, GTVConfig(lam=cfg.lam, penalty="tv", iterations=max_iterations, record_every=every),
                        w_ref=w_ref)
