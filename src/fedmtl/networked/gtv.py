@@ -106,6 +106,7 @@ class GTVConfig:
     average: bool = False  # also keep the ergodic average of the primal iterates (the O(1/K) theory's output)
     record_every: int = 0  # > 0: record residuals / objective every this many iterations
     tol: float = 0.0  # stop when the relative iterate change falls below tol
+    ref_tol: float = 0.0  # with a reference solution: stop once a recorded relative error is <= ref_tol
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -291,6 +292,8 @@ def solve(graph: EmpiricalGraph, data: NodeData, cfg: GTVConfig, w_ref: np.ndarr
             if w_ref is not None:
                 row["rel_error"] = float(np.linalg.norm(w - w_ref) / max(ref_norm, 1e-300))
             res.trace.append(row)
+            if cfg.ref_tol > 0 and row.get("rel_error", np.inf) <= cfg.ref_tol:
+                break
         if cfg.tol > 0 and change / scale_now < cfg.tol:
             break
     res.w, res.u, res.iterations = w, u, k
