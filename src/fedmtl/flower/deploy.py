@@ -182,7 +182,10 @@ class LocalDeployment:
                     p.kill()
         self.procs.clear()
         # ServerApp / ClientApp processes the SuperLink and SuperNodes spawned
-        subprocess.run(["pkill", "-f", f"127.0.0.1:{self.port}"], check=False)
+        try:
+            subprocess.run(["pkill", "-f", f"127.0.0.1:{self.port}"], check=False)
+        except FileNotFoundError:  # no procps: the SuperLink / SuperNodes stopped above end their children
+            pass
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
