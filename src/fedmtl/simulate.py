@@ -121,6 +121,7 @@ class Simulator:
             torch.set_num_threads(cfg.threads)
         self.alg, self.model, self.opt, self.cfg = algorithm, model, opt, cfg
         self.systems = systems or SystemsModel()
+        self._n_params = sum(int(p.numel()) for p in model.module.parameters())
         self.device = torch.device(cfg.device)
         self.data = data.to(self.device)
         self.model = model
@@ -245,8 +246,6 @@ class Simulator:
         """Estimated wall-clock seconds of this round on the systems model's device network: the
         compute of the round's clock cycle (or of its slowest node, in ``wait`` mode) at 6 FLOPs per
         parameter per example (forward and backward), plus the payload down and an update as large up."""
-        if not hasattr(self, "_n_params"):
-            self._n_params = sum(int(p.numel()) for p in self.model.module.parameters())
         step_flops = 6.0 * self._n_params * self.cfg.batch_size
         nbytes = float(sum(int(x.numel()) * x.element_size() for x in T.leaves(payload)))
         steps = self.systems.compute_time_steps(draw, budget, done)

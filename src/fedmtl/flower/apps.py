@@ -65,6 +65,7 @@ class _Runtime:
     model: Any
     alg: Algorithm
     server0: Any
+    clients0: Any  # every client's initial state (stacked), computed once
 
 
 _RUNTIMES: dict[str, _Runtime] = {}
@@ -80,7 +81,7 @@ def runtime(cfg_text: str) -> _Runtime:
         alg = cfg.build_algorithm()
         ctx = _alg_ctx(cfg, model, data.seen.num_clients, float(data.seen.train.counts.sum()))
         server0 = alg.init_server(ctx, model.init(cfg.run.seed), cfg.run.seed)
-        _RUNTIMES[key] = _Runtime(cfg, data, model, alg, server0)
+        _RUNTIMES[key] = _Runtime(cfg, data, model, alg, server0, alg.init_clients(ctx, server0))
     return _RUNTIMES[key]
 
 
@@ -100,8 +101,8 @@ def _state_file(cfg_text: str, k: int) -> Path | None:
     return Path(root) / f"{hashlib.sha256(cfg_text.encode()).hexdigest()[:16]}_client{k}.pt"
 
 
-def _load_state(rt: _Runtime, context: Context, cfg_text: str, k: int, ctx: AlgContext) -> Any:
-    template = T.take(rt.alg.init_clients(ctx, rt.server0), k)
+def _load_state(rt: _Runtime, context: Context, cfg_text: str, k: int) -> Any:
+    template = T.take(rt.clients0, k)
     if f"{STATE_KEY}.{k}" in context.state:
         rec = context.state[f"{STATE_KEY}.{k}"]
         assert isinstance(rec, ArrayRecord)
@@ -181,7 +182,7 @@ def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
     cfg = rt.cfg
     ctx = _alg_ctx(cfg, rt.model, int(conf["num_clients"]), float(conf["total_train"]))
     payload = record_to_tree(msg.content["payload"], rt.alg.payload(rt.server0))  # type: ignore[arg-type]
-    state = _load_state(rt, context, cfg_text, k, ctx)
+    state = _load_state(rt, context, cfg_text, k)
     counts = torch.tensor(conf["sampled_counts"], dtype=torch.long)
     orders = epoch_orders(counts, cfg.run.local_epochs, round_generator(cfg.run.seed, r, 2))
     pos = int(conf["position"])
@@ -209,7 +210,7 @@ def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
     cfg, alg = rt.cfg, rt.alg
     ctx = _alg_ctx(cfg, rt.model, int(conf["num_clients"]), float(conf["total_train"]))
     payload = record_to_tree(msg.content["payload"], alg.payload(rt.server0))  # type: ignore[arg-type]
-    state = _load_state(rt, context, cfg_text, k, ctx)
+    state = _load_state(rt, context, cfg_text, k)
     batches = None
     if alg.needs_adaptation:  # the simulator's adaptation orders: one generator over all seen clients
         g = torch.Generator().manual_seed(int(cfg.run.seed) * 7919 + int(conf["round"]) * 104729)
@@ -316,6 +317,7 @@ def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> dict[str, Any]
     out = Path(opts.out) if opts.out else None
     ck = out / "checkpoint.pt" if out else None
     server = alg.init_server(ctx, model.init(cfg.run.seed), cfg.run.seed)
+    template = alg.payload(server)  # the shape every update has
     history: list[dict[str, Any]] = []
     counters = {"dropped_updates": 0}
     start = 0
@@ -325,7 +327,6 @@ def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> dict[str, Any]
             raise RuntimeError(f"{ck} was written by a different config")
         server, history, counters, start = saved["server"], saved["history"], saved["counters"], saved["round"]
         log.info("flower server: resuming from round %d", start)
-    template = alg.payload(alg.init_server(ctx, model.init(cfg.run.seed), cfg.run.seed))
     for r in range(start, cfg.run.rounds):
         t0 = time.perf_counter()
         clients = sample_clients(cfg.run, n_clients, r)
