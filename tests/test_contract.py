@@ -1,120 +1,108 @@
-"""Contract suite over every registered algorithm."""
+"""The contract suite (``fedmtl.testing.check_algorithm``) over every registered algorithm, and a self-test that
+it catches algorithms that break the contract."""
 
-import numpy as np
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 
-from fedmtl import tree as T
-from fedmtl.algorithms import ALGORITHMS
-from fedmtl.evaluation import summarize
-
-from .conftest import make_sim, run_rounds
-
-NAMES = sorted(ALGORITHMS)
-
+import fedmtl
+from fedmtl.algorithms import ALGORITHMS, FedAvg
+from fedmtl.models import build_model
+from fedmtl.testing import ContractError, check_algorithm
 
 # hyper-parameters for the toy task where a default is tuned for other data (Per-FedAvg's beta = 0.001
 # is the paper's MNIST value; with it 15 rounds barely move the loss)
-TOY = {"perfedavg": {"beta": 0.05}, "clustered": {"warmup_rounds": 2}, "pfedme": {"personal_lr": 0.05}}
+TOY = {"perfedavg": {"beta": 0.05}, "clustered": {"warmup_rounds": 2}, "pfedme": {"personal_lr": 0.05},
+       "mocha": {"lam": 0.01, "omega_every": 2}}
 
 
-def _alg(name):
-    return ALGORITHMS[name](**TOY.get(name, {}))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_registered_algorithm_keeps_the_contract(name, small_data):
+    model = build_model("linear", 10, 2, bias=False) if name == "mocha" else None
+    res = check_algorithm(ALGORITHMS[name], TOY.get(name, {}), data=small_data, model=model,
+                          toy_rounds=45 if name == "omnifedge" else 15)  # Omni-Fedge: one gradient query a round
+    assert set(res) == {"capabilities", "loop_equals_vmap", "no_input_mutation", "deterministic", "learns",
+                        "checkpoint_round_trip", "nan_excluded"}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_loop_and_vmap_runners_agree(name, small_data):
-    results = {}
-    for runner in ("vmap", "loop"):
-        sim = make_sim(_alg(name), small_data, runner=runner, sampling_rate=0.5, local_epochs=2)
-        st, rows = run_rounds(sim, 3)
-        results[runner] = (st, rows, summarize(sim.evaluate(st)))
-    (sa, ra, ea), (sb, rb, eb) = results["vmap"], results["loop"]
-    leaves_a = T.leaves(sa.server) + T.leaves(sa.clients)
-    for x, y in zip(leaves_a, T.leaves(sb.server) + T.leaves(sb.clients), strict=True):
-        assert torch.allclose(x, y, atol=1e-5, rtol=1e-5)
-    for a, b in zip(ra, rb, strict=True):
-        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
-    assert ea.keys() == eb.keys()
-    for k in ea:
-        assert ea[k] == pytest.approx(eb[k], abs=1e-5), k
+@dataclass(frozen=True)
+class MutatesPayload(FedAvg):
+    name: ClassVar[str] = "bad_mutates"
+
+    def client_update(self, ctx, payload, state, batches, lr):
+        out = super().client_update(ctx, payload, state, batches, lr)
+        payload["weight"].add_(0.0 * payload["weight"] + 1e-3)  # in place: forbidden
+        return out
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_vmap_chunking_and_bucketing_do_not_change_results(name, small_data):
-    outs = []
-    for extra in (dict(bucketing="none"), dict(bucketing="steps", chunk_size=3)):
-        sim = make_sim(_alg(name), small_data, **extra)
-        st, _ = run_rounds(sim, 2)
-        outs.append(T.leaves(st.server) + T.leaves(st.clients))
-    for x, y in zip(*outs, strict=True):
-        assert torch.allclose(x, y, atol=1e-6)
+@dataclass(frozen=True)
+class GlobalRandom(FedAvg):
+    name: ClassVar[str] = "bad_random"
+
+    def aggregate(self, ctx, server, updates, weights, clients):
+        new = super().aggregate(ctx, server, updates, weights, clients)
+        return new._replace(params={k: v + 1e-3 * torch.randn_like(v) for k, v in new.params.items()})
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_inputs_not_mutated(name, small_data):
-    sim = make_sim(_alg(name), small_data)
-    st = sim.init_state()
-    server0, clients0 = T.clone(st.server), T.clone(st.clients)
-    payload = sim.alg.payload(st.server)
-    p0 = T.clone(payload)
-    x0 = sim.data.seen.train.x.clone()
-    sim.round(st)
-    for a, b in zip(T.leaves(payload), T.leaves(p0), strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(sim.data.seen.train.x, x0)
-    # the state object was replaced, the old tensors left intact
-    st2 = sim.init_state()
-    for a, b in zip(T.leaves(st2.server) + T.leaves(st2.clients), T.leaves(server0) + T.leaves(clients0), strict=True):
-        assert torch.equal(a, b)
+@dataclass(frozen=True)
+class NoLearning(FedAvg):
+    name: ClassVar[str] = "bad_static"
+
+    def client_update(self, ctx, payload, state, batches, lr):
+        _, st, loss = super().client_update(ctx, payload, state, batches, lr)
+        return payload, st, loss
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_same_seed_same_metrics(name, small_data):
-    res = []
-    for _ in range(2):
-        sim = make_sim(_alg(name), small_data, sampling_rate=0.5)
-        st, rows = run_rounds(sim, 2)
-        res.append((rows, summarize(sim.evaluate(st))))
-    assert res[0] == res[1]
-    sim = make_sim(_alg(name), small_data, sampling_rate=0.5, seed=99)
-    st, rows = run_rounds(sim, 2)
-    assert rows != res[0][0]
+@dataclass(frozen=True)
+class LoopOnly(FedAvg):
+    """A Python branch on a tensor value: fine one client at a time, impossible under vmap."""
+
+    name: ClassVar[str] = "bad_branch"
+
+    def client_update(self, ctx, payload, state, batches, lr):
+        params, st, loss = super().client_update(ctx, payload, state, batches, lr)
+        if float(loss) > 10.0:
+            params = payload
+        return params, st, loss
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_loss_decreases_on_toy_task(name, small_data):
-    rounds = 45 if name == "omnifedge" else 15  # Omni-Fedge makes one gradient query per round
-    sim = make_sim(_alg(name), small_data, rounds=rounds)
-    st = sim.init_state()
-    before = summarize(sim.evaluate(st))["seen_train_loss"]
-    for _ in range(rounds):
-        sim.round(st)
-    after = summarize(sim.evaluate(st))["seen_train_loss"]
-    assert after < before - 0.05
+@dataclass(frozen=True)
+class SaysStateless(fedmtl.Algorithm):
+    """Keeps a per-client model but does not declare keeps_client_state."""
+
+    name: ClassVar[str] = "bad_capability"
+
+    def init_client(self, ctx, server):
+        return (server.params,)
+
+    def client_update(self, ctx, payload, state, batches, lr):
+        p, loss = fedmtl.local_sgd(ctx.model.value_and_grad, state[0], batches, lr, ctx.opt)
+        return payload, (p,), loss
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_nan_update_is_excluded_and_counted(name, small_data, caplog):
-    """A client whose update is NaN never reaches the global model; it is counted and logged."""
-    cls = ALGORITHMS[name]
+@pytest.mark.parametrize("cls,check", [(MutatesPayload, "no_input_mutation"), (GlobalRandom, "deterministic"),
+                                       (NoLearning, "learns"), (LoopOnly, "loop_equals_vmap"),
+                                       (SaysStateless, "capabilities")])
+def test_check_algorithm_catches_broken_algorithms(cls, check, small_data):
+    with pytest.raises(ContractError, match=f"fails '{check}'"):
+        check_algorithm(cls, data=small_data)
 
-    class Poisoned(cls):  # type: ignore[misc, valid-type]
-        def client_update(self, ctx, payload, state, batches, lr):
-            upd, new_state, loss = super().client_update(ctx, payload, state, batches, lr)
-            bad = batches.n == float(small_data.seen.train.counts[0])
-            def poison(t):
-                return torch.where(bad, torch.full_like(t, float("nan")), t) if t.is_floating_point() else t
 
-            return T.tmap(poison, upd), T.tmap(poison, new_state), torch.where(bad, loss * float("nan"), loss)
+def test_check_algorithm_passes_a_correct_plugin(small_data):
+    @dataclass(frozen=True)
+    class HalfStep(FedAvg):
+        """FedAvg whose server moves half way to the clients' average (a server learning rate of 0.5)."""
 
-    sim = make_sim(Poisoned(), small_data)
-    st = sim.init_state()
-    with caplog.at_level("WARNING", logger="fedmtl"):
-        rows = [sim.round(st) for _ in range(2)]
-    assert all(r["excluded"] >= 1 for r in rows)
-    assert st.counters["excluded_updates"] >= 2
-    assert "NaN/Inf" in caplog.text
-    for x in T.leaves(st.server) + T.leaves(st.clients):
-        assert torch.isfinite(x).all()
-    assert np.isfinite(summarize(sim.evaluate(st))["seen_test_loss"])
+        name: ClassVar[str] = "halfstep_selftest"
+        server_lr: float = 0.5
+
+        def aggregate(self, ctx, server, updates, weights, clients):
+            new = super().aggregate(ctx, server, updates, weights, clients)
+            return new._replace(params={k: (1 - self.server_lr) * server.params[k] + self.server_lr * v
+                                        for k, v in new.params.items()})
+
+    assert all(v == "ok" for v in check_algorithm(HalfStep, {"server_lr": 0.7}, data=small_data).values())
+    with pytest.raises(ContractError, match="constructing"):
+        check_algorithm(HalfStep, {"no_such_field": 1})

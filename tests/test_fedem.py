@@ -9,12 +9,14 @@ import torch
 from fedmtl import tree as T
 from fedmtl.algorithms import FedAvg, FedEM, Local
 from fedmtl.algorithms.base import Context
+from fedmtl.algorithms.fedem import MixtureEval, MixtureWeights
 from fedmtl.data.synthetic import fedem_synthetic
-from fedmtl.evaluation import summarize
-from fedmtl.model import build_model
+from fedmtl.engine.evaluation import summarize
+from fedmtl.engine.round import sample_clients
+from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches
 
-from .conftest import make_sim, run_rounds
+from .conftest import all_client_states, make_sim, run_rounds
 
 
 def _ctx(model):
@@ -44,14 +46,14 @@ def test_e_step_is_the_exact_posterior():
     xp = torch.cat([x, torch.zeros(1, 2)]).unsqueeze(0)
     yp = torch.cat([y, torch.zeros(1, dtype=torch.long)]).unsqueeze(0)
     b = Batches(xp, yp, torch.tensor([[1.0, 1, 1, 0]]), torch.arange(4).unsqueeze(0), torch.tensor(3.0))
-    _, state, _ = alg.client_update(_ctx(model), comps, {"pi": pi}, b, 0.0)
-    assert np.allclose(state["pi"].numpy(), (joint / joint.sum(0)).mean(1), atol=1e-6)
+    _, state, _ = alg.client_update(_ctx(model), comps, MixtureWeights(pi), b, 0.0)
+    assert np.allclose(state.pi.numpy(), (joint / joint.sum(0)).mean(1), atol=1e-6)
 
 
 def test_prediction_mixes_probabilities_not_logits():
     model = build_model("linear", 1, 2)
     comps = {"weight": torch.tensor([[[10.0]], [[-1.0]]]), "bias": torch.zeros(2, 1)}
-    es = {"components": comps, "pi": torch.tensor([0.5, 0.5])}
+    es = MixtureEval(comps, torch.tensor([0.5, 0.5]))
     x = torch.tensor([[1.0]])
     logp = FedEM(num_components=2).predict_log_proba(_ctx(model), es, x)
     p1 = 0.5 * torch.sigmoid(torch.tensor(10.0)) + 0.5 * torch.sigmoid(torch.tensor(-1.0))
@@ -96,10 +98,10 @@ def test_fedem_recovers_mixture_weights_on_separated_components():
     d = fedem_synthetic(num_clients=40, dim=6, n_test=100, seed=11, min_samples=200, max_samples=600)
     sim = make_sim(FedEM(num_components=3), d, opt=SGD(lr=0.5, momentum=0.9), rounds=150, batch_size=64)
     st, _ = run_rounds(sim, 150)
-    comps = st.server["components"]
+    comps = st.server.components
     best, agree = _align(comps["weight"][:, 0], comps["bias"][:, 0], torch.tensor(d.meta["theta"]).float(), 6)
     assert all(float(agree[i, best[i]]) > 0.95 for i in range(3))  # each true component found
-    pi = st.clients["pi"][:, list(np.argsort(best))]
+    pi = all_client_states(sim).pi[:, list(np.argsort(best))]
     emp = torch.stack([torch.bincount(torch.tensor(z), minlength=3).float() / len(z) for z in d.meta["latent"]])
     err = (pi - emp).abs().sum(1)  # L1 distance to each client's empirical component frequencies
     assert float(err.mean()) < 0.15 and float(err.max()) < 0.45
@@ -122,10 +124,10 @@ def test_all_clients_server_average_is_the_reference_variant(small_data):
     for mode in ("participants", "all_clients"):
         sim = make_sim(FedEM(num_components=2, server_average=mode), small_data, sampling_rate=0.25)
         st = sim.init_state()
-        c0 = T.clone(st.server["components"])
+        c0 = T.clone(st.server.components)
         sim.round(st)
-        res[mode] = T.sub(st.server["components"], c0)
-        clients = sim.sample_clients(0)
+        res[mode] = T.sub(st.server.components, c0)
+        clients = sample_clients(sim.cfg, small_data.num_clients, 0)
         share = float(small_data.seen.train.counts[clients].sum() / small_data.seen.train.counts.sum())
     for a, b in zip(T.leaves(res["participants"]), T.leaves(res["all_clients"]), strict=True):
         assert torch.allclose(a * share, b, atol=1e-6)

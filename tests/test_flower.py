@@ -12,8 +12,8 @@ pytest.importorskip("flwr")
 
 from fedmtl import tree as T  # noqa: E402
 from fedmtl.config import dumps, validate  # noqa: E402
-from fedmtl.evaluation import summarize  # noqa: E402
-from fedmtl.experiment import build  # noqa: E402
+from fedmtl.engine.driver import build_local  # noqa: E402
+from fedmtl.engine.evaluation import summarize  # noqa: E402
 from fedmtl.flower.records import (  # noqa: E402
     RecordError,
     from_record,
@@ -90,7 +90,7 @@ def _in_process(text):
     import tomllib
 
     cfg = validate(tomllib.loads(text))
-    sim = build(cfg)
+    sim = build_local(cfg)
     st = sim.init_state()
     for _ in range(cfg.run.rounds):
         sim.round(st)
@@ -107,10 +107,10 @@ def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
     text = dumps(validate(tomllib.loads(CONFIG.format(alg=alg, extra=extra, k=k))).raw)
     res = simulate(text, out=tmp_path / "run")
     st, final = _in_process(text)
-    for a, b in zip(T.leaves(res["server"]), T.leaves(st.server), strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
+    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
+        assert torch.allclose(a.double(), b.double(), atol=1e-5)
     for key, v in final.items():
-        assert abs(res["final"][key] - v) < 1e-5, key
+        assert abs(res.final[key] - v) < 1e-5, key
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
 
 
@@ -123,16 +123,16 @@ def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypa
     monkeypatch.setenv("FEDMTL_FLOWER_FAIL", "1:1,3:2")
     text = dumps(validate(tomllib.loads(CONFIG.format(alg="fedavg", extra="", k=0))).raw)
     res = simulate(text, out=tmp_path / "run", round_timeout=120)
-    assert [h["dropped"] for h in res["history"]] == [0, 1, 1]
-    assert res["counters"]["dropped_updates"] == 2
+    assert [h["dropped"] for h in res.history] == [0, 1, 1]
+    assert res.summary["dropped_updates"] == 2
     st, final = _in_process(text)  # the same run without crashes
-    assert abs(res["final"]["seen_test_acc"] - final["seen_test_acc"]) < 0.15
-    assert max(float((a - b).abs().max()) for a, b in zip(T.leaves(res["server"]), T.leaves(st.server),
+    assert abs(res.final["seen_test_acc"] - final["seen_test_acc"]) < 0.15
+    assert max(float((a - b).abs().max()) for a, b in zip(T.leaves(res.server), T.leaves(st.server),
                                                           strict=True)) > 1e-4  # the drops changed the model
     # a restarted server finds the checkpoint of round 3 and only evaluates
     again = simulate(text, out=tmp_path / "run", round_timeout=120)
-    assert len(again["history"]) == 3
-    for a, b in zip(T.leaves(again["server"]), T.leaves(res["server"]), strict=True):
+    assert len(again.history) == 3
+    for a, b in zip(T.leaves(again.server), T.leaves(res.server), strict=True):
         assert torch.equal(a, b)
 
 
@@ -144,6 +144,7 @@ def test_deployment_with_tls_and_node_authentication(tmp_path):
     import time
     import tomllib
 
+    from fedmtl.engine import checkpoint
     from fedmtl.flower.deploy import LocalDeployment
     from fedmtl.flower.project import write_project
 
@@ -160,13 +161,13 @@ def test_deployment_with_tls_and_node_authentication(tmp_path):
         assert intruder.returncode != 0 or "failed" in (tmp_path / "dep" / "unregistered.log").read_text()
         assert dep.online_nodes() == 2  # the unregistered key never joined
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    server = torch.load(tmp_path / "out" / "server.pt", weights_only=False)
+    server = checkpoint.load(tmp_path / "out" / "checkpoint.pt")["server"]
     st, final = _in_process(dumps(cfg.raw))
-    for a, b in zip(T.leaves(server), T.leaves(st.server), strict=True):
+    for a, b in zip(server.values(), T.to_named(st.server).values(), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     for key, v in final.items():
         assert abs(summary["final"][key] - v) < 1e-5, key
-    assert len(summary["history"]) == 3
+    assert summary["rounds"] == 3 and len((tmp_path / "out" / "metrics.csv").read_text().splitlines()) == 4
 
 
 def test_cli_writes_a_flower_app_project(tmp_path):

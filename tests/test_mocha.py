@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from fedmtl.data.federated import DataError
+from fedmtl.engine.systems import SystemsModel
 from fedmtl.mtl import MochaConfig, MTLData, solve
 from fedmtl.mtl.omega import ClusterRelaxation, FixedOmega, TaskCovariance, identity, mean_regularized, sigma_prime
 from fedmtl.mtl.problem import LOSSES, dual, primal
-from fedmtl.systems import SystemsModel
 
 cp = pytest.importorskip("cvxpy")
 

@@ -7,7 +7,7 @@ from torch.func import vmap
 from fedmtl import tree as T
 from fedmtl.algorithms import FedAvg
 from fedmtl.data.federated import ClientGroup, FederatedData, Split
-from fedmtl.model import build_model
+from fedmtl.models import build_model
 from fedmtl.models.lstm import lstm_forward
 
 from .conftest import make_sim, run_rounds
@@ -73,7 +73,7 @@ def test_image_models_loop_and_vmap_agree(name):
     states = []
     for runner in ("vmap", "loop"):
         st, _ = run_rounds(make_sim(FedAvg(), data, model=model, runner=runner, batch_size=8), 2)
-        states.append(st.server["params"])
+        states.append(st.server.params)
     for a, b in zip(T.leaves(states[0]), T.leaves(states[1]), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
 
@@ -81,8 +81,8 @@ def test_image_models_loop_and_vmap_agree(name):
 def test_auto_runner_picks_loop_for_cnn_on_cpu():
     data = _image_data()
     cnn = build_model("cnn_femnist", (28, 28), 10, data.meta, hidden=16)
-    assert make_sim(FedAvg(), data, model=cnn).runner == "loop"
-    assert make_sim(FedAvg(), data, model=build_model("mlp", (28, 28), 10, data.meta)).runner == "vmap"
+    assert make_sim(FedAvg(), data, model=cnn).clients.executor.name == "loop"
+    assert make_sim(FedAvg(), data, model=build_model("mlp", (28, 28), 10, data.meta)).clients.executor.name == "vmap"
 
 
 def test_lstm_loop_and_vmap_runners_agree():
@@ -91,10 +91,10 @@ def test_lstm_loop_and_vmap_runners_agree():
     ys = [torch.randint(0, 80, (n,), generator=g) for n in (9, 14, 5)]
     data = FederatedData(ClientGroup(Split.from_lists(xs, ys), Split.from_lists(xs, ys)), 80)
     model = build_model("lstm", (10,), 80, hidden=16, embed=4)
-    assert model.prefer_loop_on_cpu and make_sim(FedAvg(), data, model=model).runner == "loop"
+    assert model.prefer_loop_on_cpu and make_sim(FedAvg(), data, model=model).clients.executor.name == "loop"
     states = []
     for runner in ("vmap", "loop"):
         st, _ = run_rounds(make_sim(FedAvg(), data, model=model, runner=runner, batch_size=4), 2)
-        states.append(st.server["params"])
+        states.append(st.server.params)
     for a, b in zip(T.leaves(states[0]), T.leaves(states[1]), strict=True):
         assert torch.allclose(a, b, atol=1e-5)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from fedmtl.networked.graph import EmpiricalGraph, GraphError, chain, knn, sbm
+from fedmtl.graph import Graph, GraphError, chain, knn, sbm
 from fedmtl.networked.gtv import GTVConfig, NodeData, cvxpy_solution, dual_prox, solve
 
 pytest.importorskip("cvxpy")
@@ -41,7 +41,7 @@ def test_matches_cvxpy(loss, penalty):
 
 def test_two_node_closed_form():
     lam, a = 0.3, 1.0
-    g = EmpiricalGraph.from_edges(2, [[0, 1]], [a])
+    g = Graph.from_edges(2, [[0, 1]], [a])
     for y1, y2 in ((3.0, 0.0), (0.5, 0.2)):
         # L_i(w) = (w - y_i)^2 with x = 1: the closed form for 1/2 (w - y)^2 with lam' = lam / 2 per unit weight
         data = NodeData.from_lists([np.ones((1, 1))] * 2, [np.array([y1]), np.array([y2])], [0, 1])
@@ -140,12 +140,12 @@ def test_stochastic_version_is_close():
 
 def test_graph_builders_and_errors():
     a = np.array([[0, 2.0, 0], [2.0, 0, 1.0], [0, 1.0, 0]])
-    g = EmpiricalGraph.from_adjacency(a)
+    g = Graph.from_adjacency(a)
     assert g.num_edges == 2 and np.allclose(g.adjacency().toarray(), a)
-    assert EmpiricalGraph.from_adjacency(sp.csr_matrix(a)).num_edges == 2
+    assert Graph.from_adjacency(sp.csr_matrix(a)).num_edges == 2
     nx = pytest.importorskip("networkx")
     h = nx.path_graph(4)
-    assert EmpiricalGraph.from_networkx(h).num_edges == 3
+    assert Graph.from_networkx(h).num_edges == 3
     c = chain((5, 5), 1.25, 0.25)
     assert c.num_edges == 9 and np.isclose(c.weights[4], 0.25)
     k = knn(np.random.default_rng(0).normal(size=(30, 2)), 4)
@@ -156,13 +156,13 @@ def test_graph_builders_and_errors():
     assert abs(inside.sum() - expect_in) < 5 * np.sqrt(expect_in)
     assert abs((~inside).sum() - 0.01 * 200 * 300) < 5 * np.sqrt(600)
     with pytest.raises(GraphError, match="symmetric"):
-        EmpiricalGraph.from_adjacency(np.array([[0, 1.0], [0, 0]]))
+        Graph.from_adjacency(np.array([[0, 1.0], [0, 0]]))
     with pytest.raises(GraphError, match="self-loops"):
-        EmpiricalGraph.from_edges(2, [[1, 1]])
+        Graph.from_edges(2, [[1, 1]])
     with pytest.raises(GraphError, match="duplicate"):
-        EmpiricalGraph.from_edges(3, [[0, 1], [1, 0]])
+        Graph.from_edges(3, [[0, 1], [1, 0]])
     with pytest.raises(GraphError, match="weights"):
-        EmpiricalGraph.from_edges(2, [[0, 1]], [-1.0])
+        Graph.from_edges(2, [[0, 1]], [-1.0])
     with pytest.raises(GraphError, match="logistic"):
         data = NodeData.from_lists([np.ones((1, 1))] * 2, [np.array([0.5]), np.array([1.0])], [0])
-        solve(EmpiricalGraph.from_edges(2, [[0, 1]]), data, GTVConfig(loss="logistic"))
+        solve(Graph.from_edges(2, [[0, 1]]), data, GTVConfig(loss="logistic"))

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.func import grad_and_value
 
-from fedmtl.model import build_model
+from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches, local_sgd
 
 

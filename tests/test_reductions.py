@@ -7,11 +7,11 @@ from torch import nn
 from fedmtl import tree as T
 from fedmtl.algorithms import FedAvg, FedEM, FedProx, Local
 from fedmtl.data.federated import epoch_orders
-from fedmtl.evaluation import summarize
+from fedmtl.engine.evaluation import summarize
+from fedmtl.engine.round import round_generator, sample_clients
 from fedmtl.optim import SGD
-from fedmtl.simulate import round_generator
 
-from .conftest import make_sim, run_rounds
+from .conftest import all_client_states, make_sim, run_rounds
 
 
 def _same(a, b, atol=1e-6):
@@ -30,16 +30,16 @@ def test_fedprox_mu_pulls_towards_global(small_data):
     for mu in (0.0, 10.0):
         sim = make_sim(FedProx(mu=mu), small_data)
         st = sim.init_state()
-        g0 = T.clone(st.server["params"])
+        g0 = T.clone(st.server.params)
         sim.round(st)
-        far.append(float(T.sq_dist(st.server["params"], g0)))
+        far.append(float(T.sq_dist(st.server.params, g0)))
     assert far[1] < 0.5 * far[0]
 
 
 def test_fedem_single_component_is_fedavg(small_data):
     sa, ra = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
     sb, rb = run_rounds(make_sim(FedEM(num_components=1), small_data, sampling_rate=0.5), 3)
-    _same(sa.server["params"], T.take(sb.server["components"], 0), atol=1e-6)
+    _same(sa.server.params, T.take(sb.server.components, 0), atol=1e-6)
 
 
 def _torch_sgd_client(data, k, params0, opt, orders_fn, rounds, batch_size):
@@ -71,9 +71,10 @@ def test_local_equals_independent_torch_training_per_client(small_data):
         return o.local[0, int(o.starts[k]) : int(o.starts[k + 1])]
 
     p0 = sim.model.init(sim.cfg.seed)
+    clients = all_client_states(sim)
     for k in (0, 5, 11):
         ref = _torch_sgd_client(small_data, k, p0, opt, orders_fn, 2, 16)
-        _same(T.take(st.clients, k)["params"], ref, atol=1e-5)
+        _same(T.take(clients, k).params, ref, atol=1e-5)
 
 
 def test_fedavg_one_client_one_step_is_plain_sgd(small_data):
@@ -82,7 +83,7 @@ def test_fedavg_one_client_one_step_is_plain_sgd(small_data):
     sim = make_sim(FedAvg(), small_data, opt=opt, clients_per_round=1, batch_size=n0 + 500)
     st = sim.init_state()
     sim.round(st)
-    (k,) = sim.sample_clients(0).tolist()
+    (k,) = sample_clients(sim.cfg, small_data.num_clients, 0).tolist()
     x, y = small_data.seen.train.client(k)
     p = sim.model.init(sim.cfg.seed)
     lin = nn.Linear(x.shape[1], 1)
@@ -92,7 +93,7 @@ def test_fedavg_one_client_one_step_is_plain_sgd(small_data):
     sgd = torch.optim.SGD(lin.parameters(), lr=0.2, momentum=0.9, weight_decay=5e-4)
     nn.functional.binary_cross_entropy_with_logits(lin(x).squeeze(-1), y.float()).backward()
     sgd.step()
-    _same(st.server["params"], {"weight": lin.weight.detach(), "bias": lin.bias.detach()}, atol=1e-6)
+    _same(st.server.params, {"weight": lin.weight.detach(), "bias": lin.bias.detach()}, atol=1e-6)
 
 
 def test_local_client_unaffected_by_other_clients_data(small_data):
@@ -103,10 +104,12 @@ def test_local_client_unaffected_by_other_clients_data(small_data):
     a, b = int(tr.offsets[3]), int(tr.offsets[4])
     x2[a:b] = torch.randn(b - a, x2.shape[1])
     other = FederatedData(ClientGroup(Split(x2, tr.y, tr.offsets), small_data.seen.test), num_classes=2)
-    s1, _ = run_rounds(make_sim(Local(), small_data), 2)
-    s2, _ = run_rounds(make_sim(Local(), other), 2)
+    e1, e2 = make_sim(Local(), small_data), make_sim(Local(), other)
+    run_rounds(e1, 2)
+    run_rounds(e2, 2)
+    c1, c2 = all_client_states(e1), all_client_states(e2)
     for k in range(small_data.num_clients):
-        same = torch.allclose(T.take(s1.clients, k)["params"]["weight"], T.take(s2.clients, k)["params"]["weight"])
+        same = torch.allclose(c1.params["weight"][k], c2.params["weight"][k])
         assert same == (k != 3)
 
 

@@ -8,10 +8,19 @@ import torch
 
 from fedmtl import tree as T
 from fedmtl.algorithms import ALGORITHMS
-from fedmtl.model import build_model
+from fedmtl.engine.systems import SystemsModel, TimeModel, uniform
+from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches, local_sgd
-from fedmtl.simulate import RunConfig, Simulator
-from fedmtl.systems import SystemsModel, TimeModel
+from fedmtl.testing import all_client_states, simulator
+
+
+def test_uniform_hash_is_uniform_and_independent():
+    u = uniform(5, 2, 0, np.arange(200_000))
+    assert abs(u.mean() - 0.5) < 0.003 and abs(u.var() - 1 / 12) < 0.002 and 0 <= u.min() and u.max() < 1
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.01  # neighbouring ids
+    assert abs(np.corrcoef(u, uniform(5, 3, 0, np.arange(200_000)))[0, 1]) < 0.01  # next round
+    assert abs(np.corrcoef(u, uniform(5, 2, 1, np.arange(200_000)))[0, 1]) < 0.01  # other purpose
+    assert np.array_equal(uniform(5, 2, 0, np.array([7, 3])), u[[7, 3]])
 
 
 def test_draw_is_per_node_and_deterministic():
@@ -68,8 +77,8 @@ def test_limit_runs_exactly_the_first_steps():
 
 def _sim(alg, data, systems, runner="vmap", **run):
     model = build_model("linear", data.feature_shape[0], data.num_classes)
-    cfg = RunConfig(rounds=4, batch_size=16, seed=3, runner=runner, local_epochs=2, **run)
-    return Simulator(alg, model, data, SGD(lr=0.05, momentum=0.9), cfg, systems)
+    return simulator(alg, data, model, SGD(lr=0.05, momentum=0.9), rounds=4, batch_size=16, seed=3, runner=runner,
+                     local_epochs=2, systems=systems, **run)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedem", "local", "pfedme", "apfl"])
@@ -81,9 +90,9 @@ def test_stragglers_loop_equals_vmap(small_data, name):
         sim = _sim(ALGORITHMS[name](**kw), small_data, sm, runner)
         st = sim.init_state()
         rows = [sim.round(st) for _ in range(3)]
-        outs.append((st, rows))
-    (a, ra), (b, rb) = outs
-    for x, y in zip(T.leaves(a.server) + T.leaves(a.clients), T.leaves(b.server) + T.leaves(b.clients), strict=True):
+        outs.append((st, rows, all_client_states(sim)))
+    (a, ra, ca), (b, rb, cb) = outs
+    for x, y in zip(T.leaves(a.server) + T.leaves(ca), T.leaves(b.server) + T.leaves(cb), strict=True):
         assert torch.allclose(x, y, atol=1e-5)
     assert [r["dropped"] for r in ra] == [r["dropped"] for r in rb]
     assert sum(r["dropped"] for r in ra) > 0
@@ -94,21 +103,23 @@ def test_stragglers_change_training_and_never_respond_keeps_state(small_data):
     slow = _sim(ALGORITHMS["local"](), small_data, SystemsModel(variability="high", never_respond=[2]))
     s0 = ideal.init_state()
     s1 = slow.init_state()
-    init = T.take(s1.clients, torch.tensor([2]))
+    init = T.take(all_client_states(slow), torch.tensor([2]))
     for _ in range(3):
         ideal.round(s0)
         row = slow.round(s1)
     assert row["dropped"] == 1 and s1.counters["dropped_updates"] == 3
-    for a, b in zip(T.leaves(T.take(s1.clients, torch.tensor([2]))), T.leaves(init), strict=True):
+    c0, c1 = all_client_states(ideal), all_client_states(slow)
+    for a, b in zip(T.leaves(T.take(c1, torch.tensor([2]))), T.leaves(init), strict=True):
         assert torch.equal(a, b)  # the never-responding node's model never moved
-    diff = [float((a - b).abs().max()) for a, b in zip(T.leaves(s0.clients), T.leaves(s1.clients), strict=True)]
+    assert not bool(slow.clients.store.written[2])  # ... and its row was never even written
+    diff = [float((a - b).abs().max()) for a, b in zip(T.leaves(c0), T.leaves(c1), strict=True)]
     assert max(diff) > 1e-3
     # the ideal run is what the simulator did before the systems layer existed
     ref = _sim(ALGORITHMS["local"](), small_data, None)
     s2 = ref.init_state()
     for _ in range(3):
         ref.round(s2)
-    for a, b in zip(T.leaves(s0.clients), T.leaves(s2.clients), strict=True):
+    for a, b in zip(T.leaves(c0), T.leaves(all_client_states(ref)), strict=True):
         assert torch.equal(a, b)
 
 

@@ -9,11 +9,26 @@ def test_weighted_mean_ignores_zero_weight_rows_even_if_nan():
     assert torch.allclose(out["w"], torch.tensor([2.5, 5.0]))
 
 
-def test_put_take_roundtrip_does_not_mutate():
-    a = {"w": torch.zeros(4, 2)}
-    b = T.put(a, torch.tensor([1, 3]), {"w": torch.ones(2, 2)})
-    assert a["w"].sum() == 0
-    assert torch.equal(T.take(b, torch.tensor([1, 3]))["w"], torch.ones(2, 2))
+def test_named_round_trip_checks_names_shapes_dtypes():
+    from typing import NamedTuple
+
+    import pytest
+
+    class S(NamedTuple):
+        pi: torch.Tensor
+        params: dict
+
+    tree = S(torch.rand(3), {"fc.weight": torch.randn(2, 4), "fc.bias": torch.zeros(2, dtype=torch.float64)})
+    named = T.to_named(tree)
+    assert set(named) == {".pi", ".params['fc.weight']", ".params['fc.bias']"}
+    back = T.from_named(named, T.zeros_like(tree))
+    assert isinstance(back, S) and all(torch.equal(a, b) for a, b in zip(T.leaves(back), T.leaves(tree), strict=True))
+    with pytest.raises(T.TreeError, match="missing"):
+        T.from_named({".pi": tree.pi}, tree)
+    with pytest.raises(T.TreeError, match=r"fc.bias.*float32"):
+        T.from_named({**named, ".params['fc.bias']": torch.zeros(2)}, tree)
+    with pytest.raises(T.TreeError, match="shape|\\(3,\\)"):
+        T.from_named({**named, ".pi": torch.zeros(4)}, tree)
 
 
 def test_all_finite_rows():

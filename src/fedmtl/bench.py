@@ -27,10 +27,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from .algorithms import FedAvg, FedEM
 from .data.federated import FederatedData
 from .data.synthetic import fedem_synthetic
-from .model import build_model
+from .engine.driver import make_engine
+from .engine.executors import make_executor
+from .engine.round import RunConfig
+from .models import build_model
 from .optim import SGD
 from .report import write_json
-from .simulate import RunConfig, Simulator
 
 OPT = SGD(lr=0.1, momentum=0.9, weight_decay=5e-4)
 
@@ -116,7 +118,7 @@ def _bench(args: argparse.Namespace, which: str) -> int:
         "data_generation_s": gen_s,
     }
     for runner in ("vmap", "loop"):
-        sim = Simulator(alg, model, data, OPT, RunConfig(rounds=200, runner=runner))
+        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner=runner))
         st = sim.init_state()
         ts = _time_rounds(lambda sim=sim, st=st: sim.round(st), rounds)
         res[f"{runner}_round_s"] = statistics.median(ts)
@@ -211,7 +213,6 @@ def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size:
 def _bench_models(args: argparse.Namespace) -> int:
     from .data.text import shakespeare
     from .data.vision import fashion_mnist
-    from .model import build_model
 
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -249,10 +250,10 @@ def _bench_models(args: argparse.Namespace) -> int:
         times = {}
         for runner in ("vmap", "loop", "auto"):
             if runner == "auto":
-                times["auto_is"] = Simulator(FedAvg(), model, data, opt, RunConfig(runner="auto")).runner
+                times["auto_is"] = make_executor("auto", model, torch.device("cpu")).name
                 continue
-            sim = Simulator(FedAvg(), model, data, opt,
-                            RunConfig(rounds=10, runner=runner, batch_size=bsz, chunk_size=chunk))
+            sim = make_engine(FedAvg(), model, data, opt,
+                              RunConfig(rounds=10, runner=runner, batch_size=bsz, chunk_size=chunk))
             st = sim.init_state()
             times[runner] = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), args.rounds, 0))
             print(f"{key} {runner}: {times[runner]:.2f} s/round", flush=True)
@@ -283,6 +284,15 @@ def _bench_networked(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS["networked"] = _bench_networked
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from .bench_scale import main
+
+    return main(args)
+
+
+BENCHMARKS["scale"] = _bench_scale
 
 
 def _bench_flower(args: argparse.Namespace) -> int:

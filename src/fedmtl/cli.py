@@ -1,4 +1,8 @@
-"""Command-line interface: ``fedmtl run | list | main | bench``."""
+"""Command-line interface: ``fedmtl run | sweep | data | list | main | reproduce | flower | bench``.
+
+Plugins (algorithms, models, datasets registered with ``fedmtl.register_*``) are loaded from the entry-point
+group ``fedmtl.plugins`` at start and from ``--import MODULE`` (repeatable) on the commands that read a config.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,20 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError
+from .registry import RegistryError, import_plugins, load_plugins
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import load
-    from .experiment import run_experiment
+    from .engine.driver import run_experiment
 
     overrides = list(args.set)
     if args.device:
         overrides.append(f"run.device={args.device}")
     cfg = load(args.config, overrides)
     out = args.out or str(Path("runs") / Path(args.config).stem)
-    summary = run_experiment(cfg, out, resume=args.resume, progress=not args.no_progress)
+    result = run_experiment(cfg, out, resume=args.resume, progress=not args.no_progress)
+    summary = result.summary
     final = summary["final"]
     keys = [k for k in ("seen_test_acc", "seen_test_acc_mean", "seen_test_acc_p10", "unseen_test_acc_mean",
                         "participation_gap") if k in final]
@@ -51,13 +57,12 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from .algorithms import ALGORITHMS
-    from .data import DATASETS
-    from .model import MODELS
+    from .config import ALGORITHMS, DATASETS, MODELS
 
     print("algorithms:")
     for name, cls in sorted(ALGORITHMS.items()):
-        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        lines = (sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines()
+        doc = lines[0] if lines else ""
         print(f"  {name:12s} {doc}")
     print("datasets:  " + ", ".join(sorted(DATASETS)))
     print("models:    " + ", ".join(sorted(MODELS)))
@@ -103,7 +108,7 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     from .flower.simulation import simulate
 
     res = simulate(dumps(cfg.raw), n, args.out or "")
-    print(json.dumps({k: v for k, v in res["final"].items()}, indent=1))
+    print(json.dumps(res.final, indent=1))
     return 0
 
 
@@ -125,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     r.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
     r.add_argument("--no-progress", action="store_true")
+    _plugins_arg(r)
     r.set_defaults(fn=_cmd_run)
 
     sw = sub.add_parser("sweep", help="run a config for several values of one or more keys")
@@ -132,14 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=V1,V2,...")
     sw.add_argument("--out")
     sw.add_argument("--no-progress", action="store_true")
+    _plugins_arg(sw)
     sw.set_defaults(fn=_cmd_sweep)
 
     d = sub.add_parser("data", help="build a config's dataset and print its statistics")
     d.add_argument("config")
     d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    _plugins_arg(d)
     d.set_defaults(fn=_cmd_data)
 
-    sub.add_parser("list", help="list algorithms, datasets, models and configs").set_defaults(fn=_cmd_list)
+    ls = sub.add_parser("list", help="list algorithms, datasets, models and configs")
+    _plugins_arg(ls)
+    ls.set_defaults(fn=_cmd_list)
 
     m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
@@ -160,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--clients", type=int, default=0, help="SuperNodes (must equal the config's seen clients)")
     fl.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     fl.add_argument("--out", help="simulate: run directory; app: project directory (default flower-app)")
+    _plugins_arg(fl)
     fl.set_defaults(fn=_cmd_flower)
 
     from .bench import BENCHMARKS
@@ -174,16 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--clients", type=int, default=100, help="flower: clients of the FedAvg workload")
     b.add_argument("--sizes", default="1000,10000,100000", help="networked: graph sizes (nodes)")
     b.add_argument("--cvxpy-max", type=int, default=10000, help="networked: largest graph CVXPY solves")
+    b.add_argument("--populations", default="1000,10000,100000,1000000", help="scale: federation sizes")
     b.set_defaults(fn=_cmd_bench)
     return p
 
 
+def _plugins_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers algorithms, models or datasets (repeatable)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    load_plugins()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        import_plugins(getattr(args, "imports", []))
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, RegistryError) as e:
         print(f"fedmtl: config error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

@@ -6,12 +6,14 @@
     [model]      name = "linear"          + the model builder's keyword arguments
     [algorithm]  name = "fedem"           + the algorithm dataclass's fields
     [optim]      fields of fedmtl.optim.SGD
-    [run]        fields of fedmtl.simulate.RunConfig
-    [systems]    fields of fedmtl.systems.SystemsModel (stragglers, drops, network for the time estimate)
+    [run]        fields of fedmtl.engine.round.RunConfig
+    [systems]    fields of fedmtl.engine.systems.SystemsModel (stragglers, drops, network for the time estimate)
 
-Unknown tables or keys and wrong value types raise ``ConfigError`` naming the key and the file,
-before any data is built or any work is done.  ``--set table.key=value`` overrides use TOML syntax
-for the value (bare words are taken as strings).
+Unknown tables or keys, wrong value types and values outside a field's ``Literal[...]`` choices raise
+``ConfigError`` naming the key and the file, before any data is built or any work is done.
+``--set table.key=value`` overrides use TOML syntax for the value (bare words are taken as strings).
+A Python caller that passes its own data (``fedmtl.run(..., data=...)``) may leave ``[data]`` out, and one that
+passes its own model may leave ``[model]`` out.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .algorithms import ALGORITHMS
-from .data import DATASETS
-from .model import MODELS
-from .models import register as _register_models  # noqa: F401
+from . import algorithms as _algorithms  # noqa: F401  (registers the built-in algorithms)
+from . import data as _data  # noqa: F401  (registers the built-in datasets)
+from . import models as _models  # noqa: F401  (registers the built-in models)
+from .engine.round import RunConfig
+from .engine.systems import SystemsModel
 from .optim import SGD
-from .simulate import RunConfig
-from .systems import SystemsModel
+from .registry import ALGORITHMS, DATASETS, MODELS
 
 TABLES = ("data", "model", "algorithm", "optim", "run", "systems")
 
@@ -49,6 +51,11 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against the annotation ``tp``; returns the value converted where lossless."""
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
+            raise ConfigError(f"{where}: must be one of {list(allowed)}, got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         errors = []
         for arg in typing.get_args(tp):
@@ -131,12 +138,22 @@ class ExperimentConfig:
         return ALGORITHMS[self.algorithm["name"]](**params)
 
     def build_data(self) -> Any:
+        from .data.federated import FederatedData
+
+        if self.data["name"] not in DATASETS:
+            raise ConfigError(f"{self.source}: [data] comes from Python (fedmtl.run(..., data=...)); pass the data")
         params = {k: v for k, v in self.data.items() if k != "name"}
-        return DATASETS[self.data["name"]](**params)
+        data = DATASETS[self.data["name"]](**params)
+        if not isinstance(data, FederatedData):
+            raise ConfigError(f"dataset builder {self.data['name']!r} returned {type(data).__name__}, "
+                              "not a fedmtl.FederatedData")
+        return data
 
     def build_model(self, input_shape: tuple[int, ...], num_classes: int, meta: dict[str, Any] | None = None) -> Any:
-        from .model import build_model
+        from .models import build_model
 
+        if self.model["name"] not in MODELS:
+            raise ConfigError(f"{self.source}: [model] comes from Python (fedmtl.run(..., model=...)); pass the model")
         params = {k: v for k, v in self.model.items() if k != "name"}
         return build_model(self.model["name"], input_shape, num_classes, meta, **params)
 
@@ -150,20 +167,38 @@ def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str
     return name, registry[name]
 
 
-def validate(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig:
-    """Validate a parsed TOML document; raises ``ConfigError`` naming ``source`` and the key."""
+PYTHON_DATA = "<python data>"
+PYTHON_MODEL = "<python model>"
+
+
+def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = False,
+             model_given: bool = False) -> ExperimentConfig:
+    """Validate a parsed TOML document; raises ``ConfigError`` naming ``source`` and the key.
+
+    ``data_given`` / ``model_given``: the caller supplies the data / model objects, so ``[data]`` / ``[model]``
+    must be left out (they are recorded as coming from Python)."""
     for t in raw:
         if t not in TABLES:
             raise ConfigError(f"{source}: unknown table [{t}]; allowed: {list(TABLES)}")
         if not isinstance(raw[t], dict):
             raise ConfigError(f"{source}: '{t}' must be a table, got {type(raw[t]).__name__}")
     tables = {t: dict(raw.get(t, {})) for t in TABLES}
-    dname, dfn = _named(tables["data"], DATASETS, "data", source)
-    data = {"name": dname, **_check_table({k: v for k, v in tables["data"].items() if k != "name"}, dfn,
-                                         f"{source}: [data]")}
-    mname, mfn = _named(tables["model"], MODELS, "model", source)
-    model = {"name": mname, **_check_table({k: v for k, v in tables["model"].items() if k != "name"}, mfn,
-                                          f"{source}: [model]", skip=("input_shape", "num_classes", "meta"))}
+    for t, given, marker in (("data", data_given, PYTHON_DATA), ("model", model_given, PYTHON_MODEL)):
+        if given and tables[t] and tables[t] != {"name": marker}:
+            raise ConfigError(f"{source}: [{t}] is given twice: as a table and as a Python object; leave the "
+                              "table out")
+    if data_given:
+        data: dict[str, Any] = {"name": PYTHON_DATA}
+    else:
+        dname, dfn = _named(tables["data"], DATASETS, "data", source)
+        data = {"name": dname, **_check_table({k: v for k, v in tables["data"].items() if k != "name"}, dfn,
+                                             f"{source}: [data]")}
+    if model_given:
+        model: dict[str, Any] = {"name": PYTHON_MODEL}
+    else:
+        mname, mfn = _named(tables["model"], MODELS, "model", source)
+        model = {"name": mname, **_check_table({k: v for k, v in tables["model"].items() if k != "name"}, mfn,
+                                              f"{source}: [model]", skip=("input_shape", "num_classes", "meta"))}
     aname, acls = _named(tables["algorithm"], ALGORITHMS, "algorithm", source)
     alg = {"name": aname, **_check_table({k: v for k, v in tables["algorithm"].items() if k != "name"}, acls,
                                         f"{source}: [algorithm]")}
@@ -208,7 +243,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+def load(path: str | Path, overrides: list[str] | None = None, data_given: bool = False,
+         model_given: bool = False) -> ExperimentConfig:
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -216,7 +252,7 @@ def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConf
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return validate(apply_overrides(raw, overrides or []), str(path))
+    return validate(apply_overrides(raw, overrides or []), str(path), data_given, model_given)
 
 
 def dumps(raw: dict[str, dict[str, Any]]) -> str:

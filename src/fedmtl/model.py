@@ -15,14 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from .tree import Params
+
+
+class ModelError(ValueError):
+    """A model that cannot be used (wrong kind of object, or incompatible with the data)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,64 @@ class Model:
     #: of ``forward``; both must agree (tested)
     module_when_eager: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, nn.Module):
+            raise ModelError(f"Model.module must be a torch.nn.Module, got {type(self.module).__name__}")
+        if self.output not in ("binary", "multiclass"):
+            raise ModelError(f"Model.output must be 'binary' or 'multiclass', got {self.output!r}")
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2:
+            raise ModelError(f"num_classes must be an int >= 2, got {self.num_classes!r}")
+        if self.output == "binary" and self.num_classes != 2:
+            raise ModelError(f"a binary model has 2 classes, got num_classes={self.num_classes}")
+        if not any(True for _ in self.module.parameters()):
+            raise ModelError(f"{type(self.module).__name__} has no parameters to train")
+
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.Module,
+        num_classes: int,
+        output: Literal["multiclass", "binary"] | None = None,
+        input_transform: Callable[[Tensor], Tensor] | None = None,
+        name: str | None = None,
+        prefer_loop_on_cpu: bool = False,
+    ) -> Model:
+        """Wrap any ``nn.Module`` mapping a batch of features (n, *feature_shape) to logits.
+
+        ``output``: ``"multiclass"`` (the module returns (n, num_classes) logits, softmax cross-entropy) or
+        ``"binary"`` (one logit per example, (n, 1), logistic loss; needs ``num_classes=2``).  Left out, it is
+        binary exactly when ``num_classes == 2`` and the module's last ``nn.Linear`` has one output.
+        ``input_transform`` runs on every batch before the module (e.g. uint8 images to normalized floats).
+        The module's own initializer (``reset_parameters``) makes the initial weights, seeded by the run.
+        Any module works with the ``loop`` executor; ``vmap`` needs operations that ``torch.func.vmap``
+        batches (most do; in-place updates of buffers such as BatchNorm's running statistics do not).
+        """
+        if not isinstance(module, nn.Module):
+            raise ModelError(f"Model.from_module needs a torch.nn.Module, got {type(module).__name__}")
+        if output is None:
+            last = [m for m in module.modules() if isinstance(m, nn.Linear)]
+            output = "binary" if num_classes == 2 and last and last[-1].out_features == 1 else "multiclass"
+        return cls(module, output, num_classes, input_transform=input_transform,
+                   name=name or type(module).__name__, prefer_loop_on_cpu=prefer_loop_on_cpu)
+
+    def check_features(self, x: Tensor) -> None:
+        """Run the model on a few examples ``x`` (n, *features) of the data and check the output shape; a
+        model that does not fit the data fails here with a clear message, before any training."""
+        params = self.init(0)
+        try:
+            with torch.no_grad():
+                out = self.apply(params, x)
+        except Exception as e:  # any failure of a user's module on the data is reported as one error
+            raise ModelError(f"model {self.name!r} cannot run on the data's features (shape {tuple(x.shape[1:])}, "
+                             f"dtype {x.dtype}): {type(e).__name__}: {e}") from e
+        want = (x.shape[0],) if self.output == "binary" else (x.shape[0], self.num_classes)
+        if tuple(out.shape) != want:
+            raise ModelError(f"model {self.name!r} returns shape {tuple(out.shape)} for {x.shape[0]} examples; a "
+                             f"{self.output} model with {self.num_classes} classes must return "
+                             f"{'(n, 1) or (n,)' if self.output == 'binary' else f'(n, {self.num_classes})'}")
+        if not out.is_floating_point():
+            raise ModelError(f"model {self.name!r} returns {out.dtype} logits; it must return floating point")
+
     def init(self, seed: int) -> Params:
         """Fresh parameters from the module's own initializer, seeded without touching global RNG."""
         with torch.random.fork_rng(devices=[]):
@@ -62,7 +124,7 @@ class Model:
             out = self.forward(params, x)
         else:
             out = functional_call(self.module, params, (x,))
-        if self.output == "binary":
+        if self.output == "binary" and out.dim() > 1 and out.shape[-1] == 1:
             return out.reshape(out.shape[:-1])
         return out
 
@@ -208,8 +270,17 @@ class ImageNormalize:
 
 
 class Flatten:
+    """Flattens (n, ...) features to (n, d) float32 (also the cast of compactly stored float16 features)."""
+
     def __call__(self, x: Tensor) -> Tensor:
         return x.flatten(1).to(torch.float32)
+
+
+class ToFloat32:
+    """Casts compactly stored (float16) features to float32 on the fly, keeping their shape."""
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return x.to(torch.float32)
 
 
 def input_transform_for(
@@ -218,48 +289,8 @@ def input_transform_for(
     meta = meta or {}
     if meta.get("input") == "image":
         return ImageNormalize(meta.get("mean", 0.0), meta.get("std", 1.0), flatten)  # type: ignore[arg-type]
-    if flatten and len(input_shape) > 1:
+    if flatten and (len(input_shape) > 1 or meta.get("input") == "float16"):
         return Flatten()
+    if meta.get("input") == "float16":
+        return ToFloat32()
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# Registry of model builders: (input_shape, num_classes, meta, **kwargs) -> Model.
-# Vision and text models are in fedmtl.models.
-
-
-def _linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-            bias: bool = True) -> Model:
-    out_dim = 1 if num_classes == 2 else num_classes
-    output = "binary" if num_classes == 2 else "multiclass"
-    d = int(np.prod(input_shape))
-    return Model(nn.Linear(d, out_dim, bias=bias), output, num_classes, name="linear",
-                 analytic_grad=_linear_grad, input_transform=input_transform_for(input_shape, meta, True))
-
-
-def _mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-         hidden: tuple[int, ...] | list[int] = (64,)) -> Model:
-    layers: list[nn.Module] = []
-    d = int(np.prod(input_shape))
-    for h in hidden:
-        layers += [nn.Linear(d, h), nn.ReLU()]
-        d = h
-    out_dim = 1 if num_classes == 2 else num_classes
-    layers.append(nn.Linear(d, out_dim))
-    output = "binary" if num_classes == 2 else "multiclass"
-    return Model(nn.Sequential(*layers), output, num_classes, name="mlp",
-                 input_transform=input_transform_for(input_shape, meta, True))
-
-
-MODELS: dict[str, Callable[..., Model]] = {"linear": _linear, "mlp": _mlp}
-
-
-def build_model(name: str, input_shape: int | tuple[int, ...], num_classes: int,
-                meta: dict[str, object] | None = None, **kwargs: object) -> Model:
-    """Build a registered model for inputs of ``input_shape`` (an int means a flat vector)."""
-    from . import models  # noqa: F401  (registers the vision and text models)
-
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; available: {sorted(MODELS)}")
-    shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
-    return MODELS[name](input_shape=shape, num_classes=num_classes, meta=meta, **kwargs)

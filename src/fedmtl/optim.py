@@ -4,19 +4,20 @@
 multi-step learning-rate schedule of the FedEM reference experiments (x ``gamma`` at fixed fractions
 of the rounds, stepped once per round).  ``local_sgd`` runs a fixed number of steps; a step whose
 batch is entirely padding is an exact no-op (parameters and momentum unchanged), which is how
-clients with fewer samples run inside one batched computation without branching.
+clients with fewer samples run inside one batched computation without branching.  ``masked_steps`` is
+that loop, shared by every method with its own local step (APFL, pFedMe).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
-from .tree import Params
+from .tree import Params, tmap
 
 
 class Batches(NamedTuple):
@@ -32,7 +33,10 @@ class Batches(NamedTuple):
                        look up per-sample responsibilities computed once on the whole local set)
     n: () float        number of training samples of the client
     limit: () long     optional: the client stops after ``limit`` non-empty steps (a straggler of the
-                       systems layer, ``fedmtl.systems``); ``None`` = no limit
+                       systems layer, ``fedmtl.engine.systems``); ``None`` = no limit.  Methods whose local
+                       work is not counted in batches (MOCHA's coordinate steps) read it as their budget
+    idx: (S, B) long   optional: each slot's index into the client's own examples (0 on padding), for
+                       methods that keep per-example state (MOCHA's dual variables)
     """
 
     x: Tensor
@@ -41,6 +45,7 @@ class Batches(NamedTuple):
     pos: Tensor
     n: Tensor
     limit: Tensor | None = None
+    idx: Tensor | None = None
 
 
 def live_steps(batches: Batches) -> Tensor:
@@ -87,6 +92,30 @@ class SGD:
 
 
 GradFn = Callable[[Params, Tensor, Tensor, Tensor, Tensor | None], tuple[Params, Tensor]]
+Carry = TypeVar("Carry")
+
+
+def masked_steps(
+    batches: Batches, step: Callable[[Carry, int], tuple[Carry, Tensor]], carry: Carry, steps: slice | None = None
+) -> tuple[Carry, Tensor]:
+    """The one local-step loop: ``step(carry, s) -> (carry', loss)`` for every step ``s`` of the client's
+    batches, a step that is not live (all padding, or past the straggler ``limit``) leaving ``carry`` and the
+    loss average untouched.  Returns (carry, mean loss over the live steps).
+
+    vmap-safe: a fixed number of steps, ``torch.where`` instead of branching, nothing updated in place.
+    ``loss`` may be a vector (FedEM's M components); the mean is taken per entry.
+    """
+    live = live_steps(batches)
+    loss_sum = torch.zeros((), dtype=torch.float32)
+    count = torch.zeros((), dtype=torch.float32)
+    rng = range(len(batches.x)) if steps is None else range(*steps.indices(len(batches.x)))
+    for s in rng:
+        new, loss = step(carry, s)
+        active = live[s]
+        carry = tmap(lambda a, b, active=active: torch.where(active, a, b), new, carry)
+        loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
+        count = count + active.to(count.dtype)
+    return carry, loss_sum / count.clamp_min(1.0)
 
 
 def local_sgd(
@@ -108,34 +137,29 @@ def local_sgd(
     leading axis when ``params`` are M stacked models and ``grad_fn`` is ``Model.value_and_grad_stacked``,
     whose loss is then an (M,) vector).
     ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient.
-    vmap-safe: fixed number of steps, masking instead of branching, no in-place updates.
     """
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
-    buf = {k: torch.zeros_like(v) for k, v in params.items()} if mom > 0 else None
-    loss_sum = torch.zeros((), dtype=torch.float32)
-    active_steps = torch.zeros_like(loss_sum)
-    rng = range(len(batches.x)) if steps is None else range(*steps.indices(len(batches.x)))
-    live = live_steps(batches)
-    for s in rng:
-        mask = batches.mask[s]
+
+    def step(carry: tuple[Params, Params], s: int) -> tuple[tuple[Params, Params], Tensor]:
+        p, buf = carry  # buf: momentum buffers ({} without momentum)
         w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
-        g, loss = grad_fn(params, batches.x[s], batches.y[s], mask, w)
-        active = live[s]
-        new_params = {}
-        for k, p in params.items():
+        g, loss = grad_fn(p, batches.x[s], batches.y[s], batches.mask[s], w)
+        new_p, new_buf = {}, {}
+        for k, v in p.items():
             d = g[k]
             if wd:
-                d = d + wd * p
+                d = d + wd * v
             if mu:
-                d = d + mu * (p - prox_center[k])  # type: ignore[index]
-            if buf is not None:
+                d = d + mu * (v - prox_center[k])  # type: ignore[index]
+            if mom > 0:
                 d = mom * buf[k] + d
-                buf[k] = torch.where(active, d, buf[k])
-            new_params[k] = torch.where(active, p - lr * d, p)
-        params = new_params
-        loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
-        active_steps = active_steps + active.to(loss_sum.dtype)
-    return params, loss_sum / active_steps.clamp_min(1.0)
+                new_buf[k] = d
+            new_p[k] = v - lr * d
+        return (new_p, new_buf), loss
+
+    buf0 = {k: torch.zeros_like(v) for k, v in params.items()} if mom > 0 else {}
+    (params, _), loss = masked_steps(batches, step, (params, buf0), steps)
+    return params, loss
 
 
 def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:

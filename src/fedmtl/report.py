@@ -29,8 +29,9 @@ def write_clients_csv(path: Path, per_client: dict[str, Any]) -> None:
         w.writerow(["group", "client", "split", "n", "acc", "loss"])
         for g, splits in per_client.items():
             for s, m in splits.items():
-                for i, (n, a, l) in enumerate(zip(m["n"], m["acc"], m["loss"], strict=True)):
-                    w.writerow([g, i, s, int(n), f"{a:.6f}", f"{l:.6f}"])
+                ids = m.get("client", range(len(m["n"])))
+                for i, n, a, l in zip(ids, m["n"], m["acc"], m["loss"], strict=True):
+                    w.writerow([g, int(i), s, int(n), f"{a:.6f}", f"{l:.6f}"])
 
 
 def write_json(path: Path, obj: Any) -> None:

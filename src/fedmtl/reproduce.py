@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load
-from .experiment import run_experiment
+from .engine.checkpoint import CheckpointError
+from .engine.driver import run_experiment
 from .report import markdown_table, plot_curves, write_json
 
 #: Marfoq et al. (NeurIPS 2021), Table 1, Synthetic: average / bottom decile test accuracy (%).
@@ -44,11 +45,14 @@ def _configs(config_dir: Path) -> list[Path]:
 
 
 def _run(cfg: Any, run_dir: Path, data: Any) -> dict[str, Any]:
+    """One run (continued if its directory holds a checkpoint of the same config): its summary, history and
+    per-client metrics."""
     try:
-        return run_experiment(cfg, run_dir, resume=True, data=data)
-    except ConfigError:  # an older run with another config: start over
+        res = run_experiment(cfg, run_dir, resume=True, data=data)
+    except (ConfigError, CheckpointError):  # an older run with another config or format: start over
         shutil.rmtree(run_dir)
-        return run_experiment(cfg, run_dir, data=data)
+        res = run_experiment(cfg, run_dir, data=data)
+    return {**res.summary, "history": res.history, "per_client": res.per_client}
 
 
 def run_suite(out: Path, config_dir: Path, variant: str, overrides: list[str], unseen_frac: float) -> dict[str, Any]:

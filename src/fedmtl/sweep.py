@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load, parse_override
-from .experiment import run_experiment
+from .engine.driver import run_experiment
 from .report import plot_curves, write_json
 
 
@@ -65,7 +65,7 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
     rows = []
     for combo, cfg in zip(combos, cfgs, strict=True):
         name = ",".join(f"{k}={v}" for k, v in combo).replace("/", "_")
-        summary = run_experiment(cfg, out / name, resume=True, progress=progress)
+        summary = run_experiment(cfg, out / name, resume=True, progress=progress).summary
         row: dict[str, Any] = {k: parse_override(f"{k}={v}")[2] for k, v in combo}
         row.update({k: v for k, v in summary["final"].items()})
         rows.append(row)

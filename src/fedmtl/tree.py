@@ -66,17 +66,6 @@ def take(tree: Tree, index: int | Tensor) -> Tree:
     return tmap(lambda x: x[index], tree)
 
 
-def put(tree: Tree, index: Tensor, values: Tree) -> Tree:
-    """Return a copy of ``tree`` with rows ``index`` of the leading axis replaced by ``values``."""
-
-    def _put(x: Tensor, v: Tensor) -> Tensor:
-        out = x.clone()
-        out[index] = v.to(out.dtype)
-        return out
-
-    return tmap(_put, tree, values)
-
-
 def broadcast(tree: Tree, n: int) -> Tree:
     """View a tree as stacked ``n`` times along a new leading axis (no copy)."""
     return tmap(lambda x: x.unsqueeze(0).expand(n, *x.shape), tree)
@@ -132,3 +121,43 @@ def num_params(tree: Tree) -> int:
 
 def to(tree: Tree, device: torch.device | str) -> Tree:
     return tmap(lambda x: x.to(device), tree)
+
+
+class TreeError(ValueError):
+    """A flat ``{name: tensor}`` mapping does not match the expected tree (names, shapes, dtypes)."""
+
+
+def to_named(tree: Tree) -> dict[str, Tensor]:
+    """Flatten a tree into ``{path: tensor}`` (e.g. ``".components['fc.weight']"``): what checkpoints and
+    Flower records hold, so no file ever needs pickle to be read back."""
+    flat, _ = pytree.tree_flatten_with_path(tree)
+    out = {}
+    for path, leaf in flat:
+        if not isinstance(leaf, Tensor):
+            raise TreeError(f"{pytree.keystr(path)}: only tensors can be stored, got {type(leaf).__name__}")
+        out[pytree.keystr(path)] = leaf
+    return out
+
+
+def from_named(named: dict[str, Tensor], template: Tree, device: torch.device | str | None = None) -> Tree:
+    """Rebuild a tree shaped like ``template`` from ``to_named`` output; names, shapes and dtypes must agree."""
+    flat, spec = pytree.tree_flatten_with_path(template)
+    want = [pytree.keystr(p) for p, _ in flat]
+    got = list(named)
+    if sorted(want) != sorted(got):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        raise TreeError(f"names differ: missing {missing[:6]}, unexpected {extra[:6]}")
+    leaves = []
+    for (_, ref), name in zip(flat, want, strict=True):
+        t = named[name]
+        if not isinstance(t, Tensor):
+            raise TreeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+            raise TreeError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
+        leaves.append(t if device is None else t.to(device))
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def structure_like(tree: Tree, template: Tree) -> bool:
+    """True when ``tree`` has the tree structure of ``template`` (leaf values not compared)."""
+    return pytree.tree_structure(tree) == pytree.tree_structure(template)

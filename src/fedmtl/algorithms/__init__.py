@@ -1,7 +1,11 @@
-"""Algorithm registry: ``ALGORITHMS[name]`` is the dataclass; its fields are the hyper-parameters."""
+"""The built-in algorithms, registered under their config names (``[algorithm] name``).
+
+Each is one module with its paper cited; ``fedmtl.register_algorithm`` adds more.
+"""
 
 from __future__ import annotations
 
+from ..registry import ALGORITHMS, register_algorithm
 from .apfl import APFL
 from .base import Algorithm, Context
 from .clustered import ClusteredFL
@@ -10,16 +14,14 @@ from .ditto import Ditto
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedem import FedEM
 from .local import Local
+from .mocha import Mocha
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
 from .pfedme import PFedMe
 
-ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls
-    for cls in (
-        Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL, OmniFedge
-    )
-}
+for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
+             OmniFedge, Mocha):
+    register_algorithm(_cls, replace=True)
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
@@ -29,7 +31,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
-    "APFL", "ClusteredFL", "Ditto", "OmniFedge", "PFedMe", "PerFedAvg",
-    "ALGORITHMS", "DSGD", "Algorithm", "Context", "DFedEM", "FedAvg", "FedAvgFT", "FedEM", "FedProx", "Local",
-    "get_algorithm",
+    "ALGORITHMS", "APFL", "DSGD", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedAvg", "FedAvgFT",
+    "FedEM", "FedProx", "Local", "Mocha", "OmniFedge", "PFedMe", "PerFedAvg", "get_algorithm",
 ]

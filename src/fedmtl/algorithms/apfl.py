@@ -12,61 +12,66 @@ have no personal model yet and predict with w.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, live_steps
-from ..tree import Tree
-from .base import Algorithm, Context, check_positive
+from ..optim import Batches, masked_steps
+from ..tree import Params
+from .base import Algorithm, Context, GlobalModel, check_positive
+
+
+class APFLState(NamedTuple):
+    """Client state: the personal model v and the mixing weight a."""
+
+    v: Params
+    a: Tensor
 
 
 @dataclass(frozen=True)
 class APFL(Algorithm):
     name: ClassVar[str] = "apfl"
+    keeps_client_state: ClassVar[bool] = True
     alpha: float = 0.5
     adapt_alpha: bool = True
     alpha_lr: float = 0.01
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"algorithm.alpha must be in [0, 1], got {self.alpha}")
         check_positive("alpha_lr", self.alpha_lr, strict=False)
 
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"v": server["params"], "a": torch.tensor(self.alpha)}
+    def init_client(self, ctx: Context, server: GlobalModel) -> APFLState:
+        return APFLState(server.params, torch.tensor(self.alpha))
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
-        w, v, a = payload, state["v"], state["a"]
+        self, ctx: Context, payload: Params, state: APFLState, batches: Batches, lr: float
+    ) -> tuple[Params, APFLState, Tensor]:
         wd = ctx.opt.weight_decay
-        loss_sum, count = torch.zeros(()), torch.zeros(())
-        live = live_steps(batches)
-        for s in range(len(batches.x)):
+
+        def step(carry: tuple[Params, Params, Tensor], s: int) -> tuple[tuple[Params, Params, Tensor], Tensor]:
+            w, v, a = carry
             x, y, mask = batches.x[s], batches.y[s], batches.mask[s]
-            active = live[s]
             gw, loss = ctx.model.value_and_grad(w, x, y, mask)
-            h = T.tmap(lambda vi, wi, a=a: a * vi + (1 - a) * wi, v, w)
+            h = T.tmap(lambda vi, wi: a * vi + (1 - a) * wi, v, w)
             gh, _ = ctx.model.value_and_grad(h, x, y, mask)
             new_w = T.tmap(lambda p, g: p - lr * (g + wd * p), w, gw)
-            new_v = T.tmap(lambda p, g, a=a: p - lr * (a * g + wd * p), v, gh)
+            new_v = T.tmap(lambda p, g: p - lr * (a * g + wd * p), v, gh)
             if self.adapt_alpha:
                 grad_a = sum((g * (vi - wi)).sum() for g, vi, wi in zip(T.leaves(gh), T.leaves(v), T.leaves(w),
                                                                        strict=True))
-                new_a = torch.clamp(a - self.alpha_lr * grad_a, 0.0, 1.0)
-                a = torch.where(active, new_a, a)
-            w = T.where(active, new_w, w)
-            v = T.where(active, new_v, v)
-            loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
-            count = count + active.to(count.dtype)
-        return w, {"v": v, "a": a}, loss_sum / count.clamp_min(1)
+                a = torch.clamp(a - self.alpha_lr * grad_a, 0.0, 1.0)
+            return (new_w, new_v, a), loss
+
+        (w, v, a), loss = masked_steps(batches, step, (payload, state.v, state.a))
+        return w, APFLState(v, a), loss
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+        self, ctx: Context, payload: Params, state: APFLState, batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
         if not seen:
             return payload
-        return T.tmap(lambda vi, wi: state["a"] * vi + (1 - state["a"]) * wi, state["v"], payload)
+        return T.tmap(lambda vi, wi: state.a * vi + (1 - state.a) * wi, state.v, payload)

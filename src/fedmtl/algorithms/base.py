@@ -1,20 +1,30 @@
 """The algorithm contract: pure functions written once, for one client.
 
-An algorithm is a frozen dataclass whose fields are its hyper-parameters.  The runners
-(``fedmtl.simulate``; later Flower) call, per round::
+An algorithm is a frozen dataclass whose fields are its hyper-parameters.  The round loop
+(``fedmtl.engine.round``) calls, per round::
 
-    payload = alg.payload(server)                                  # what the server broadcasts
-    update, state', loss = alg.client_update(ctx, payload, state, batches, lr)   # ONE client
-    server' = alg.aggregate(ctx, server, updates, weights)        # stacked (K, ...) updates
+    payload = alg.payload(server)                                               # what the server broadcasts
+    update, state', loss = alg.client_update(ctx, payload, state, batches, lr)  # ONE client
+    server' = alg.aggregate(ctx, server, updates, weights, clients)            # stacked (K, ...) updates
+    server', states' = alg.sync(ctx, server', all states)                      # only if syncs_clients
 
-``client_update`` must be vmap-safe (no ``.item()``, no Python branching on tensor values, no
-in-place updates, fixed number of steps).  Evaluation calls ``personalize`` (one client: the state a
-client predicts with, possibly after local adaptation on its training batches) then
-``predict_log_proba``.  Client and server states are pytrees (dicts / NamedTuples of tensors).
+``client_update`` must be vmap-safe (no ``.item()``, no Python branching on tensor values, no in-place
+updates, a fixed number of steps: ``optim.masked_steps``).  Evaluation calls ``personalize`` (one client:
+the state it predicts with, possibly after local adaptation on its training batches) then
+``predict_log_proba``.  Client and server states are typed pytrees: NamedTuples of tensors and
+``Params`` dicts, declared in the algorithm's own module.
+
+Capabilities are class attributes, read by the engine and by Flower:
+
+* ``needs_adaptation`` — ``personalize`` uses the client's training batches (fine-tuning, EM for pi, ...);
+* ``keeps_client_state`` — clients keep state across rounds (FedEM's pi, Ditto's personal model);
+* ``syncs_clients`` — after aggregation, ``sync`` mixes the states of all clients (gossip).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -22,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
+from ..data.federated import steps_per_epoch
 from ..model import Model
 from ..optim import SGD, Batches
 from ..tree import Params, Tree
@@ -35,6 +46,31 @@ class Context(NamedTuple):
     num_clients: int
     total_train: float  # total number of training examples over all seen clients
     local_epochs: int = 1  # epochs in the batches that client_update receives
+    rounds: int = 0  # rounds of the run (0: unknown)
+    max_train: int = 0  # the largest training set of any seen client (per-example client state: MOCHA's duals)
+
+
+class GlobalModel(NamedTuple):
+    """Server state of methods with one global model."""
+
+    params: Params
+
+
+class ClientId(NamedTuple):
+    """Client state of methods whose server keeps per-client entries (cluster ids, heads, tasks)."""
+
+    id: Tensor  # () long, the client's federation-wide id
+
+
+def check_literals(obj: Any) -> None:
+    """Check every ``Literal[...]``-typed dataclass field of ``obj`` against its allowed values."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp = hints.get(f.name)
+        if typing.get_origin(tp) is typing.Literal:
+            allowed = typing.get_args(tp)
+            if getattr(obj, f.name) not in allowed:
+                raise ValueError(f"algorithm.{f.name} must be one of {list(allowed)}, got {getattr(obj, f.name)!r}")
 
 
 @dataclass(frozen=True)
@@ -42,50 +78,57 @@ class Algorithm:
     """Base class; subclasses override what differs.  Defaults describe a single global model."""
 
     name: ClassVar[str] = "base"
-    #: personalize() uses the client's training batches (fine-tuning, EM for pi, ...)
     needs_adaptation: ClassVar[bool] = False
     #: epochs of training batches personalize() gets when needs_adaptation is True
     adapt_epochs: ClassVar[int] = 1
+    keeps_client_state: ClassVar[bool] = False
+    syncs_clients: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        check_literals(self)
 
     # -- server ---------------------------------------------------------------------------------
-    def init_server(self, ctx: Context, params: Params, seed: int) -> Tree:
-        return {"params": params}
+    def init_server(self, ctx: Context, params: Params, seed: int) -> Any:
+        return GlobalModel(params)
 
-    def payload(self, server: Tree) -> Tree:
-        return server["params"]
+    def payload(self, server: Any) -> Tree:
+        return server.params
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
+    def aggregate(self, ctx: Context, server: Any, updates: Tree, weights: Tensor, clients: Tensor) -> Any:
         """``weights`` (K,) are n_k for valid updates and 0 for excluded (NaN/Inf) ones; ``clients`` (K,)
-        are the indices of the clients the updates come from (server-side bookkeeping, e.g. clusters)."""
+        are the ids of the clients the updates come from.  The default replaces the ``params`` of the
+        server state by the weighted mean of the updates and keeps every other field."""
         if float(weights.sum()) <= 0:
             return server
-        return {"params": T.weighted_mean(updates, weights)}
+        return server._replace(params=T.weighted_mean(updates, weights))
 
-    def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
-        """Runs after aggregation on the stacked states of all clients (decentralized gossip)."""
+    def sync(self, ctx: Context, server: Any, clients: Tree) -> tuple[Any, Tree]:
+        """``syncs_clients`` methods: after aggregation, the stacked states of ALL clients (gossip)."""
         return server, clients
 
     # -- client ---------------------------------------------------------------------------------
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        """State one client starts with (unbatched); the runner replicates it for every client."""
-        return {}
+    def init_client(self, ctx: Context, server: Any) -> Tree:
+        """State one client starts with (unbatched); default: none."""
+        return ()
 
-    def init_clients(self, ctx: Context, server: Tree) -> Tree:
-        """Stacked states of all ``ctx.num_clients`` clients (default: ``init_client`` replicated)."""
+    def init_clients(self, ctx: Context, server: Any, ids: Tensor) -> Tree:
+        """Stacked initial states of clients ``ids`` (default: ``init_client`` repeated).  The client store
+        calls it lazily, when a client is first read."""
         one = self.init_client(ctx, server)
-        return T.tmap(lambda x: x.unsqueeze(0).repeat(ctx.num_clients, *([1] * x.dim())), one)
+        return T.tmap(lambda x: x.unsqueeze(0).expand(len(ids), *x.shape).clone(), one)
 
-    def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
+    def step_budget(self, counts: Tensor, batch_size: int, epochs: int) -> Tensor:
+        """(K,) local steps each client's device works through in a round (the systems layer's budget; a
+        straggler does a fraction of them): batches per epoch x epochs."""
+        return steps_per_epoch(counts, batch_size) * epochs
+
+    def client_update(self, ctx: Context, payload: Tree, state: Tree, batches: Batches,
+                      lr: float) -> tuple[Tree, Tree, Tensor]:
         raise NotImplementedError
 
     # -- evaluation -----------------------------------------------------------------------------
-    def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+    def personalize(self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float,
+                    seen: bool) -> Tree:
         """The state one client predicts with (default: the broadcast global model)."""
         return payload
 
@@ -93,15 +136,6 @@ class Algorithm:
         """(n, C) log class probabilities for one client."""
         return ctx.model.log_proba(ctx.model.apply(eval_state, x))
 
-    # -- bookkeeping ----------------------------------------------------------------------------
-    def upload_numel(self, ctx: Context, server: Tree) -> int:
-        """Floats one client uploads per round (communication accounting)."""
-        return T.num_params(self.payload(server))
-
-    def hparams(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        return asdict(self)
 
 
 def check_positive(name: str, value: float, strict: bool = True) -> None:
@@ -109,5 +143,6 @@ def check_positive(name: str, value: float, strict: bool = True) -> None:
         raise ValueError(f"algorithm.{name} must be {'>' if strict else '>='} 0, got {value}")
 
 
-def zero_loss() -> Tensor:
-    return torch.zeros(())
+def row(stacked: Tree, i: Tensor) -> Tree:
+    """Entry ``i`` (a 0-d long tensor, vmap-safe) of every leaf of a stacked tree."""
+    return T.tmap(lambda m: m.index_select(0, i.reshape(1).to(torch.long)).squeeze(0), stacked)

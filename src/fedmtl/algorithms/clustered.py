@@ -21,7 +21,7 @@ the cluster's members, so run CFL with full participation, as the reference code
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -29,12 +29,21 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, first_epoch, local_sgd
-from ..tree import Tree
-from .base import Algorithm, Context, check_positive
+from ..tree import Params
+from .base import Algorithm, ClientId, Context, check_positive, row
 
 
-def _index(stacked: Tree, i: Tensor) -> Tree:
-    return T.tmap(lambda m: m.index_select(0, i.reshape(1).to(torch.long)).squeeze(0), stacked)
+class Clusters(NamedTuple):
+    """Server state: one model per cluster (stacked (G, ...)), every client's cluster id, rounds so far."""
+
+    models: Params
+    assign: Tensor  # (N,) long
+    round: Tensor  # () long
+
+
+class ClusterPayload(NamedTuple):
+    models: Params
+    assign: Tensor
 
 
 def bipartition(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
@@ -64,34 +73,33 @@ class ClusteredFL(Algorithm):
     max_clusters: int = 16
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("eps1", self.eps1)
         check_positive("eps2", self.eps2)
         check_positive("max_clusters", self.max_clusters)
 
-    def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
-        return {"models": T.stack([params]), "assign": torch.zeros(ctx.num_clients, dtype=torch.long),
-                "round": torch.zeros((), dtype=torch.long)}
+    def init_server(self, ctx: Context, params: Params, seed: int) -> Clusters:
+        return Clusters(T.stack([params]), torch.zeros(ctx.num_clients, dtype=torch.long),
+                        torch.zeros((), dtype=torch.long))
 
-    def payload(self, server: Tree) -> Tree:
-        return server["models"]
+    def payload(self, server: Clusters) -> ClusterPayload:
+        # the assignment travels with the models (every client learns its cluster, also over Flower); Clustered
+        # FL needs every member of a cluster each round anyway (full participation), so this is O(N) by design
+        return ClusterPayload(server.models, server.assign)
 
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"cluster": torch.zeros((), dtype=torch.long)}
+    def init_clients(self, ctx: Context, server: Clusters, ids: Tensor) -> ClientId:
+        return ClientId(ids.clone())
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
-        theta = _index(payload, state["cluster"])
+        self, ctx: Context, payload: ClusterPayload, state: ClientId, batches: Batches, lr: float
+    ) -> tuple[Params, ClientId, Tensor]:
+        theta = row(payload.models, row(payload.assign, state.id))
         new, loss = local_sgd(ctx.model.value_and_grad, theta, batches, lr, ctx.opt)
         return T.sub(new, theta), state, loss
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
-        assert clients is not None, "clustered FL needs the indices of the clients that sent updates"
-        models = server["models"]
-        assign = server["assign"].clone()
-        rnd = int(server["round"]) + 1
+    def aggregate(self, ctx: Context, server: Clusters, updates: Params, weights: Tensor, clients: Tensor) -> Clusters:
+        models, assign = server.models, server.assign.clone()
+        rnd = int(server.round) + 1
         clients = clients.to(assign.device)
         new_models = list(T.unstack(models, T.leaves(models)[0].shape[0]))
         flat = T.flatten_rows(updates).to(torch.float64)
@@ -109,24 +117,18 @@ class ClusteredFL(Algorithm):
                 continue
             max_norm = float(flat[rows].norm(dim=1).max())
             if float(mean.norm()) < self.eps1 and max_norm > self.eps2:
-                a, b, _ = bipartition(flat[rows].numpy())
+                a, b, _ = bipartition(flat[rows].cpu().numpy())
                 if a.size and b.size:
                     new_models.append(T.clone(new_models[c]))
                     assign[clients[rows[torch.as_tensor(b)]]] = len(new_models) - 1
-        return {"models": T.stack(new_models), "assign": assign, "round": torch.tensor(rnd)}
-
-    def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
-        return server, {"cluster": server["assign"].clone()}
+        return Clusters(T.stack(new_models), assign, torch.tensor(rnd))
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+        self, ctx: Context, payload: ClusterPayload, state: ClientId, batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
         if seen:
-            return _index(payload, state["cluster"])
+            return row(payload.models, row(payload.assign, state.id))
         assert batches is not None
         x, y, mask = first_epoch(batches, self.adapt_epochs)
-        losses = torch.func.vmap(lambda m: (ctx.model.nll(ctx.model.apply(m, x), y) * mask).sum())(payload)
-        return _index(payload, torch.argmin(losses))
-
-    def upload_numel(self, ctx: Context, server: Tree) -> int:
-        return T.num_params(T.take(server["models"], 0))
+        losses = torch.func.vmap(lambda m: (ctx.model.nll(ctx.model.apply(m, x), y) * mask).sum())(payload.models)
+        return row(payload.models, torch.argmin(losses))

@@ -3,9 +3,9 @@
 
 No server: every client keeps its own copy of the model (D-SGD) or of the M components (D-FedEM),
 runs its local update exactly as in the centralized method, then averages with its neighbours through
-a doubly-stochastic mixing matrix W over a communication graph (``fedmtl.topology``): theta_i <-
-sum_j W_ij theta_j.  The "server" state only holds W and the average over clients (used to start
-unseen clients, and to report the consensus).  With a complete graph and uniform mixing, and clients
+a doubly-stochastic mixing matrix W over a communication graph (``fedmtl.graph``, sparse): theta_i <-
+sum_j W_ij theta_j (``sync``).  The "server" state only holds W and the average over clients (used to
+start unseen clients, and to report the consensus).  With a complete graph and uniform mixing, and clients
 of equal size, D-FedEM is FedEM with full participation (tested).  Clients that are not sampled in a
 round skip their local update but still gossip.
 """
@@ -13,81 +13,96 @@ round skip their local update but still gossip.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, NamedTuple
 
-import torch
 from torch import Tensor
 
 from .. import tree as T
+from ..graph import Mixing, build
 from ..optim import Batches
-from ..topology import build_graph, mix, mixing_matrix
-from ..tree import Tree
+from ..tree import Params, Tree
 from .base import Context
 from .fedavg import FedAvg
-from .fedem import FedEM
+from .fedem import FedEM, MixtureEval, MixtureWeights
+
+
+class Gossip(NamedTuple):
+    """The decentralized methods' "server": the mixing matrix and the average model over clients."""
+
+    mixing: Mixing
+    average: Params
+
+
+class PeerModel(NamedTuple):
+    """D-SGD client state: the client's copy of the model."""
+
+    params: Params
+
+
+class PeerMixture(NamedTuple):
+    """D-FedEM client state: the client's copy of the M components and its mixture weights."""
+
+    components: Params
+    pi: Tensor
 
 
 @dataclass(frozen=True)
 class _Gossip:
     """Graph fields shared by the decentralized algorithms."""
 
-    topology: str = "erdos_renyi"  # complete | ring | erdos_renyi | file
+    topology: Literal["complete", "ring", "erdos_renyi", "file"] = "erdos_renyi"
     edge_prob: float = 0.5
-    mixing: str = "metropolis"  # metropolis | max_degree
+    mixing: Literal["metropolis", "max_degree"] = "metropolis"
     adjacency_file: str = ""
     graph_seed: int = 0
 
-    #: the client-state entry holding the gossiped model(s)
-    model_key: ClassVar[str] = "params"
+    syncs_clients: ClassVar[bool] = True
+    keeps_client_state: ClassVar[bool] = True
 
-    def mixing_matrix(self, n: int) -> Tensor:
-        adj = build_graph(self.topology, n, self.edge_prob, self.graph_seed, self.adjacency_file)
-        return mixing_matrix(adj, self.mixing).to(torch.float32)
-
-    def gossip_server(self, ctx: Context, model: Tree) -> Tree:
+    def gossip_server(self, ctx: Context, model: Params) -> Gossip:
         """No server: only the mixing matrix and the average over clients (unseen clients, reporting)."""
-        return {"W": self.mixing_matrix(ctx.num_clients), "average": model}
+        g = build(self.topology, ctx.num_clients, self.edge_prob, self.graph_seed, self.adjacency_file)
+        w = g.mixing(self.mixing)
+        dev = next(iter(T.leaves(model))).device
+        return Gossip(Mixing(w.edges.to(dev), w.weight.to(dev).float(), w.self_weight.to(dev).float()), model)
 
-    def payload(self, server: Tree) -> Tree:
-        return server["average"]
+    def payload(self, server: Gossip) -> Params:
+        return server.average
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
+    def aggregate(self, ctx: Context, server: Gossip, updates: Tree, weights: Tensor, clients: Tensor) -> Gossip:
         return server
 
-    def post_round(self, ctx: Context, server: Tree, clients: Tree) -> tuple[Tree, Tree]:
-        """Gossip step theta_i <- sum_j W_ij theta_j on the model entry; other client state stays."""
-        mixed = T.tmap(lambda x: mix(server["W"], x), clients[self.model_key])
-        average = T.tmap(lambda x: x.mean(0), mixed)
-        return {"W": server["W"], "average": average}, {**clients, self.model_key: mixed}
+    def _mix(self, server: Gossip, models: Params) -> tuple[Gossip, Params]:
+        mixed = T.tmap(server.mixing.mix, models)
+        return Gossip(server.mixing, T.tmap(lambda x: x.mean(0), mixed)), mixed
 
-    def upload_numel(self, ctx: Context, server: Tree) -> int:
-        return T.num_params(server["average"])
 
 
 @dataclass(frozen=True)
 class DFedEM(_Gossip, FedEM):
     name: ClassVar[str] = "dfedem"
-    model_key: ClassVar[str] = "components"
 
-    def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
-        return self.gossip_server(ctx, FedEM.init_server(self, ctx, params, seed)["components"])
+    def init_server(self, ctx: Context, params: Params, seed: int) -> Gossip:  # type: ignore[override]
+        return self.gossip_server(ctx, FedEM.init_server(self, ctx, params, seed).components)
 
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"components": server["average"], **super().init_client(ctx, server)}
+    def init_client(self, ctx: Context, server: Gossip) -> PeerMixture:  # type: ignore[override]
+        return PeerMixture(server.average, FedEM.init_client(self, ctx, server).pi)  # type: ignore[arg-type]
 
-    def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
-        comps, st, nll = super().client_update(ctx, state["components"], state, batches, lr)
-        return {}, {"components": comps, "pi": st["pi"]}, nll
+    def client_update(  # type: ignore[override]
+        self, ctx: Context, payload: Params, state: PeerMixture, batches: Batches, lr: float
+    ) -> tuple[Params, PeerMixture, Tensor]:
+        comps, st, nll = FedEM.client_update(self, ctx, state.components, MixtureWeights(state.pi), batches, lr)
+        return {}, PeerMixture(comps, st.pi), nll
 
-    def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
-        comps = state["components"] if seen else payload
-        return super().personalize(ctx, comps, state, batches, lr, seen)
+    def sync(self, ctx: Context, server: Gossip, clients: PeerMixture) -> tuple[Gossip, PeerMixture]:  # type: ignore[override]
+        server, mixed = self._mix(server, clients.components)
+        return server, clients._replace(components=mixed)
+
+    def personalize(  # type: ignore[override]
+        self, ctx: Context, payload: Params, state: PeerMixture, batches: Batches | None, lr: float, seen: bool
+    ) -> MixtureEval:
+        comps = state.components if seen else payload
+        return FedEM.personalize(self, ctx, comps, MixtureWeights(state.pi), batches, lr, seen)
 
 
 @dataclass(frozen=True)
@@ -96,19 +111,23 @@ class DSGD(_Gossip, FedAvg):
 
     name: ClassVar[str] = "dsgd"
 
-    def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
+    def init_server(self, ctx: Context, params: Params, seed: int) -> Gossip:  # type: ignore[override]
         return self.gossip_server(ctx, params)
 
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"params": server["average"]}
+    def init_client(self, ctx: Context, server: Gossip) -> PeerModel:  # type: ignore[override]
+        return PeerModel(server.average)
 
-    def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
-        params, _, loss = super().client_update(ctx, state["params"], state, batches, lr)
-        return {}, {"params": params}, loss
+    def client_update(  # type: ignore[override]
+        self, ctx: Context, payload: Params, state: PeerModel, batches: Batches, lr: float
+    ) -> tuple[Params, PeerModel, Tensor]:
+        params, _, loss = FedAvg.client_update(self, ctx, state.params, (), batches, lr)
+        return {}, PeerModel(params), loss
 
-    def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
-        return state["params"] if seen else payload
+    def sync(self, ctx: Context, server: Gossip, clients: PeerModel) -> tuple[Gossip, PeerModel]:  # type: ignore[override]
+        server, mixed = self._mix(server, clients.params)
+        return server, PeerModel(mixed)
+
+    def personalize(  # type: ignore[override]
+        self, ctx: Context, payload: Params, state: PeerModel, batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
+        return state.params if seen else payload

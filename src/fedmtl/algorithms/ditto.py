@@ -5,7 +5,7 @@ ICML 2021, Algorithm 1.
 
 Global model w by FedAvg local SGD; every sampled client also trains its personal model v on
 f(v) + lambda/2 ||v - w||^2 (w = the global model it received this round) with the same optimizer
-over ``personal_epochs`` passes of its batches, and is evaluated with v.  lambda = 0 makes v plain
+over the same batches (``run.local_epochs`` passes), and is evaluated with v.  lambda = 0 makes v plain
 local training (Local); lambda -> infinity pins v to w.  Unseen clients start v at the global model
 and train it on their training data before testing.
 """
@@ -13,40 +13,48 @@ and train it on their training data before testing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from torch import Tensor
 
 from ..optim import Batches, local_sgd
-from ..tree import Tree
-from .base import Algorithm, Context, check_positive
+from ..tree import Params
+from .base import Algorithm, Context, GlobalModel, check_positive
+
+
+class PersonalModel(NamedTuple):
+    """Client state: the personal model v."""
+
+    v: Params
 
 
 @dataclass(frozen=True)
 class Ditto(Algorithm):
     name: ClassVar[str] = "ditto"
     needs_adaptation: ClassVar[bool] = True
+    keeps_client_state: ClassVar[bool] = True
     lam: float = 0.1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("lam", self.lam, strict=False)
 
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"v": server["params"]}
+    def init_client(self, ctx: Context, server: GlobalModel) -> PersonalModel:
+        return PersonalModel(server.params)
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
+        self, ctx: Context, payload: Params, state: PersonalModel, batches: Batches, lr: float
+    ) -> tuple[Params, PersonalModel, Tensor]:
         w, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt)
-        v, _ = local_sgd(ctx.model.value_and_grad, state["v"], batches, lr, ctx.opt, prox_center=payload,
+        v, _ = local_sgd(ctx.model.value_and_grad, state.v, batches, lr, ctx.opt, prox_center=payload,
                          prox_mu=self.lam)
-        return w, {"v": v}, loss
+        return w, PersonalModel(v), loss
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+        self, ctx: Context, payload: Params, state: PersonalModel, batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
         if seen:
-            return state["v"]
+            return state.v
         assert batches is not None
         return local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt, prox_center=payload,
                          prox_mu=self.lam)[0]

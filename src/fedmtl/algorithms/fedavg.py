@@ -18,7 +18,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from ..optim import SGD, Batches, local_sgd
-from ..tree import Tree
+from ..tree import Params
 from .base import Algorithm, Context, check_positive
 
 
@@ -27,8 +27,8 @@ class FedAvg(Algorithm):
     name: ClassVar[str] = "fedavg"
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
+        self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float
+    ) -> tuple[Params, tuple[()], Tensor]:
         params, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt)
         return params, state, loss
 
@@ -41,11 +41,12 @@ class FedProx(FedAvg):
     mu: float = 0.01
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("mu", self.mu, strict=False)
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
+        self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float
+    ) -> tuple[Params, tuple[()], Tensor]:
         params, loss = local_sgd(
             ctx.model.value_and_grad, payload, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.mu
         )
@@ -67,6 +68,7 @@ class FedAvgFT(FedAvg):
     finetune_lr: float = 0.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("finetune_epochs", self.finetune_epochs)
         check_positive("finetune_lr", self.finetune_lr, strict=False)
 
@@ -75,8 +77,8 @@ class FedAvgFT(FedAvg):
         return self.finetune_epochs
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+        self, ctx: Context, payload: Params, state: tuple[()], batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
         assert batches is not None
         opt = ctx.opt if not self.finetune_lr else SGD(
             self.finetune_lr, ctx.opt.momentum, ctx.opt.weight_decay

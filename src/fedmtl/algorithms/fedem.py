@@ -27,65 +27,77 @@ iteration per evaluation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, first_epoch, local_sgd
-from ..tree import Tree
+from ..tree import Params
 from .base import Algorithm, Context, check_positive
+
+
+class Mixture(NamedTuple):
+    """Server state: the M component models, stacked (M, ...)."""
+
+    components: Params
+
+
+class MixtureWeights(NamedTuple):
+    """Client state: the client's mixture weights pi (M,)."""
+
+    pi: Tensor
+
+
+class MixtureEval(NamedTuple):
+    """What a client predicts with: the components and its pi."""
+
+    components: Params
+    pi: Tensor
 
 
 @dataclass(frozen=True)
 class FedEM(Algorithm):
     name: ClassVar[str] = "fedem"
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
+    keeps_client_state: ClassVar[bool] = True
     num_components: int = 3
-    server_average: str = "participants"  # "participants" (paper) | "all_clients" (reference code)
+    server_average: Literal["participants", "all_clients"] = "participants"  # paper | reference code
     unseen_tol: float = 1e-6
     unseen_max_iter: int = 200
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("num_components", self.num_components)
         check_positive("unseen_max_iter", self.unseen_max_iter)
-        if self.server_average not in ("participants", "all_clients"):
-            raise ValueError(
-                f"algorithm.server_average must be 'participants' or 'all_clients', got {self.server_average!r}"
-            )
 
     # -- server ---------------------------------------------------------------------------------
-    def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
+    def init_server(self, ctx: Context, params: Params, seed: int) -> Mixture:
         # component m starts from the initializer seeded with seed + m (as the reference code), so
         # component 0 is the model FedAvg starts from and FedEM with M = 1 is FedAvg.
         comps = [params] + [ctx.model.init(seed + m) for m in range(1, self.num_components)]
         comps = [T.to(c, next(iter(params.values())).device) for c in comps]
-        return {"components": T.stack(comps)}
+        return Mixture(T.stack(comps))
 
-    def payload(self, server: Tree) -> Tree:
-        return server["components"]
+    def payload(self, server: Mixture) -> Params:
+        return server.components
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
+    def aggregate(self, ctx: Context, server: Mixture, updates: Params, weights: Tensor, clients: Tensor) -> Mixture:
         total = float(weights.sum())
         if total <= 0:
             return server
         new = T.weighted_mean(updates, weights)  # (M, ...) average over participants
         if self.server_average == "all_clients":
             share = total / ctx.total_train  # n_participants / n
-            new = T.tmap(lambda a, old: share * a + (1.0 - share) * old, new, server["components"])
-        return {"components": new}
-
-    def upload_numel(self, ctx: Context, server: Tree) -> int:
-        return T.num_params(server["components"])
+            new = T.tmap(lambda a, old: share * a + (1.0 - share) * old, new, server.components)
+        return Mixture(new)
 
     # -- client ---------------------------------------------------------------------------------
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"pi": torch.full((self.num_components,), 1.0 / self.num_components)}
+    def init_client(self, ctx: Context, server: Mixture) -> MixtureWeights:
+        return MixtureWeights(torch.full((self.num_components,), 1.0 / self.num_components))
 
-    def component_nll(self, ctx: Context, comps: Tree, x: Tensor, y: Tensor) -> Tensor:
+    def component_nll(self, ctx: Context, comps: Params, x: Tensor, y: Tensor) -> Tensor:
         """(M, n) per-sample loss of every component."""
         return ctx.model.nll(ctx.model.apply_stacked(comps, x), y)
 
@@ -97,20 +109,20 @@ class FedEM(Algorithm):
         return torch.exp(joint - ll), ll
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
+        self, ctx: Context, payload: Params, state: MixtureWeights, batches: Batches, lr: float
+    ) -> tuple[Params, MixtureWeights, Tensor]:
         x, y, mask = first_epoch(batches, ctx.local_epochs)
         nll = self.component_nll(ctx, payload, x, y)  # (M, S0*B)
-        q, ll = self.e_step(torch.log(state["pi"]).to(nll.dtype), nll)
+        q, ll = self.e_step(torch.log(state.pi).to(nll.dtype), nll)
         pi = (q * mask).sum(-1) / batches.n  # (M,)
         mixture_nll = -(ll * mask).sum() / batches.n
 
         # M-step: all M components at once (stacked params, per-component weights q (M, S0*B))
         comps, _ = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
-        return comps, {"pi": pi.to(state["pi"].dtype)}, mixture_nll
+        return comps, MixtureWeights(pi.to(state.pi.dtype)), mixture_nll
 
     # -- evaluation -----------------------------------------------------------------------------
-    def fit_pi(self, ctx: Context, comps: Tree, pi0: Tensor, batches: Batches) -> Tensor:
+    def fit_pi(self, ctx: Context, comps: Params, pi0: Tensor, batches: Batches) -> Tensor:
         """EM for pi with the components fixed, to convergence (vmap-safe fixed iteration count)."""
         x, y, mask = first_epoch(batches, self.adapt_epochs)
         nll = self.component_nll(ctx, comps, x, y)
@@ -124,16 +136,16 @@ class FedEM(Algorithm):
         return pi
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
-        pi = state["pi"]
+        self, ctx: Context, payload: Params, state: MixtureWeights, batches: Batches | None, lr: float, seen: bool
+    ) -> MixtureEval:
+        pi = state.pi
         if not seen:
             assert batches is not None
             pi = self.fit_pi(ctx, payload, pi, batches)
-        return {"components": payload, "pi": pi}
+        return MixtureEval(payload, pi)
 
-    def predict_log_proba(self, ctx: Context, eval_state: Tree, x: Tensor) -> Tensor:
+    def predict_log_proba(self, ctx: Context, eval_state: MixtureEval, x: Tensor) -> Tensor:
         """log sum_m pi_m p_m(y | x): (n, C), a mixture of probabilities (Eq. 6)."""
-        logp = ctx.model.log_proba(ctx.model.apply_stacked(eval_state["components"], x))  # (M, n, C)
-        log_pi = torch.log(eval_state["pi"]).to(logp.dtype).view(-1, 1, 1)
+        logp = ctx.model.log_proba(ctx.model.apply_stacked(eval_state.components, x))  # (M, n, C)
+        log_pi = torch.log(eval_state.pi).to(logp.dtype).view(-1, 1, 1)
         return torch.logsumexp(logp + log_pi, dim=0)

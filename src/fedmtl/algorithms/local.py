@@ -8,40 +8,43 @@ Unseen clients never train, so they are evaluated with the initial model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from torch import Tensor
 
 from ..optim import Batches, local_sgd
-from ..tree import Tree
-from .base import Algorithm, Context
+from ..tree import Params
+from .base import Algorithm, Context, GlobalModel
+
+
+class LocalModel(NamedTuple):
+    """Client state: the client's own model."""
+
+    params: Params
 
 
 @dataclass(frozen=True)
 class Local(Algorithm):
     name: ClassVar[str] = "local"
+    keeps_client_state: ClassVar[bool] = True
 
-    def payload(self, server: Tree) -> Tree:
+    def payload(self, server: GlobalModel) -> Params:
         return {}
 
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"params": server["params"]}
+    def init_client(self, ctx: Context, server: GlobalModel) -> LocalModel:
+        return LocalModel(server.params)
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
-        params, loss = local_sgd(ctx.model.value_and_grad, state["params"], batches, lr, ctx.opt)
-        return {}, {"params": params}, loss
+        self, ctx: Context, payload: Params, state: LocalModel, batches: Batches, lr: float
+    ) -> tuple[Params, LocalModel, Tensor]:
+        params, loss = local_sgd(ctx.model.value_and_grad, state.params, batches, lr, ctx.opt)
+        return {}, LocalModel(params), loss
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
+    def aggregate(self, ctx: Context, server: GlobalModel, updates: Params, weights: Tensor,
+                  clients: Tensor) -> GlobalModel:
         return server
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
-        return state["params"]
-
-    def upload_numel(self, ctx: Context, server: Tree) -> int:
-        return 0
+        self, ctx: Context, payload: Params, state: LocalModel, batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
+        return state.params

@@ -30,7 +30,7 @@ the lowest loss on their training data.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,8 +38,31 @@ from torch.func import grad, vmap
 
 from .. import tree as T
 from ..optim import Batches, first_epoch, pick_batch
-from ..tree import Tree
-from .base import Algorithm, Context, check_positive
+from ..tree import Params
+from .base import Algorithm, ClientId, Context, check_positive, row
+
+
+class OmniServer(NamedTuple):
+    """Shared layers (one copy), every node's head (stacked (N, ...)), omega (N, N) and the last losses L_ij."""
+
+    shared: Params
+    heads: Params
+    omega: Tensor
+    losses: Tensor
+
+
+class OmniPayload(NamedTuple):
+    shared: Params
+    heads: Params
+    omega: Tensor
+
+
+class OmniStep(NamedTuple):
+    """What node j reports: its partial shared step, its own head's step, and L_ij for every network i."""
+
+    shared: Params
+    head: Params
+    losses: Tensor
 
 
 def solve_omega(losses: Tensor, lam: float, iters: int = 100) -> Tensor:
@@ -68,71 +91,67 @@ class OmniFedge(Algorithm):
     head_params: int = 2  # the last `head_params` parameter tensors are task-specific (weight, bias)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("lam", self.lam)
         check_positive("head_params", self.head_params)
 
-    def _split(self, params: Tree) -> tuple[Tree, Tree]:
+    def _split(self, params: Params) -> tuple[Params, Params]:
         keys = list(params)
         head = set(keys[-self.head_params :])
         return {k: v for k, v in params.items() if k not in head}, {k: v for k, v in params.items() if k in head}
 
-    def init_server(self, ctx: Context, params: Tree, seed: int) -> Tree:
+    def init_server(self, ctx: Context, params: Params, seed: int) -> OmniServer:
         shared, _ = self._split(params)
         heads = T.stack([self._split(ctx.model.init(seed + 1000 + i))[1] for i in range(ctx.num_clients)])
         m = ctx.num_clients
-        return {"shared": shared, "heads": heads, "omega": torch.full((m, m), 1.0 / m),
-                "losses": torch.zeros(m, m)}
+        return OmniServer(shared, T.to(heads, next(iter(params.values())).device), torch.full((m, m), 1.0 / m),
+                          torch.zeros(m, m))
 
-    def payload(self, server: Tree) -> Tree:
-        return {"shared": server["shared"], "heads": server["heads"], "omega": server["omega"]}
+    def payload(self, server: OmniServer) -> OmniPayload:
+        return OmniPayload(server.shared, server.heads, server.omega)
 
-    def init_clients(self, ctx: Context, server: Tree) -> Tree:
-        return {"id": torch.arange(ctx.num_clients)}
+    def init_clients(self, ctx: Context, server: OmniServer, ids: Tensor) -> ClientId:
+        return ClientId(ids.clone())
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
+        self, ctx: Context, payload: OmniPayload, state: ClientId, batches: Batches, lr: float
+    ) -> tuple[OmniStep, ClientId, Tensor]:
         x, y, mask = pick_batch(batches, 0)
-        j = state["id"]
+        j = state.id
 
-        def loss_of(shared: Tree, head: Tree) -> Tensor:
+        def loss_of(shared: Params, head: Params) -> Tensor:
             return ctx.model.loss({**shared, **head}, x, y, mask)
 
-        losses = vmap(loss_of, in_dims=(None, 0))(payload["shared"], payload["heads"])  # (m,) L_ij, i = all
-        w_col = payload["omega"].index_select(1, j.reshape(1)).squeeze(1)  # omega_ij for all i
-        shared_grad = grad(lambda s: (vmap(loss_of, in_dims=(None, 0))(s, payload["heads"]) * w_col).sum())(
-            payload["shared"])
-        own_head = T.tmap(lambda h: h.index_select(0, j.reshape(1)).squeeze(0), payload["heads"])
-        head_grad = grad(lambda h: loss_of(payload["shared"], h))(own_head)
+        losses = vmap(loss_of, in_dims=(None, 0))(payload.shared, payload.heads)  # (m,) L_ij, i = all
+        w_col = payload.omega.index_select(1, j.reshape(1)).squeeze(1)  # omega_ij for all i
+        shared_grad = grad(lambda s: (vmap(loss_of, in_dims=(None, 0))(s, payload.heads) * w_col).sum())(
+            payload.shared)
+        own_head = row(payload.heads, j)
+        head_grad = grad(lambda h: loss_of(payload.shared, h))(own_head)
         own_loss = losses.index_select(0, j.reshape(1)).squeeze(0)
         # steps (gradient x this round's rate) so the server needs no schedule of its own
-        step = {"shared": T.scale(shared_grad, lr), "head": T.scale(head_grad, lr), "losses": losses}
+        step = OmniStep(T.scale(shared_grad, lr), T.scale(head_grad, lr), losses)
         return step, state, own_loss
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
-        assert clients is not None
+    def aggregate(self, ctx: Context, server: OmniServer, updates: OmniStep, weights: Tensor,
+                  clients: Tensor) -> OmniServer:
         ok = torch.nonzero(weights > 0).flatten()
         if ok.numel() == 0:
             return server
         cl = clients.to(ok.device)[ok]
-        total = T.tmap(lambda g: g.index_select(0, ok).sum(0), updates["shared"])  # sum of partial steps
-        shared = T.tmap(lambda p, g: p - g, server["shared"], total)
-        heads = T.tmap(lambda h, g: h.index_add(0, cl, -g.index_select(0, ok)), server["heads"], updates["head"])
-        losses = server["losses"].clone()
-        losses[:, cl] = updates["losses"].index_select(0, ok).T.to(losses.dtype)  # column j = node j's data
-        omega = solve_omega(losses, self.lam)
-        return {"shared": shared, "heads": heads, "omega": omega, "losses": losses}
+        total = T.tmap(lambda g: g.index_select(0, ok).sum(0), updates.shared)  # sum of partial steps
+        shared = T.tmap(lambda p, g: p - g, server.shared, total)
+        heads = T.tmap(lambda h, g: h.index_add(0, cl, -g.index_select(0, ok)), server.heads, updates.head)
+        losses = server.losses.clone()
+        losses[:, cl] = updates.losses.index_select(0, ok).T.to(losses.dtype)  # column j = node j's data
+        return OmniServer(shared, heads, solve_omega(losses, self.lam), losses)
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+        self, ctx: Context, payload: OmniPayload, state: ClientId, batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
         if seen:
-            head = T.tmap(lambda h: h.index_select(0, state["id"].reshape(1)).squeeze(0), payload["heads"])
-            return {**payload["shared"], **head}
+            return {**payload.shared, **row(payload.heads, state.id)}
         assert batches is not None
         x, y, mask = first_epoch(batches, self.adapt_epochs)
-        losses = vmap(lambda h: ctx.model.loss({**payload["shared"], **h}, x, y, mask))(payload["heads"])
-        head = T.tmap(lambda h: h.index_select(0, torch.argmin(losses).reshape(1)).squeeze(0), payload["heads"])
-        return {**payload["shared"], **head}
+        losses = vmap(lambda h: ctx.model.loss({**payload.shared, **h}, x, y, mask))(payload.heads)
+        return {**payload.shared, **row(payload.heads, torch.argmin(losses))}

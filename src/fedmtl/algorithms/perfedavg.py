@@ -22,14 +22,14 @@ weight decay are not used: the method's own rates are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, pick_batch
-from ..tree import Tree
-from .base import Algorithm, Context, check_positive
+from ..tree import Params
+from .base import Algorithm, Context, GlobalModel, check_positive
 
 
 @dataclass(frozen=True)
@@ -38,30 +38,29 @@ class PerFedAvg(Algorithm):
     needs_adaptation: ClassVar[bool] = True
     alpha: float = 0.01
     beta: float = 0.001
-    variant: str = "fo"  # "fo" (first order) | "hf" (Hessian-free)
+    variant: Literal["fo", "hf"] = "fo"  # first order | Hessian-free
     delta: float = 1e-3
     local_steps: int = 10
     eval_steps: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("alpha", self.alpha, strict=False)
         check_positive("beta", self.beta)
         check_positive("delta", self.delta)
         check_positive("local_steps", self.local_steps)
         check_positive("eval_steps", self.eval_steps, strict=False)
-        if self.variant not in ("fo", "hf"):
-            raise ValueError(f"algorithm.variant must be 'fo' or 'hf', got {self.variant!r}")
 
     @staticmethod
-    def hvp_fd(ctx: Context, w: Tree, v: Tree, batch: tuple[Tensor, Tensor, Tensor], delta: float) -> Tree:
+    def hvp_fd(ctx: Context, w: Params, v: Params, batch: tuple[Tensor, Tensor, Tensor], delta: float) -> Params:
         """Finite-difference Hessian-vector product H(w) v ~ [g(w + delta v) - g(w - delta v)] / (2 delta)."""
         gp, _ = ctx.model.value_and_grad(T.add(w, T.scale(v, delta)), *batch)
         gm, _ = ctx.model.value_and_grad(T.sub(w, T.scale(v, delta)), *batch)
         return T.scale(T.sub(gp, gm), 1.0 / (2 * delta))
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
+        self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float
+    ) -> tuple[Params, tuple[()], Tensor]:
         w = payload
         loss_sum = 0.0
         for t in range(self.local_steps):
@@ -76,14 +75,13 @@ class PerFedAvg(Algorithm):
             loss_sum = loss_sum + loss
         return w, state, loss_sum / self.local_steps  # type: ignore[return-value]
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
+    def aggregate(self, ctx: Context, server: GlobalModel, updates: Params, weights: Tensor,
+                  clients: Tensor) -> GlobalModel:
         return super().aggregate(ctx, server, updates, (weights > 0).to(weights.dtype), clients)
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+        self, ctx: Context, payload: Params, state: tuple[()], batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
         assert batches is not None
         w = payload
         for t in range(self.eval_steps):

@@ -20,21 +20,28 @@ on their own training data before testing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, live_steps
-from ..tree import Tree
-from .base import Algorithm, Context, check_positive
+from ..optim import Batches, masked_steps
+from ..tree import Params
+from .base import Algorithm, Context, GlobalModel, check_positive
+
+
+class Theta(NamedTuple):
+    """Client state: the personalized model theta."""
+
+    theta: Params
 
 
 @dataclass(frozen=True)
 class PFedMe(Algorithm):
     name: ClassVar[str] = "pfedme"
     needs_adaptation: ClassVar[bool] = True
+    keeps_client_state: ClassVar[bool] = True
     lam: float = 15.0
     personal_lr: float = 0.01
     inner_steps: int = 5
@@ -42,51 +49,47 @@ class PFedMe(Algorithm):
     weighted: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("lam", self.lam)
         check_positive("personal_lr", self.personal_lr)
         check_positive("inner_steps", self.inner_steps)
         check_positive("beta", self.beta)
 
-    def init_client(self, ctx: Context, server: Tree) -> Tree:
-        return {"theta": server["params"]}
+    def init_client(self, ctx: Context, server: GlobalModel) -> Theta:
+        return Theta(server.params)
 
-    def _local(self, ctx: Context, w: Tree, theta: Tree, batches: Batches, lr: float) -> tuple[Tree, Tree, Tensor]:
-        loss_sum = torch.zeros(())
-        count = torch.zeros(())
-        live = live_steps(batches)
-        for s in range(len(batches.x)):
+    def _local(self, ctx: Context, w: Params, theta: Params, batches: Batches, lr: float
+               ) -> tuple[Params, Params, Tensor]:
+        def step(carry: tuple[Params, Params], s: int) -> tuple[tuple[Params, Params], Tensor]:
+            w, th = carry
             x, y, mask = batches.x[s], batches.y[s], batches.mask[s]
-            active = live[s]
-            th = theta
             loss = torch.zeros(())
             for _ in range(self.inner_steps):
                 g, loss = ctx.model.value_and_grad(th, x, y, mask)
                 th = T.tmap(lambda p, gi, wr: p - self.personal_lr * (gi + self.lam * (p - wr)), th, g, w)
             new_w = T.tmap(lambda wr, p: wr - lr * self.lam * (wr - p), w, th)
-            theta = T.where(active, th, theta)
-            w = T.where(active, new_w, w)
-            loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
-            count = count + active.to(count.dtype)
-        return w, theta, loss_sum / count.clamp_min(1)
+            return (new_w, th), loss
+
+        (w, theta), loss = masked_steps(batches, step, (w, theta))
+        return w, theta, loss
 
     def client_update(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches, lr: float
-    ) -> tuple[Tree, Tree, Tensor]:
-        w, theta, loss = self._local(ctx, payload, state["theta"], batches, lr)
-        return w, {"theta": theta}, loss
+        self, ctx: Context, payload: Params, state: Theta, batches: Batches, lr: float
+    ) -> tuple[Params, Theta, Tensor]:
+        w, theta, loss = self._local(ctx, payload, state.theta, batches, lr)
+        return w, Theta(theta), loss
 
-    def aggregate(
-        self, ctx: Context, server: Tree, updates: Tree, weights: Tensor, clients: Tensor | None = None
-    ) -> Tree:
+    def aggregate(self, ctx: Context, server: GlobalModel, updates: Params, weights: Tensor,
+                  clients: Tensor) -> GlobalModel:
         if float(weights.sum()) <= 0:
             return server
         mean = T.weighted_mean(updates, weights if self.weighted else (weights > 0).to(weights.dtype))
-        return {"params": T.tmap(lambda w, m: (1 - self.beta) * w + self.beta * m, server["params"], mean)}
+        return GlobalModel(T.tmap(lambda w, m: (1 - self.beta) * w + self.beta * m, server.params, mean))
 
     def personalize(
-        self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float, seen: bool
-    ) -> Tree:
+        self, ctx: Context, payload: Params, state: Theta, batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
         if seen:
-            return state["theta"]
+            return state.theta
         assert batches is not None
         return self._local(ctx, payload, payload, batches, lr)[1]

@@ -1,21 +1,27 @@
-"""Federated datasets: the flat per-split storage, partitioners and dataset builders."""
+"""Federated datasets: the flat per-split storage, partitioners and the built-in dataset builders.
+
+Every builder is registered under its config name (``[data] name``); ``fedmtl.register_dataset`` adds more.
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
+from ..registry import DATASETS, register_dataset
 from .federated import ClientGroup, DataError, FederatedData, Split
-from .synthetic import fedem_synthetic, permuted_groups
+from .synthetic import fedem_synthetic, linear_mixture, permuted_groups, related_tasks
 from .tabular import gleam, har, vehicle
 from .text import shakespeare
-from .vision import cifar, emnist, fashion_mnist, femnist, idx_federation, mnist
+from .vision import cifar, emnist, fashion_mnist, femnist, fmnist_pairs, idx_federation, mnist
 
-DATASETS: dict[str, Callable[..., FederatedData]] = {
+for _name, _fn in {
     "fedem_synthetic": fedem_synthetic,
+    "linear_mixture": linear_mixture,
     "permuted_groups": permuted_groups,
+    "related_tasks": related_tasks,
     "fashion_mnist": functools.partial(idx_federation, name="fashion_mnist"),
     "mnist": functools.partial(idx_federation, name="mnist"),
+    "fmnist_pairs": fmnist_pairs,
     "emnist": emnist,
     "femnist": femnist,
     "cifar": cifar,
@@ -23,9 +29,11 @@ DATASETS: dict[str, Callable[..., FederatedData]] = {
     "har": har,
     "vehicle": vehicle,
     "gleam": gleam,
-}
+}.items():
+    register_dataset(_name, replace=True)(_fn)
 
 __all__ = [
     "DATASETS", "ClientGroup", "DataError", "FederatedData", "Split", "cifar", "emnist", "fashion_mnist",
-    "fedem_synthetic", "femnist", "gleam", "har", "mnist", "shakespeare", "vehicle",
+    "fedem_synthetic", "femnist", "fmnist_pairs", "gleam", "har", "linear_mixture", "mnist", "permuted_groups",
+    "related_tasks", "shakespeare", "vehicle",
 ]

@@ -5,13 +5,19 @@ Examples of all clients are stored client-major in one tensor per split with per
 round (``round_batches``), and padded ``(K, N_max, ...)`` evaluation views only for a chunk of
 clients at a time (``padded``).  Optional *unseen* clients (``FederatedData.unseen``) never take part
 in training; they are evaluated after fitting whatever local state the algorithm needs.
+
+``FederatedData.from_arrays`` is the public way in: per-client numpy arrays or tensors, validated client
+by client.  Labels are class indices (``num_classes >= 2``), or real-valued targets when
+``num_classes == 0`` (regression: the networked GTV solver; the round engine trains classifiers only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,6 +26,43 @@ from ..optim import Batches
 
 class DataError(ValueError):
     """Malformed federated data (shapes, labels, empty clients)."""
+
+
+def _tensor(a: Any, what: str) -> Tensor:
+    """A numpy array, tensor or nested list as a CPU tensor (no copy where possible)."""
+    if isinstance(a, Tensor):
+        return a.detach().cpu()
+    try:
+        arr = np.asarray(a)
+    except Exception as e:  # ragged lists and the like
+        raise DataError(f"{what}: not an array ({e})") from e
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+        raise DataError(f"{what}: expected numbers, got dtype {arr.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _labels(y: Tensor, regression: bool, what: str) -> Tensor:
+    if regression:
+        if not (y.is_floating_point() or y.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+            raise DataError(f"{what}: regression targets must be numbers, got {y.dtype}")
+        y = y.to(torch.float64) if y.dtype == torch.float64 else y.to(torch.float32)
+        if y.numel() and not bool(torch.isfinite(y).all()):
+            raise DataError(f"{what}: targets contain NaN or Inf")
+        return y
+    if y.dtype == torch.bool:
+        return y.long()
+    if y.is_floating_point():
+        if y.numel() and not bool(torch.isfinite(y).all()):
+            raise DataError(f"{what}: labels contain NaN or Inf")
+        if not bool(torch.equal(y, torch.round(y))):
+            bad = y[y != torch.round(y)][:3].tolist()
+            raise DataError(f"{what}: labels must be integer class indices, found {bad} "
+                            "(pass regression=True for real-valued targets)")
+        return y.long()
+    y = y.long()
+    if y.numel() and int(y.min()) < 0:
+        raise DataError(f"{what}: labels must be >= 0, found {int(y.min())}")
+    return y
 
 
 @dataclass(frozen=True)
@@ -47,12 +90,17 @@ class Split:
 
     @staticmethod
     def from_lists(xs: list[Tensor], ys: list[Tensor]) -> Split:
+        """Concatenate per-client tensors; integer labels become int64, float targets (regression) stay."""
         if len(xs) != len(ys):
             raise DataError(f"{len(xs)} feature arrays but {len(ys)} label arrays")
         counts = torch.tensor([len(x) for x in xs], dtype=torch.long)
         offsets = torch.zeros(len(xs) + 1, dtype=torch.long)
         offsets[1:] = torch.cumsum(counts, 0)
-        return Split(torch.cat(xs), torch.cat([y.long() for y in ys]), offsets)
+        return Split(torch.cat(xs), torch.cat([y if y.is_floating_point() else y.long() for y in ys]), offsets)
+
+    def subset(self, clients: Tensor) -> Split:
+        """The clients ``clients`` (indices, in that order) as a split of their own."""
+        return Split.from_lists([self.client(int(k))[0] for k in clients], [self.client(int(k))[1] for k in clients])
 
     def validate(self, name: str, num_classes: int, allow_empty: bool) -> None:
         if self.x.shape[0] != self.y.shape[0]:
@@ -69,7 +117,12 @@ class Split:
         if not allow_empty and bool((c == 0).any()):
             bad = torch.nonzero(c == 0).flatten()[:10].tolist()
             raise DataError(f"{name}: clients {bad} have no examples (every client needs training data)")
-        if self.y.numel():
+        if num_classes == 0:  # regression targets
+            if not self.y.is_floating_point() or (self.y.numel() and not bool(torch.isfinite(self.y).all())):
+                raise DataError(f"{name}: regression targets must be finite floats")
+        elif self.y.is_floating_point():
+            raise DataError(f"{name}: class labels must be integers, got {self.y.dtype}")
+        elif self.y.numel():
             lo, hi = int(self.y.min()), int(self.y.max())
             if lo < 0 or hi >= num_classes:
                 raise DataError(f"{name}: labels must lie in [0, {num_classes - 1}], found values in [{lo}, {hi}]")
@@ -105,9 +158,9 @@ class ClientGroup:
             if s.num_clients != self.num_clients:
                 raise DataError(f"{name}.{split_name}: {s.num_clients} clients, train has {self.num_clients}")
 
-    def to(self, device: torch.device | str) -> ClientGroup:
-        val = None if self.val is None else self.val.to(device)
-        return ClientGroup(self.train.to(device), self.test.to(device), val)
+    def subset(self, clients: Tensor) -> ClientGroup:
+        val = None if self.val is None else self.val.subset(clients)
+        return ClientGroup(self.train.subset(clients), self.test.subset(clients), val)
 
 
 @dataclass(frozen=True)
@@ -131,18 +184,114 @@ class FederatedData:
     def num_clients(self) -> int:
         return self.seen.num_clients
 
+    @property
+    def is_regression(self) -> bool:
+        return self.num_classes == 0
+
     def validate(self) -> None:
-        if self.num_classes < 2:
-            raise DataError(f"num_classes must be >= 2, got {self.num_classes}")
+        if self.num_classes < 2 and self.num_classes != 0:
+            raise DataError(f"num_classes must be >= 2 (or 0 for regression targets), got {self.num_classes}")
         self.seen.validate(f"{self.name}.seen", self.num_classes, self.feature_shape)
         if self.unseen is not None:
             self.unseen.validate(f"{self.name}.unseen", self.num_classes, self.feature_shape)
 
-    def to(self, device: torch.device | str) -> FederatedData:
-        return FederatedData(
-            self.seen.to(device), self.num_classes, None if self.unseen is None else self.unseen.to(device),
-            self.name, self.meta,
-        )
+    @classmethod
+    def from_arrays(
+        cls,
+        train: Sequence[tuple[Any, Any]],
+        test: Sequence[tuple[Any, Any]],
+        val: Sequence[tuple[Any, Any]] | None = None,
+        unseen_train: Sequence[tuple[Any, Any]] | None = None,
+        unseen_test: Sequence[tuple[Any, Any]] | None = None,
+        num_classes: int | None = None,
+        *,
+        regression: bool = False,
+        dtype: torch.dtype = torch.float32,
+        name: str = "arrays",
+        meta: dict[str, Any] | None = None,
+    ) -> FederatedData:
+        """A federation from per-client arrays: ``train[k] = (x_k, y_k)`` for client k, numpy arrays or tensors.
+
+        ``test`` (and ``val``) hold one ``(x, y)`` pair per training client, in the same order (a client may
+        have zero test examples); ``unseen_train`` / ``unseen_test`` describe clients held out of training.
+        Features keep their shape (n_k, *feature_shape), the same for every client; floating-point features
+        are cast to ``dtype`` (float32: what the engine trains in), integer features (token ids, uint8
+        images) are kept.  Labels are integer class indices, given as integers or as floats with integer
+        values; ``num_classes`` defaults to the largest label + 1.  ``regression=True`` keeps real-valued
+        targets (``num_classes = 0``).  Every client is validated on its own: a client whose features and
+        labels differ in length is an error even when the totals match; so are NaN/Inf features,
+        non-integer or out-of-range labels and training clients without examples.
+        """
+        groups = {"train": train, "test": test, "val": val, "unseen_train": unseen_train, "unseen_test": unseen_test}
+        if (unseen_train is None) != (unseen_test is None):
+            raise DataError("unseen clients need both unseen_train and unseen_test")
+        conv: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        feat: tuple[int, ...] | None = None
+        for gname, pairs in groups.items():
+            if pairs is None:
+                continue
+            if isinstance(pairs, tuple) and len(pairs) == 2 and not isinstance(pairs[0], tuple):
+                raise DataError(f"{gname} must be a sequence of (x, y) pairs, one per client, not one (x, y) pair")
+            out = []
+            for k, item in enumerate(pairs):
+                if not isinstance(item, tuple | list) or len(item) != 2:
+                    raise DataError(f"{gname} client {k}: expected an (x, y) pair, got {type(item).__name__}")
+                x, y = _tensor(item[0], f"{gname} client {k} features"), _tensor(item[1], f"{gname} client {k} labels")
+                if x.dim() < 1:
+                    raise DataError(f"{gname} client {k}: features must have a leading example axis")
+                if y.dim() != 1:
+                    raise DataError(f"{gname} client {k}: labels must be 1-d (n,), got shape {tuple(y.shape)}")
+                if x.shape[0] != y.shape[0]:
+                    raise DataError(f"{gname} client {k}: {x.shape[0]} feature rows but {y.shape[0]} labels")
+                if feat is None:
+                    feat = tuple(x.shape[1:])
+                elif tuple(x.shape[1:]) != feat:
+                    raise DataError(f"{gname} client {k}: feature shape {tuple(x.shape[1:])}, "
+                                    f"other clients have {feat}")
+                if x.is_floating_point():
+                    if x.numel() and not bool(torch.isfinite(x).all()):
+                        raise DataError(f"{gname} client {k}: features contain NaN or Inf")
+                    x = x.to(dtype)
+                elif x.dtype == torch.bool or x.is_complex():
+                    raise DataError(f"{gname} client {k}: features must be real numbers, got {x.dtype}")
+                y = _labels(y, regression, f"{gname} client {k}")
+                out.append((x, y))
+            conv[gname] = out
+        n = len(conv["train"])
+        if n == 0:
+            raise DataError("train holds no clients")
+        for gname, ref in (("test", "train"), ("val", "train"), ("unseen_test", "unseen_train")):
+            if gname in conv and len(conv[gname]) != len(conv[ref]):
+                raise DataError(f"{gname} has {len(conv[gname])} clients but {ref} has {len(conv[ref])}")
+        for gname in ("train", "unseen_train"):
+            for k, (x, _) in enumerate(conv.get(gname, [])):
+                if x.shape[0] == 0:
+                    raise DataError(f"{gname} client {k} has no examples (every client needs training data)")
+        if regression:
+            if num_classes not in (None, 0):
+                raise DataError("regression targets have no classes: leave num_classes out")
+            num_classes = 0
+        else:
+            top = max((int(y.max()) for pairs in conv.values() for _, y in pairs if y.numel()), default=-1)
+            if num_classes is None:
+                num_classes = max(top + 1, 2)
+            elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+                raise DataError(f"num_classes must be an int >= 2, got {num_classes!r}")
+            elif top >= num_classes:
+                raise DataError(f"labels go up to {top} but num_classes = {num_classes}")
+
+        def group(tr: str, te: str, va: str | None) -> ClientGroup:
+            def split(key: str) -> Split:
+                return Split.from_lists([x for x, _ in conv[key]], [y for _, y in conv[key]])
+
+            return ClientGroup(split(tr), split(te), split(va) if va and va in conv else None)
+
+        unseen = group("unseen_train", "unseen_test", None) if "unseen_train" in conv else None
+        return cls(group("train", "test", "val"), num_classes, unseen, name, meta or {})
+
+    def subset(self, clients: Tensor) -> FederatedData:
+        """The seen clients ``clients`` only (a node's share of the federation), without unseen clients."""
+        return FederatedData(self.seen.subset(clients), self.num_classes, None, self.name, self.meta)
 
     def group(self, which: str) -> ClientGroup:
         g = self.seen if which == "seen" else self.unseen
@@ -153,7 +302,8 @@ class FederatedData:
 
 def describe(data: FederatedData) -> str:
     """Clients and examples per client of every split (what LEAF reports for its datasets)."""
-    lines = [f"{data.name}: {data.num_classes} classes, features {data.feature_shape} ({data.seen.train.x.dtype})"]
+    kind = "real-valued targets" if data.is_regression else f"{data.num_classes} classes"
+    lines = [f"{data.name}: {kind}, features {data.feature_shape} ({data.seen.train.x.dtype})"]
     for gname in ("seen", "unseen"):
         g = data.seen if gname == "seen" else data.unseen
         if g is None:
@@ -247,6 +397,7 @@ def round_batches(
         pos=pos.reshape(kk, epochs * s, batch_size).to(dev),
         n=counts.to(dev, torch.float32),
         limit=(torch.full((kk,), epochs * s, dtype=torch.long) if orders.limit is None else orders.limit[rows]).to(dev),
+        idx=local.reshape(kk, epochs * s, batch_size).to(dev),
     )
     return out
 
@@ -262,9 +413,10 @@ def ragged_batches(split: Split, clients: Tensor, orders: Orders, row: int, batc
     last = n - (steps - 1) * batch_size
     k = epochs * steps
     keep = [last if (s % steps) == steps - 1 else batch_size for s in range(k)]
-    cut = [t[0, s, : keep[s]] for t in (b.x, b.y, b.mask, b.pos) for s in range(k)]
+    cut = [t[0, s, : keep[s]] for t in (b.x, b.y, b.mask, b.pos, b.idx) for s in range(k)]  # type: ignore[index]
     limit = b.limit[0] if b.limit is not None else None
-    return Batches(cut[:k], cut[k : 2 * k], cut[2 * k : 3 * k], cut[3 * k :], b.n[0], limit)  # type: ignore[arg-type]
+    return Batches(cut[:k], cut[k : 2 * k], cut[2 * k : 3 * k], cut[3 * k : 4 * k], b.n[0], limit,  # type: ignore[arg-type]
+                   cut[4 * k :])  # type: ignore[arg-type]
 
 
 def padded(split: Split, clients: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -343,8 +495,35 @@ def from_clients(
             continue
 
         def split(lst: list[tuple[Tensor, Tensor]], ids: range = ids) -> Split:
-            return Split.from_lists([lst[i][0] for i in ids], [lst[i][1] for i in ids])
+            ys = [lst[i][1] if num_classes == 0 else lst[i][1].long() for i in ids]
+            return Split.from_lists([lst[i][0] for i in ids], ys)
 
         groups.append(ClientGroup(train=split(train), test=split(test), val=None if val is None else split(val)))
     return FederatedData(seen=groups[0], num_classes=num_classes, unseen=groups[1], name=name,  # type: ignore[arg-type]
                          meta=meta or {})
+
+
+def tasks_to_federation(xs: list[np.ndarray], ys: list[np.ndarray], num_classes: int, name: str,
+                        test_frac: float = 0.25, standardize: bool = True, seed: int = 0,
+                        unseen_frac: float = 0.0) -> FederatedData:
+    """Per-task random train/test split (MOCHA: 75/25), optional per-task z-scoring (train statistics)."""
+    rng = np.random.default_rng(seed)
+    parts: list[tuple[np.ndarray, ...]] = []
+    for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        x = np.nan_to_num(np.asarray(x, dtype=np.float64))
+        y = np.asarray(y).astype(np.int64).ravel()
+        if x.ndim != 2 or x.shape[0] != y.shape[0]:
+            raise DataError(f"{name}: task {t} has features {x.shape} and {y.shape[0]} labels")
+        perm = rng.permutation(len(y))
+        n_tr = int(np.ceil((1 - test_frac) * len(y)))
+        tr, te = perm[:n_tr], perm[n_tr:]
+        if standardize:
+            mu, sd = x[tr].mean(0), x[tr].std(0)
+            sd[sd == 0] = 1.0
+            x = (x - mu) / sd
+        parts.append((x[tr], y[tr], x[te], y[te]))
+    def pairs(i: int, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.from_numpy(p[i]).float(), torch.from_numpy(p[j])) for p in parts]
+
+    return from_clients(pairs(0, 1), pairs(2, 3), num_classes, int(round(unseen_frac * len(parts))), None, name,
+                        {"input": "tabular"})

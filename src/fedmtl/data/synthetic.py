@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .federated import FederatedData, from_clients
+from .federated import ClientGroup, FederatedData, Split, from_clients, tasks_to_federation
 
 
 def _labels(x: np.ndarray, counts: np.ndarray, theta: np.ndarray, noise: float,
@@ -128,3 +128,89 @@ def permuted_groups(
             xs.append(torch.from_numpy(x))
     return from_clients(list(zip(xs_tr, ys_tr, strict=True)), list(zip(xs_te, ys_te, strict=True)), num_classes,
                         name="permuted_groups", meta={"group": groups})
+
+
+def related_task_arrays(m: int = 30, d: int = 20, clusters: int = 3, seed: int = 0, noise: float = 0.05
+                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Related tasks: ``clusters`` groups whose separators are a shared centre plus a small task offset;
+    a few dozen examples per task (log-normal sizes), 5% label noise; labels +-1 (MOCHA's Table 1 synthetic
+    federation, ``fedmtl reproduce mocha``)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(clusters, d))
+    xs, ys = [], []
+    for t in range(m):
+        w = centres[t % clusters] + 0.25 * rng.normal(size=d)
+        n = int(np.clip(rng.lognormal(3.6, 0.4), 20, 120))
+        x = rng.normal(size=(n, d))
+        y = np.sign(x @ w)
+        flip = rng.random(n) < noise
+        y[flip] = -y[flip]
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def related_tasks(m: int = 30, d: int = 20, clusters: int = 3, seed: int = 0, noise: float = 0.05,
+                  test_frac: float = 0.25, split_seed: int = 0) -> FederatedData:
+    """``related_task_arrays`` as a federation (one binary task per client, class 1 = label +1), each task split
+    at random ``1 - test_frac`` / ``test_frac`` (MOCHA's 75/25); the MOCHA configs' data."""
+    xs, ys = related_task_arrays(m, d, clusters, seed, noise)
+    return tasks_to_federation(xs, [(y > 0).astype(np.int64) for y in ys], 2, "related_tasks", test_frac,
+                               standardize=False, seed=split_seed)
+
+
+def linear_mixture(
+    num_clients: int = 1000,
+    dim: int = 60,
+    num_classes: int = 10,
+    num_components: int = 3,
+    alpha: float = 0.4,
+    min_train: int = 10,
+    max_train: int = 20,
+    n_test: int = 5,
+    noise: float = 0.5,
+    seed: int = 0,
+    feature_dtype: str = "float32",
+    chunk: int = 100_000,
+) -> FederatedData:
+    """A vectorized mixture federation for populations of up to millions of clients (``fedmtl bench scale``).
+
+    M linear labelling rules W_m (d x C, N(0, 1/d)); client k mixes them with pi_k ~ Dirichlet(alpha); each
+    example draws its rule z ~ pi_k, x ~ N(0, I_d) and y = argmax(x W_z + noise * Gumbel), i.e. a softmax
+    draw at temperature ``noise``.  Clients have U{min_train..max_train} training and ``n_test`` test
+    examples.  Everything is generated ``chunk`` clients at a time straight into the flat arrays (a million
+    clients in seconds); ``feature_dtype = "float16"`` halves the features' memory (models cast them to
+    float32 on the fly).  ``meta["pi"]`` holds the mixture weights.
+    """
+    if num_clients < 1 or dim < 1 or num_classes < 2 or num_components < 1 or n_test < 0:
+        raise ValueError("need num_clients, dim, num_components >= 1, num_classes >= 2, n_test >= 0")
+    if not 1 <= min_train <= max_train:
+        raise ValueError(f"need 1 <= min_train <= max_train, got {min_train}, {max_train}")
+    if feature_dtype not in ("float32", "float16"):
+        raise ValueError(f"feature_dtype must be 'float32' or 'float16', got {feature_dtype!r}")
+    np_dtype = np.float16 if feature_dtype == "float16" else np.float32
+    rng = np.random.default_rng(seed)
+    rules = rng.normal(size=(num_components, dim, num_classes)).astype(np.float32) / np.sqrt(dim)
+    pi = rng.dirichlet(np.full(num_components, alpha), size=num_clients).astype(np.float32)  # (N, M)
+    sizes = {"train": rng.integers(min_train, max_train + 1, size=num_clients), "test": np.full(num_clients, n_test)}
+    splits = {}
+    for name, counts in sizes.items():
+        offsets = np.zeros(num_clients + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        x = np.empty((int(offsets[-1]), dim), dtype=np_dtype)
+        y = np.empty(int(offsets[-1]), dtype=np.int64)
+        cum = np.cumsum(pi, axis=1)
+        for c0 in range(0, num_clients, chunk):
+            c1 = min(num_clients, c0 + chunk)
+            a, b = int(offsets[c0]), int(offsets[c1])
+            owner = np.repeat(np.arange(c0, c1), counts[c0:c1])
+            z = (rng.random((b - a, 1), dtype=np.float32) > cum[owner]).sum(1).clip(max=num_components - 1)
+            xc = rng.standard_normal((b - a, dim), dtype=np.float32)
+            every = (xc @ rules.transpose(1, 0, 2).reshape(dim, -1)).reshape(b - a, num_components, num_classes)
+            logits = every[np.arange(b - a), z]  # each example's own rule
+            gumbel = -np.log(-np.log(rng.random(logits.shape, dtype=np.float32).clip(1e-12, 1 - 1e-7)))
+            y[a:b] = np.argmax(logits + noise * gumbel, axis=1)
+            x[a:b] = xc
+        splits[name] = Split(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(offsets))
+    meta = {"pi": pi, "input": "float16"} if feature_dtype == "float16" else {"pi": pi}
+    return FederatedData(ClientGroup(splits["train"], splits["test"]), num_classes, name="linear_mixture", meta=meta)

@@ -28,41 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .download import Remote, locate
-from .federated import DataError, FederatedData, from_clients
+from .federated import DataError, FederatedData, tasks_to_federation
 
 HAR_ZIP = Remote("UCI HAR Dataset.zip",
                  ("https://archive.ics.uci.edu/ml/machine-learning-databases/00240/UCI%20HAR%20Dataset.zip",), "")
 GLEAM_TAR = Remote("GLEAM.tar.gz", ("http://www.skleinberg.org/data/GLEAM.tar.gz",),
                    "10ad34716546e44c5078d392f25031e1")
-
-
-def tasks_to_federation(xs: list[np.ndarray], ys: list[np.ndarray], num_classes: int, name: str,
-                        test_frac: float = 0.25, standardize: bool = True, seed: int = 0,
-                        unseen_frac: float = 0.0) -> FederatedData:
-    """Per-task random train/test split (MOCHA: 75/25), optional per-task z-scoring (train statistics)."""
-    rng = np.random.default_rng(seed)
-    parts: list[tuple[np.ndarray, ...]] = []
-    for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
-        x = np.nan_to_num(np.asarray(x, dtype=np.float64))
-        y = np.asarray(y).astype(np.int64).ravel()
-        if x.ndim != 2 or x.shape[0] != y.shape[0]:
-            raise DataError(f"{name}: task {t} has features {x.shape} and {y.shape[0]} labels")
-        perm = rng.permutation(len(y))
-        n_tr = int(np.ceil((1 - test_frac) * len(y)))
-        tr, te = perm[:n_tr], perm[n_tr:]
-        if standardize:
-            mu, sd = x[tr].mean(0), x[tr].std(0)
-            sd[sd == 0] = 1.0
-            x = (x - mu) / sd
-        parts.append((x[tr], y[tr], x[te], y[te]))
-    def pairs(i: int, j: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(torch.from_numpy(p[i]).float(), torch.from_numpy(p[j])) for p in parts]
-
-    return from_clients(pairs(0, 1), pairs(2, 3), num_classes, int(round(unseen_frac * len(parts))), None, name,
-                        {"input": "tabular"})
 
 
 # -------------------------------------------------------------------------------------------------- HAR

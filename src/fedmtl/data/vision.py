@@ -23,7 +23,7 @@ import torch
 
 from . import partition as P
 from .download import Remote, locate
-from .federated import DataError, FederatedData, federate
+from .federated import DataError, FederatedData, federate, tasks_to_federation
 
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
@@ -299,3 +299,40 @@ def cifar(
     _, _, _, _, classes, mean, std = CIFAR[name]
     return _image_federation(name, x, y, classes, mean, std, num_clients, partition, alpha, num_groups,
                              shards_per_client, 0.5, fraction, test_frac, val_frac, unseen_frac, seed)
+
+
+FMNIST_PAIRS = ((0, 6), (2, 4), (7, 9))  # T-shirt/shirt, pullover/coat, sneaker/ankle boot
+
+
+def fmnist_pair_arrays(m: int = 30, seed: int = 0, data_dir: str = "") -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One binary task per client: client t separates the classes of pair ``t mod 3``, with 40-120 images
+    (2x2-average-pooled to 14x14, scaled to [0, 1], plus a constant feature); labels +-1 (MOCHA's Table 1
+    Fashion-MNIST federation)."""
+    raw = load_idx_dataset("fashion_mnist", data_dir, download=False)
+    x = raw["train_x"].astype(np.float64).reshape(-1, 14, 2, 14, 2).mean((2, 4)).reshape(-1, 196) / 255.0
+    x = np.hstack([x, np.ones((len(x), 1))])
+    y = raw["train_y"]
+    rng = np.random.default_rng(seed)
+    pools = {p: [rng.permutation(np.flatnonzero(y == c)) for c in p] for p in FMNIST_PAIRS}
+    used = {p: [0, 0] for p in FMNIST_PAIRS}
+    xs, ys = [], []
+    for t in range(m):
+        p = FMNIST_PAIRS[t % len(FMNIST_PAIRS)]
+        n = int(rng.integers(40, 121))
+        k = int(rng.binomial(n, 0.5))
+        take = []
+        for j, cnt in enumerate((k, n - k)):
+            take.append(pools[p][j][used[p][j]: used[p][j] + cnt])
+            used[p][j] += cnt
+        idx = np.concatenate(take)
+        xs.append(x[idx])
+        ys.append(np.where(y[idx] == p[0], 1.0, -1.0))
+    return xs, ys
+
+
+def fmnist_pairs(m: int = 30, seed: int = 0, data_dir: str = "", test_frac: float = 0.25,
+                 split_seed: int = 0) -> FederatedData:
+    """``fmnist_pair_arrays`` as a federation (class 1 = the pair's first class), split 75/25 per task."""
+    xs, ys = fmnist_pair_arrays(m, seed, data_dir)
+    return tasks_to_federation(xs, [(y > 0).astype(np.int64) for y in ys], 2, "fmnist_pairs", test_frac,
+                               standardize=False, seed=split_seed)

@@ -1,26 +1,16 @@
 """fedmtl algorithms as a Flower ``ServerApp`` and ``ClientApp`` (Flower >= 1.41, Message API).
 
-The same algorithm functions as the in-process simulator run here:
-
-* **ServerApp** (``server_main``): asks every SuperNode which partition it holds (``query``), then runs the
-  algorithm's own round loop — fedmtl's client sampling with the simulator's generator, ``payload``,
-  ``aggregate`` — sending one ``train`` message per sampled client and an ``evaluate`` message to every
-  client at the end.  Flower's built-in strategies are not used: they cannot carry several models per
-  reply (FedEM's M components travel as stacked named arrays, see ``records``).
-* **ClientApp**: the node with ``partition-id`` k builds the experiment's federation from the config (same
-  seed, so the same partition), keeps its client state (FedEM's pi, pFedMe's theta, Ditto's personal
-  model) in the node's persistent ``context.state`` (and, with ``FEDMTL_FLOWER_STATE_DIR`` set, in a file
-  so a restarted run finds it), and runs ``client_update`` on exactly the batches the simulator would give
-  it: the server sends the sampled clients' training counts and the client's position, the client draws the
-  round's orders from the simulator's generator.  Node ids never pass through floating point.
-* **Failures**: a reply that carries an error, never arrives within ``round_timeout`` seconds, or holds
-  NaN/Inf is a dropped client for that round (MOCHA's drop-out model): the round aggregates the replies it
-  has, logs and counts the drop.  The server checkpoints after every round (``checkpoint.pt`` in the
-  output directory) and a restarted server resumes from it.
-
-Decentralized methods (D-FedEM, D-SGD) gossip between neighbours; Flower is hub-and-spoke, so they are
-not offered here yet (``server_main`` refuses them with a clear error): a server-relayed version has to
-ship every client's state through the server.
+* **ServerApp** (``server_main``): asks every SuperNode which clients it serves (``query``), then runs the
+  engine's round loop (``fedmtl.engine.round.Engine`` driven by ``fedmtl.engine.driver.drive``) with the
+  Flower executor (``executor.FlowerClients``): the same sampling, systems model, NaN exclusion, aggregation,
+  evaluation, run directory, checkpoints and resume as ``fedmtl run``.  Flower's built-in strategies are not
+  used: they cannot carry several models per reply (FedEM's M components travel as stacked named arrays).
+* **ClientApp** (the handlers below): a SuperNode serving client k (``partition-id=k``, or several with
+  ``partition-ids="A-B"``) builds the experiment's federation from the config (same seed, so the same
+  partition) and runs the engine's ``LocalClients`` over its own clients: ``client_update`` on exactly the
+  batches the server's orders describe, with the run's local executor.  Client state (FedEM's pi, Ditto's
+  personal model, MOCHA's duals) stays on the node, in its persistent ``context.state`` (and, with
+  ``FEDMTL_FLOWER_STATE_DIR`` set, in 0600 files read back without pickle, so a restarted node finds it).
 """
 
 from __future__ import annotations
@@ -29,22 +19,25 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, RecordDict
 
 from .. import tree as T
 from ..algorithms.base import Algorithm
 from ..algorithms.base import Context as AlgContext
 from ..config import ExperimentConfig, validate
-from ..data.federated import Orders, Split, epoch_orders, round_batches
-from ..evaluation import summarize
-from ..simulate import round_generator, sample_clients
+from ..engine.clients import LocalClients
+from ..engine.driver import RunResult, drive
+from ..engine.executors import make_executor
+from ..engine.round import Engine, Federation
+from ..tree import Tree
+from .executor import FlowerClients, orders_of
 from .records import from_record, record_to_tree, to_config, to_metrics, tree_to_record
 
 log = logging.getLogger("fedmtl")
@@ -57,6 +50,10 @@ def config_from_text(text: str, source: str = "<flower run config>") -> Experime
     return validate(tomllib.loads(text), source)
 
 
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------- client
 @dataclass
 class _Runtime:
@@ -64,8 +61,7 @@ class _Runtime:
     data: Any
     model: Any
     alg: Algorithm
-    server0: Any
-    clients0: Any  # every client's initial state (stacked), computed once
+    nodes: dict[tuple[int, ...], tuple[LocalClients, Tree]]  # per set of partitions served: clients, initial server
 
 
 _RUNTIMES: dict[str, _Runtime] = {}
@@ -73,56 +69,13 @@ _RUNTIMES: dict[str, _Runtime] = {}
 
 def runtime(cfg_text: str) -> _Runtime:
     """The node's dataset, model and algorithm, built once per process and config."""
-    key = hashlib.sha256(cfg_text.encode()).hexdigest()
+    key = _sha(cfg_text)
     if key not in _RUNTIMES:
         cfg = config_from_text(cfg_text)
         data = cfg.build_data()
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-        alg = cfg.build_algorithm()
-        ctx = _alg_ctx(cfg, model, data.seen.num_clients, float(data.seen.train.counts.sum()))
-        server0 = alg.init_server(ctx, model.init(cfg.run.seed), cfg.run.seed)
-        _RUNTIMES[key] = _Runtime(cfg, data, model, alg, server0, alg.init_clients(ctx, server0))
+        _RUNTIMES[key] = _Runtime(cfg, data, model, cfg.build_algorithm(), {})
     return _RUNTIMES[key]
-
-
-def _alg_ctx(cfg: ExperimentConfig, model: Any, num_clients: int, total_train: float) -> AlgContext:
-    return AlgContext(model, cfg.optim, num_clients, total_train, cfg.run.local_epochs)
-
-
-def _client_split(split: Split, k: int) -> Split:
-    x, y = split.client(k)
-    return Split(x, y, torch.tensor([0, len(y)], dtype=torch.long))
-
-
-def _state_file(cfg_text: str, k: int) -> Path | None:
-    root = os.environ.get("FEDMTL_FLOWER_STATE_DIR")
-    if not root:
-        return None
-    return Path(root) / f"{hashlib.sha256(cfg_text.encode()).hexdigest()[:16]}_client{k}.pt"
-
-
-def _load_state(rt: _Runtime, context: Context, cfg_text: str, k: int) -> Any:
-    template = T.take(rt.clients0, k)
-    if f"{STATE_KEY}.{k}" in context.state:
-        rec = context.state[f"{STATE_KEY}.{k}"]
-        assert isinstance(rec, ArrayRecord)
-        return record_to_tree(rec, template)
-    f = _state_file(cfg_text, k)
-    if f is not None and f.exists():
-        return torch.load(f, weights_only=False)
-    return template
-
-
-def _save_state(state: Any, context: Context, cfg_text: str, k: int) -> None:
-    if not T.leaves(state):
-        return
-    context.state[f"{STATE_KEY}.{k}"] = tree_to_record(state)
-    f = _state_file(cfg_text, k)
-    if f is not None:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(f)
 
 
 def _partitions(context: Context) -> list[int]:
@@ -134,18 +87,85 @@ def _partitions(context: Context) -> list[int]:
         for part in str(nc["partition-ids"]).split(","):
             a, _, b = part.strip().partition("-")
             out += list(range(int(a), int(b) + 1)) if b else [int(a)]
-        return out
+        return sorted(set(out))
     if "partition-id" not in nc:
         raise ValueError("this SuperNode has no node config 'partition-id' (start it with "
                          "--node-config 'partition-id=K num-partitions=N')")
     return [int(nc["partition-id"])]
 
 
-def _client_of(msg: Message, context: Context) -> int:
-    k = int(from_record(msg.content["config"])["client"])  # type: ignore[arg-type]
+def _node_clients(rt: _Runtime, context: Context, conf: dict[str, Any]) -> tuple[LocalClients, Tree]:
+    """This node's clients as ``LocalClients`` (built once per process, their algorithm context from the
+    message) and the initial server state (the template of payloads; Ditto's personal models start from it)."""
+    ks = tuple(_partitions(context))
+    if any(not 0 <= k < rt.data.seen.num_clients for k in ks):
+        raise ValueError(f"partition ids {list(ks)[:8]} out of range: the federation has {rt.data.seen.num_clients} "
+                         "seen clients")
+    if ks not in rt.nodes:
+        cfg, dev = rt.cfg, torch.device("cpu")
+        ids = torch.tensor(ks, dtype=torch.long)
+        lc = LocalClients(rt.alg, rt.data.subset(ids), make_executor(cfg.run.runner, rt.model, dev, cfg.run.chunk_size,
+                                                                     cfg.run.bucketing),
+                          dev, cfg.run.batch_size, cfg.run.eval_chunk_elems, global_ids=ids)
+        ctx = AlgContext(rt.model, cfg.optim, int(conf["num_clients"]), float(conf["total_train"]),
+                         int(conf["local_epochs"]), int(conf["rounds"]), int(conf["max_train"]))
+        server0 = rt.alg.init_server(ctx, rt.model.init(cfg.run.seed), cfg.run.seed)
+        lc.start(ctx, server0)
+        rt.nodes[ks] = (lc, server0)
+    return rt.nodes[ks]
+
+
+def _state_file(cfg_text: str, k: int) -> Path | None:
+    root = os.environ.get("FEDMTL_FLOWER_STATE_DIR")
+    return None if not root else Path(root) / f"{_sha(cfg_text)[:16]}_client{k}.pt"
+
+
+def _restore(lc: LocalClients, context: Context, cfg_text: str, k: int) -> None:
+    """Put client k's saved state (context state, else the state directory) into the node's store."""
+    one = T.take(lc.read(torch.tensor([k])), 0)
+    if not T.leaves(one):
+        return
+    saved: Tree = None
+    if f"{STATE_KEY}.{k}" in context.state:
+        rec = context.state[f"{STATE_KEY}.{k}"]
+        assert isinstance(rec, ArrayRecord)
+        saved = record_to_tree(rec, one)
+    else:
+        f = _state_file(cfg_text, k)
+        if f is not None and f.exists():
+            try:
+                saved = T.from_named(torch.load(f, map_location="cpu", weights_only=True), one)
+            except Exception as e:  # a corrupt or foreign file: say which, start the client afresh
+                log.warning("client %d: ignoring unreadable state file %s (%s)", k, f, e)
+    if saved is not None:
+        assert lc.store is not None
+        lc.store.write(lc.rows_of(torch.tensor([k])), T.stack([saved]))
+
+
+def _save(lc: LocalClients, context: Context, cfg_text: str, k: int) -> None:
+    state = T.take(lc.read(torch.tensor([k])), 0)
+    if not T.leaves(state):
+        return
+    context.state[f"{STATE_KEY}.{k}"] = tree_to_record(state)
+    f = _state_file(cfg_text, k)
+    if f is not None:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=f.parent, prefix=f".{f.name}.", suffix=".tmp")  # 0600, a unique name
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save(T.to_named(state), fh)
+            os.replace(tmp, f)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _client_of(msg: Message, context: Context) -> tuple[int, dict[str, Any]]:
+    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
+    k = int(conf["client"])
     if k not in _partitions(context):
         raise ValueError(f"message for client {k} reached a SuperNode serving partitions {_partitions(context)[:8]}")
-    return k
+    return k, conf
 
 
 def _maybe_fail(k: int, rnd: int) -> None:
@@ -166,72 +186,47 @@ def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
     info = to_config({
         "partition_ids": ks, "num_clients": d.seen.num_clients,
         "all_train_counts": d.seen.train.counts.tolist(),
-        "config_sha": hashlib.sha256(cfg_text.encode()).hexdigest(),
-        "feature_shape": list(d.feature_shape), "num_classes": d.num_classes,
-        "meta": json.dumps(d.meta, default=str),
+        "config_sha": _sha(cfg_text),
+        "feature_shape": list(d.feature_shape), "feature_dtype": str(d.seen.train.x.dtype).removeprefix("torch."),
+        "num_classes": d.num_classes, "meta": json.dumps(d.meta, default=str),
     })
     return Message(RecordDict({"info": info}), reply_to=msg)
 
 
 def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
     rt = runtime(cfg_text)
-    k = _client_of(msg, context)
-    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
+    k, conf = _client_of(msg, context)
     r = int(conf["round"])
     _maybe_fail(k, r)
-    cfg = rt.cfg
-    ctx = _alg_ctx(cfg, rt.model, int(conf["num_clients"]), float(conf["total_train"]))
-    payload = record_to_tree(msg.content["payload"], rt.alg.payload(rt.server0))  # type: ignore[arg-type]
-    state = _load_state(rt, context, cfg_text, k)
-    counts = torch.tensor(conf["sampled_counts"], dtype=torch.long)
-    orders = epoch_orders(counts, cfg.run.local_epochs, round_generator(cfg.run.seed, r, 2))
-    pos = int(conf["position"])
-    s, e = int(orders.starts[pos]), int(orders.starts[pos + 1])
-    one = Orders(orders.local[:, s:e], torch.tensor([0, e - s]))
-    split = _client_split(rt.data.seen.train, k)
-    b = round_batches(split, torch.tensor([0]), one, torch.tensor([0]), cfg.run.batch_size)
-    batches = T.take(b, 0)
-    update, new_state, loss = rt.alg.client_update(ctx, payload, state, batches, float(conf["lr"]))
-    ok = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(x).all()) for x in T.leaves(update))
-    ok = ok and all(bool(torch.isfinite(x).all()) for x in T.leaves(new_state))
+    lc, server0 = _node_clients(rt, context, conf)
+    _restore(lc, context, cfg_text, k)
+    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0))  # type: ignore[arg-type]
+    out = lc.train(payload, torch.tensor([k]), orders_of(msg.content["order"]), float(conf["lr"]), r)  # type: ignore[arg-type]
+    ok = bool(out.ok[0])
     if ok:  # a client never keeps a state whose update the server will reject
-        _save_state(new_state, context, cfg_text, k)
+        _save(lc, context, cfg_text, k)
+    n = int(lc.data.seen.train.counts[int(lc.rows_of(torch.tensor([k]))[0])])
     content = RecordDict({
-        "update": tree_to_record(update),
-        "metrics": to_metrics({"loss": float(loss), "n": int(split.counts[0]), "finite": int(ok), "client": k}),
+        "update": tree_to_record(T.take(out.updates, 0)),
+        "metrics": to_metrics({"loss": float(out.losses[0]), "n": n, "finite": int(ok), "client": k}),
     })
     return Message(content, reply_to=msg)
 
 
 def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
     rt = runtime(cfg_text)
-    k = _client_of(msg, context)
-    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
-    cfg, alg = rt.cfg, rt.alg
-    ctx = _alg_ctx(cfg, rt.model, int(conf["num_clients"]), float(conf["total_train"]))
-    payload = record_to_tree(msg.content["payload"], alg.payload(rt.server0))  # type: ignore[arg-type]
-    state = _load_state(rt, context, cfg_text, k)
-    batches = None
-    if alg.needs_adaptation:  # the simulator's adaptation orders: one generator over all seen clients
-        g = torch.Generator().manual_seed(int(cfg.run.seed) * 7919 + int(conf["round"]) * 104729)
-        orders = epoch_orders(torch.tensor(conf["all_train_counts"]), alg.adapt_epochs, g)
-        s, e = int(orders.starts[k]), int(orders.starts[k + 1])
-        one = Orders(orders.local[:, s:e], torch.tensor([0, e - s]))
-        b = round_batches(_client_split(rt.data.seen.train, k), torch.tensor([0]), one, torch.tensor([0]),
-                          cfg.run.batch_size)
-        batches = T.take(b, 0)
-    es = alg.personalize(ctx, payload, state, batches, float(conf["lr"]), True)
+    k, conf = _client_of(msg, context)
+    lc, server0 = _node_clients(rt, context, conf)
+    _restore(lc, context, cfg_text, k)
+    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0))  # type: ignore[arg-type]
+    adapt = orders_of(msg.content["order"]) if "order" in msg.content else None  # type: ignore[arg-type]
+    res = lc.evaluate("seen", payload, server0, torch.tensor([k]), adapt, float(conf["lr"]))
     out: dict[str, Any] = {"client": k}
-    for name, split in rt.data.seen.splits().items():
-        x, y = split.client(k)
-        out[f"{name}_n"] = len(y)
-        if len(y) == 0:
-            out[f"{name}_correct"], out[f"{name}_nll"] = 0.0, 0.0
-            continue
-        logp = alg.predict_log_proba(ctx, es, x)
-        nll = -torch.gather(logp, -1, y.unsqueeze(-1)).squeeze(-1)
-        out[f"{name}_correct"] = float((logp.argmax(-1) == y).double().sum())
-        out[f"{name}_nll"] = float(torch.nan_to_num(nll.double(), nan=float("inf")).sum())
+    for name, m in res.items():
+        n = float(m["n"][0])
+        out[f"{name}_n"] = int(n)
+        out[f"{name}_correct"] = float(m["acc"][0] * max(n, 1.0))
+        out[f"{name}_nll"] = float(m["loss"][0] * max(n, 1.0))
     return Message(RecordDict({"metrics": to_metrics(out)}), reply_to=msg)
 
 
@@ -262,20 +257,18 @@ def make_client_app(cfg_text: str | None = None) -> Any:
 # ---------------------------------------------------------------------------------------------- server
 @dataclass
 class ServerOptions:
-    out: str = ""  # run directory (summary.json, history.json, checkpoint.pt); "" = none
-    num_nodes: int = 0  # SuperNodes to wait for (0 = the federation's number of seen clients)
+    out: str = ""  # run directory (config.toml, metrics.csv, summary.json, checkpoint.pt); "" = none
+    num_nodes: int = 0  # SuperNodes to wait for (0 = any)
     round_timeout: float = 600.0
     connect_timeout: float = 300.0
 
 
 def _discover(grid: Any, want: int | None, timeout: float) -> dict[int, dict[str, Any]]:
-    """partition id -> {node_id, info} for every connected SuperNode."""
+    """client id -> {node_id, info} for every connected SuperNode."""
     t0 = time.time()
     while True:
         nodes = list(grid.get_node_ids())
-        if want is not None and len(nodes) >= want:
-            break
-        if want is None and nodes:
+        if (want is not None and len(nodes) >= want) or (want is None and nodes):
             break
         if time.time() - t0 > timeout:
             raise TimeoutError(f"only {len(nodes)} SuperNode(s) connected after {timeout:.0f} s (want {want})")
@@ -293,137 +286,39 @@ def _discover(grid: Any, want: int | None, timeout: float) -> dict[int, dict[str
     return out
 
 
-def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> dict[str, Any]:
+def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> RunResult:
+    """The ServerApp's main: discover the nodes, then drive the engine with the Flower executor."""
     cfg = config_from_text(cfg_text)
     alg = cfg.build_algorithm()
-    if type(alg).post_round is not Algorithm.post_round:
-        raise ValueError(f"algorithm {alg.name!r} gossips between neighbours after each round; Flower runs are "
-                         "hub-and-spoke and this method is not offered over Flower yet")
-    want = opts.num_nodes or None
-    nodes = _discover(grid, want, opts.connect_timeout)
+    nodes = _discover(grid, opts.num_nodes or None, opts.connect_timeout)
     first = next(iter(nodes.values()))
     n_clients = int(first["num_clients"])
-    counts_all = torch.tensor(first["all_train_counts"], dtype=torch.long)
-    sha = first["config_sha"]
-    if any(v["config_sha"] != sha for v in nodes.values()):
+    if any(v["config_sha"] != first["config_sha"] for v in nodes.values()):
         raise RuntimeError("SuperNodes run different experiment configs")
+    if first["config_sha"] != _sha(cfg_text):
+        raise RuntimeError("the SuperNodes run another experiment config than this ServerApp")
     missing = sorted(set(range(n_clients)) - set(nodes))
     if missing:
         raise RuntimeError(f"no SuperNode holds partition(s) {missing[:10]} (of {n_clients})")
+    fed = Federation(torch.tensor(first["all_train_counts"], dtype=torch.long), tuple(first["feature_shape"]),
+                     int(first["num_classes"]), json.loads(first["meta"]))
     # the model skeleton from what the nodes report: the server never reads client data
-    model = cfg.build_model(tuple(first["feature_shape"]), int(first["num_classes"]), json.loads(first["meta"]))
-    total = float(counts_all.sum())
-    ctx = _alg_ctx(cfg, model, n_clients, total)
+    model = cfg.build_model(fed.feature_shape, fed.num_classes, fed.meta)
+    dtype = getattr(torch, str(first["feature_dtype"]))
+    clients = FlowerClients(grid, {k: v["node_id"] for k, v in nodes.items()}, alg, fed.feature_shape, dtype,
+                            opts.round_timeout)
+    engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems)
     out = Path(opts.out) if opts.out else None
-    ck = out / "checkpoint.pt" if out else None
-    server = alg.init_server(ctx, model.init(cfg.run.seed), cfg.run.seed)
-    template = alg.payload(server)  # the shape every update has
-    history: list[dict[str, Any]] = []
-    counters = {"dropped_updates": 0}
-    start = 0
-    if ck is not None and ck.exists():
-        saved = torch.load(ck, weights_only=False)
-        if saved["config_sha"] != sha:
-            raise RuntimeError(f"{ck} was written by a different config")
-        server, history, counters, start = saved["server"], saved["history"], saved["counters"], saved["round"]
-        log.info("flower server: resuming from round %d", start)
-    for r in range(start, cfg.run.rounds):
-        t0 = time.perf_counter()
-        clients = sample_clients(cfg.run, n_clients, r)
-        lr = cfg.optim.lr_at(r, cfg.run.rounds)
-        payload = alg.payload(server)
-        prec = tree_to_record(payload)
-        counts = counts_all[clients]
-        msgs = []
-        for i, k in enumerate(clients.tolist()):
-            conf = to_config({"round": r, "lr": lr, "client": k, "position": i, "sampled_counts": counts.tolist(),
-                              "num_clients": n_clients, "total_train": total})
-            msgs.append(Message(RecordDict({"payload": prec, "config": conf}), dst_node_id=nodes[k]["node_id"],
-                                message_type="train", group_id=str(r)))
-        position = {k: i for i, k in enumerate(clients.tolist())}
-        replies = list(grid.send_and_receive(msgs, timeout=opts.round_timeout))
-        updates: list[Any] = [None] * len(msgs)
-        losses = np.full(len(msgs), np.nan)
-        for rep in replies:
-            if rep.has_error():
-                log.warning("round %d: a client on node %s failed: %s", r, rep.metadata.src_node_id,
-                            rep.error.reason[:200])
-                continue
-            met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
-            i = position.get(int(met.get("client", -1)))
-            if i is None:
-                continue
-            if not met.get("finite", 1):
-                continue
-            try:
-                updates[i] = record_to_tree(rep.content["update"], template)  # type: ignore[arg-type]
-            except ValueError as e:
-                log.warning("round %d: client %d sent a malformed update: %s", r, int(clients[i]), e)
-                continue
-            losses[i] = float(met["loss"])
-        valid = torch.tensor([u is not None for u in updates])
-        dropped = int((~valid).sum())
-        if dropped:
-            counters["dropped_updates"] += dropped
-            log.warning("round %d: %d of %d sampled clients dropped (error, timeout or NaN)", r, dropped, len(msgs))
-        if bool(valid.any()):
-            ref = next(u for u in updates if u is not None)
-            stacked = T.stack([u if u is not None else T.zeros_like(ref) for u in updates])
-            weights = counts.to(torch.float64) * valid.to(torch.float64)
-            server = alg.aggregate(ctx, server, stacked, weights, clients)
-        ok = losses[~np.isnan(losses)]
-        history.append({"round": r + 1, "lr": lr, "clients": len(msgs), "dropped": dropped,
-                        "train_loss": float(ok.mean()) if ok.size else float("nan"),
-                        "seconds": time.perf_counter() - t0})
-        if ck is not None:
-            ck.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ck.with_suffix(".tmp")
-            torch.save({"server": server, "history": history, "counters": counters, "round": r + 1,
-                        "config_sha": sha}, tmp)
-            tmp.replace(ck)
-    per_client = evaluate_all(grid, alg, server, nodes, cfg, n_clients, total, counts_all, opts)
-    final = summarize({"seen": per_client})
-    summary = {"final": final, "rounds": cfg.run.rounds, "history": history, "counters": counters,
-               "server": server}
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "server"},
-                                                     indent=2, default=float))
-        torch.save(server, out / "server.pt")
-    return summary
-
-
-def evaluate_all(grid: Any, alg: Algorithm, server: Any, nodes: dict[int, dict[str, Any]], cfg: ExperimentConfig,
-                 n_clients: int, total: float, counts_all: torch.Tensor, opts: ServerOptions) -> dict[str, Any]:
-    prec = tree_to_record(alg.payload(server))
-    r = cfg.run.rounds
-    base = {"round": r, "lr": cfg.optim.lr_at(max(r - 1, 0), r), "num_clients": n_clients, "total_train": total,
-            "all_train_counts": counts_all.tolist()}
-    msgs = [Message(RecordDict({"payload": prec, "config": to_config({**base, "client": k})}),
-                    dst_node_id=nodes[k]["node_id"],
-                    message_type="evaluate", group_id="eval") for k in range(n_clients)]
-    res: dict[int, dict[str, Any]] = {}
-    for rep in grid.send_and_receive(msgs, timeout=opts.round_timeout):
-        if rep.has_error():
-            log.warning("evaluation failed on node %s: %s", rep.metadata.src_node_id, rep.error.reason[:200])
-            continue
-        met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
-        res[int(met.pop("client"))] = met
-    names = sorted({key.rsplit("_", 1)[0] for m in res.values() for key in m})
-    out: dict[str, Any] = {}
-    for name in names:
-        n = np.array([res[k][f"{name}_n"] if k in res else 0 for k in range(n_clients)], dtype=float)
-        c = np.array([res[k][f"{name}_correct"] if k in res else 0 for k in range(n_clients)], dtype=float)
-        nll = np.array([res[k][f"{name}_nll"] if k in res else 0 for k in range(n_clients)], dtype=float)
-        safe = np.maximum(n, 1)
-        out[name] = {"acc": c / safe, "loss": nll / safe, "n": n}
-    return out
+    resume = out is not None and (out / "checkpoint.pt").exists()
+    if resume:
+        log.info("flower server: resuming from %s", out)
+    return drive(engine, cfg, out, resume=resume, progress=False)
 
 
 def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = None,
                     result: dict[str, Any] | None = None) -> Any:
     """A ``ServerApp``; without ``cfg_text`` the config (and ``out``) come from the run config keys
-    ``fedmtl-config`` / ``fedmtl-out``.  ``result`` (a dict) receives the summary in-process."""
+    ``fedmtl-config`` / ``fedmtl-out``.  ``result`` (a dict) receives the ``RunResult`` under "result"."""
     from flwr.serverapp import ServerApp
 
     app = ServerApp()
@@ -433,11 +328,11 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
         text = cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
         o = opts or ServerOptions(out=str(context.run_config.get("fedmtl-out", "")),
                                   num_nodes=int(context.run_config.get("fedmtl-num-nodes", 0)))
-        summary = server_main(grid, text, o)
+        res = server_main(grid, text, o)
         if result is not None:
-            result.update(summary)
+            result["result"] = res
 
     return app
 
 
-__all__ = ["ConfigRecord", "MetricRecord", "ServerOptions", "make_client_app", "make_server_app", "server_main"]
+__all__ = ["ServerOptions", "make_client_app", "make_server_app", "server_main"]

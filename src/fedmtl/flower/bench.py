@@ -43,7 +43,7 @@ runner = "vmap"
 
 def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
     from ..config import dumps, validate
-    from ..experiment import build
+    from ..engine.driver import build_local
     from .deploy import LocalDeployment
     from .project import write_project
     from .simulation import simulate
@@ -51,7 +51,7 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
     cfg = validate(tomllib.loads(CONFIG.format(n=clients, rounds=rounds)))
     text = dumps(cfg.raw)
     res: dict[str, Any] = {"clients": clients, "rounds": rounds, "algorithm": "fedavg"}
-    sim = build(cfg)
+    sim = build_local(cfg)
     st = sim.init_state()
     times = []
     for _ in range(rounds):
@@ -62,7 +62,7 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
     t0 = time.perf_counter()
     s = simulate(text, clients)
     res["flower_simulation_total_s"] = time.perf_counter() - t0
-    hs = [h["seconds"] for h in s["history"]]
+    hs = s.summary["round_seconds"]
     res["flower_simulation_round_s"] = statistics.median(hs[1:])
     res["flower_simulation_first_round_s"] = hs[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +76,7 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
             dep.run(app, Path(tmp) / "out", timeout=3600)
             res["flower_deployment_total_s"] = time.perf_counter() - t0
         d = json.loads((Path(tmp) / "out" / "summary.json").read_text())
-        hd = [h["seconds"] for h in d["history"]]
+        hd = d["round_seconds"]
         res["flower_deployment_round_s"] = statistics.median(hd[1:])
         res["flower_deployment_first_round_s"] = hd[0]
     res["simulation_over_vmap"] = res["flower_simulation_round_s"] / res["vmap_round_s"]

@@ -15,40 +15,25 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
-from torch.utils import _pytree as pytree
 
-from ..tree import Tree
+from ..tree import Tree, TreeError, from_named, to_named
 
 
 class RecordError(ValueError):
     """A record does not match the expected tree."""
 
 
-def _named_leaves(tree: Tree) -> tuple[list[tuple[str, torch.Tensor]], Any]:
-    flat, spec = pytree.tree_flatten_with_path(tree)
-    return [(pytree.keystr(path), leaf) for path, leaf in flat], spec
-
-
 def tree_to_record(tree: Tree) -> ArrayRecord:
-    named, _ = _named_leaves(tree)
-    return ArrayRecord({name: leaf.detach().cpu().contiguous() for name, leaf in named})
+    return ArrayRecord({name: leaf.detach().cpu().contiguous() for name, leaf in to_named(tree).items()})
 
 
 def record_to_tree(record: ArrayRecord, template: Tree, device: torch.device | str = "cpu") -> Tree:
     """Rebuild a tree shaped like ``template`` from ``record`` (names, shapes and dtypes must match)."""
-    named, spec = _named_leaves(template)
-    want = [n for n, _ in named]
-    got = list(record.keys())
-    if sorted(want) != sorted(got):
-        raise RecordError(f"record holds {got[:6]}..., expected {want[:6]}...")
-    leaves = []
-    for name, ref in named:
-        arr = record[name].numpy()
-        t = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
-        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
-            raise RecordError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
-        leaves.append(t)
-    return pytree.tree_unflatten(leaves, spec)
+    named = {name: torch.from_numpy(np.ascontiguousarray(record[name].numpy())) for name in record.keys()}
+    try:
+        return from_named(named, template, device)
+    except TreeError as e:
+        raise RecordError(str(e)) from None
 
 
 def _scalar(v: Any) -> Any:

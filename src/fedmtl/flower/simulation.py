@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..engine.driver import RunResult
 from .apps import ServerOptions, config_from_text, make_client_app, make_server_app
 
 
 def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: int = 1,
-             round_timeout: float = 600.0) -> dict[str, Any]:
-    """Run the experiment ``cfg_text`` (TOML) over Flower's simulation engine; returns the summary."""
+             round_timeout: float = 600.0) -> RunResult:
+    """Run the experiment ``cfg_text`` (TOML) over Flower's simulation engine; returns its ``RunResult``."""
     from flwr.simulation import run_simulation
 
     cfg = config_from_text(cfg_text)
@@ -24,6 +25,6 @@ def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: in
         make_server_app(cfg_text, opts, result), make_client_app(cfg_text), num_supernodes=n,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": cpus}},
     )
-    if "final" not in result:
+    if "result" not in result:
         raise RuntimeError("the Flower simulation ended without a result (see the log above)")
-    return result
+    return result["result"]

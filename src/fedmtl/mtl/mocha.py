@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..systems import SystemsModel, TimeModel
+from ..engine.systems import SystemsModel, TimeModel
 from .omega import Regularizer, identity, sigma_prime
 from .problem import Loss, MTLData, dual, dual_B, get_loss, margins, primal, w_of
 

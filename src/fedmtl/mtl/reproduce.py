@@ -8,7 +8,7 @@
     separator), Fashion-MNIST binary tasks (one per client, pairs of confusable classes) when the IDX files
     are present, and HAR / Vehicle Sensor / Google Glass when their files are found locally.
 (b) **Figures 1-3** — primal sub-optimality versus estimated time (the reference code's time units, see
-    ``fedmtl.systems.TimeModel.paper``) for MOCHA, CoCoA, Mb-SDCA, Mb-SGD: statistical heterogeneity on
+    ``fedmtl.engine.systems.TimeModel.paper``) for MOCHA, CoCoA, Mb-SDCA, Mb-SGD: statistical heterogeneity on
     WiFi / LTE / 3G, high and low systems variability, and MOCHA under increasing drop probability and
     with one node that never answers (W-step and the full method).
 
@@ -30,7 +30,9 @@ from typing import Any
 import numpy as np
 
 from ..data.federated import DataError
-from ..systems import SystemsModel, TimeModel
+from ..data.synthetic import related_task_arrays as synthetic_tasks
+from ..data.vision import fmnist_pair_arrays as fmnist_tasks
+from ..engine.systems import SystemsModel, TimeModel
 from .mocha import MochaConfig, solve
 from .omega import TaskCovariance, identity
 from .problem import MTLData, error_rate
@@ -42,54 +44,6 @@ Tasks = tuple[list[np.ndarray], list[np.ndarray]]
 
 
 # ------------------------------------------------------------------------------------------- datasets
-def synthetic_tasks(m: int = 30, d: int = 20, clusters: int = 3, seed: int = 0, noise: float = 0.05) -> Tasks:
-    """Related tasks: ``clusters`` groups whose separators are a shared centre plus a small task offset;
-    a few dozen examples per task (log-normal sizes), 5% label noise."""
-    rng = np.random.default_rng(seed)
-    centres = rng.normal(size=(clusters, d))
-    xs, ys = [], []
-    for t in range(m):
-        w = centres[t % clusters] + 0.25 * rng.normal(size=d)
-        n = int(np.clip(rng.lognormal(3.6, 0.4), 20, 120))
-        x = rng.normal(size=(n, d))
-        y = np.sign(x @ w)
-        flip = rng.random(n) < noise
-        y[flip] = -y[flip]
-        xs.append(x)
-        ys.append(y)
-    return xs, ys
-
-
-FMNIST_PAIRS = ((0, 6), (2, 4), (7, 9))  # T-shirt/shirt, pullover/coat, sneaker/ankle boot
-
-
-def fmnist_tasks(m: int = 30, seed: int = 0, data_dir: str = "") -> Tasks:
-    """One binary task per client: client t separates the classes of pair ``t mod 3``, with 40-120 images
-    (2x2-average-pooled to 14x14, scaled to [0, 1], plus a constant feature)."""
-    from ..data.vision import load_idx_dataset
-
-    raw = load_idx_dataset("fashion_mnist", data_dir, download=False)
-    x = raw["train_x"].astype(np.float64).reshape(-1, 14, 2, 14, 2).mean((2, 4)).reshape(-1, 196) / 255.0
-    x = np.hstack([x, np.ones((len(x), 1))])
-    y = raw["train_y"]
-    rng = np.random.default_rng(seed)
-    pools = {p: [rng.permutation(np.flatnonzero(y == c)) for c in p] for p in FMNIST_PAIRS}
-    used = {p: [0, 0] for p in FMNIST_PAIRS}
-    xs, ys = [], []
-    for t in range(m):
-        p = FMNIST_PAIRS[t % len(FMNIST_PAIRS)]
-        n = int(rng.integers(40, 121))
-        k = int(rng.binomial(n, 0.5))
-        take = []
-        for j, cnt in enumerate((k, n - k)):
-            take.append(pools[p][j][used[p][j]: used[p][j] + cnt])
-            used[p][j] += cnt
-        idx = np.concatenate(take)
-        xs.append(x[idx])
-        ys.append(np.where(y[idx] == p[0], 1.0, -1.0))
-    return xs, ys
-
-
 def available_datasets(quick: bool = False) -> dict[str, Callable[[], Tasks]]:
     """The Table-1 datasets that can be built here (synthetic always; others when their files exist)."""
     from ..data import tabular

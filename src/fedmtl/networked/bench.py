@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .graph import EmpiricalGraph, sbm
+from ..graph import Graph, sbm
 from .gtv import GTVConfig, NodeData, cvxpy_solution, solve
 
 
@@ -34,7 +34,7 @@ def problem(nodes: int, seed: int = 0) -> tuple[Any, NodeData]:
     lo, hi = np.minimum(edges[:, 0], edges[:, 1]), np.maximum(edges[:, 0], edges[:, 1])
     key = np.unique(lo * nodes + hi)
     edges = np.stack([key // nodes, key % nodes], 1)
-    g = EmpiricalGraph(nodes, edges, rng.uniform(0.5, 1.5, len(edges)), s.clusters)
+    g = Graph(nodes, edges, rng.uniform(0.5, 1.5, len(edges)), s.clusters)
     assert g.clusters is not None
     wbar = np.array([[2.0, 2.0], [-2.0, 2.0]])[g.clusters]
     x = rng.normal(size=(g.num_nodes, 5, 2))

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .graph import EmpiricalGraph, GraphError
+from ..graph import Graph, GraphError
 
 PENALTIES = ("tv", "l1", "squared")
 LOSSES = ("squared", "logistic")
@@ -135,7 +135,7 @@ def _loss_coef(data: NodeData, cfg: GTVConfig) -> np.ndarray:
     return 1.0 / np.maximum(data.counts, 1) if cfg.loss_scale == "mean" else np.ones(data.num_nodes)
 
 
-def objective(graph: EmpiricalGraph, data: NodeData, w: np.ndarray, cfg: GTVConfig) -> float:
+def objective(graph: Graph, data: NodeData, w: np.ndarray, cfg: GTVConfig) -> float:
     """sum_{i in M} L_i(w_i) + lam sum_e A_e phi(w_{e+} - w_{e-})."""
     c = _loss_coef(data, cfg)
     s = np.einsum("imn,in->im", data.X, w)
@@ -226,7 +226,7 @@ def _logistic_prox(X: np.ndarray, y: np.ndarray, m: np.ndarray, v: np.ndarray, t
     return w
 
 
-def solve(graph: EmpiricalGraph, data: NodeData, cfg: GTVConfig, w_ref: np.ndarray | None = None) -> GTVResult:
+def solve(graph: Graph, data: NodeData, cfg: GTVConfig, w_ref: np.ndarray | None = None) -> GTVResult:
     """Run Algorithm 1 for ``cfg.iterations`` iterations (or until ``cfg.tol``).  With ``w_ref`` the trace
     records the relative error ||w - w_ref|| / ||w_ref||."""
     if data.num_nodes != graph.num_nodes:
@@ -302,7 +302,7 @@ def solve(graph: EmpiricalGraph, data: NodeData, cfg: GTVConfig, w_ref: np.ndarr
     return res
 
 
-def cvxpy_solution(graph: EmpiricalGraph, data: NodeData, cfg: GTVConfig) -> tuple[np.ndarray, float, float]:
+def cvxpy_solution(graph: Graph, data: NodeData, cfg: GTVConfig) -> tuple[np.ndarray, float, float]:
     """The same problem solved centrally by CVXPY (Clarabel): (w, optimal value, seconds)."""
     import time
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .graph import EmpiricalGraph, sbm
+from ..graph import Graph, sbm
 from .gtv import GTVConfig, NodeData, solve
 
 W_TRUE = np.array([[2.0, 2.0], [-2.0, 2.0]])
@@ -34,7 +34,7 @@ W_TRUE = np.array([[2.0, 2.0], [-2.0, 2.0]])
 
 def sbm_problem(sizes: tuple[int, int] = (100, 100), p_in: float = 0.5, p_out: float = 0.01, m: int = 5,
                 noise: float = 0.1, frac: float = 0.4, seed: int = 0, classification: bool = False
-                ) -> tuple[EmpiricalGraph, NodeData, np.ndarray, list[np.ndarray], list[np.ndarray]]:
+                ) -> tuple[Graph, NodeData, np.ndarray, list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
     g = sbm(list(sizes), p_in, p_out, seed=seed + 1000)
     assert g.clusters is not None

@@ -18,19 +18,32 @@ cycle in which node t does whatever local work its device allows, and may not an
   reference code (one unit per FLOP-coefficient, communication 10 / 100 / 1000 units for WiFi / LTE / 3G),
   used to reproduce the paper's figures; the physical presets are ours (documented below).
 
-All draws come from generators seeded by ``(seed, round, stream)``, independent of every other random
-choice of the run, so a resumed run repeats an uninterrupted one.
+Every draw is a counter-based hash of ``(seed, round, purpose, node id)`` (``uniform``): a node's draw never
+depends on which other nodes take part, costs O(1) per participating node (a round stays O(sampled
+clients) in a population of millions), and a resumed run repeats an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 VARIABILITY = {"none": 1.0, "low": 0.9, "high": 0.1}
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def uniform(seed: int, round_idx: int, purpose: int, nodes: np.ndarray) -> np.ndarray:
+    """U[0, 1) draws, one per node id, from a hash of (seed, round, purpose, node): splitmix64's finalizer
+    over a key from ``numpy.random.SeedSequence`` (which mixes the run's seed, the round and the purpose)."""
+    key = np.random.SeedSequence([seed, round_idx, 7, purpose]).generate_state(1, dtype=np.uint64)[0]
+    z = np.asarray(nodes, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key  # wraps modulo 2^64
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True)
@@ -102,12 +115,12 @@ class SystemsDraw(NamedTuple):
 class SystemsModel:
     """The ``[systems]`` table.  The defaults model an ideal network: full speed, nobody drops."""
 
-    variability: str = "none"  # none | low | high
+    variability: Literal["none", "low", "high"] = "none"
     speed_low: float = 0.0  # > 0 overrides the variability preset's lower bound
     drop_prob: float = 0.0
     never_respond: list[int] = field(default_factory=list)
-    mode: str = "deadline"  # deadline (flexible local work) | wait (fixed work, wait for stragglers)
-    network: str = "lte"
+    mode: Literal["deadline", "wait"] = "deadline"  # flexible local work | fixed work, wait for stragglers
+    network: Literal["3g", "lte", "wifi"] = "lte"
     device_flops: float = 1e9
 
     def __post_init__(self) -> None:
@@ -141,11 +154,12 @@ class SystemsModel:
         nodes = np.asarray(nodes, dtype=np.int64)
         if self.ideal:
             return SystemsDraw(np.ones(len(nodes)), np.zeros(len(nodes), dtype=bool))
-        size = int(nodes.max(initial=-1)) + 1
-        u = np.random.default_rng([seed, round_idx, 7, 0]).random(size)  # prefixes of one stream per purpose:
-        v = np.random.default_rng([seed, round_idx, 7, 1]).random(size)  # node t's draw never depends on others
-        speed = self.low + (1.0 - self.low) * u[nodes] if self.low < 1 else np.ones(len(nodes))
-        dropped = (v[nodes] < self.drop_prob) | np.isin(nodes, np.asarray(self.never_respond, dtype=np.int64))
+        speed = np.ones(len(nodes))
+        if self.low < 1:
+            speed = self.low + (1.0 - self.low) * uniform(seed, round_idx, 0, nodes)
+        dropped = np.isin(nodes, np.asarray(self.never_respond, dtype=np.int64))
+        if self.drop_prob > 0:
+            dropped |= uniform(seed, round_idx, 1, nodes) < self.drop_prob
         return SystemsDraw(np.maximum(speed, 1e-6), dropped)
 
     def steps(self, draw: SystemsDraw, budget: np.ndarray) -> np.ndarray:

@@ -1,27 +1,70 @@
-"""The empirical graph of networked federated learning: nodes with local datasets, weighted edges.
+"""One sparse graph type for every method that lives on a graph: the empirical graph of networked federated
+learning (the GTV solver, ``fedmtl.networked``) and the communication graph of decentralized methods
+(D-FedEM, D-SGD gossip).
 
-An ``EmpiricalGraph`` is an undirected graph stored as an oriented edge list ``edges`` (E, 2) with
-``edges[e] = (e+, e-)``, e+ < e-, and positive weights A_e.  Its signed incidence matrix D (E x N) has
-D[e, e+] = 1 and D[e, e-] = -1 (SarcheshmehPour, Leinonen, Jung, "Federated Learning from Big Data over
-Networks", ICASSP 2021).  Builders: adjacency matrices (dense or scipy.sparse), edge lists, networkx
-graphs, stochastic block models, chains with a boundary edge and k-nearest-neighbour graphs.
+A ``Graph`` is undirected, stored as an oriented edge list ``edges`` (E, 2) with ``edges[e] = (e+, e-)``,
+e+ < e-, and positive weights A_e; memory and every operation are O(N + E).  Its signed incidence matrix D
+(E x N) has D[e, e+] = 1 and D[e, e-] = -1 (SarcheshmehPour, Leinonen, Jung, "Federated Learning from Big
+Data over Networks", ICASSP 2021).  Builders: adjacency matrices (dense or scipy.sparse), edge lists,
+networkx graphs, files, stochastic block models, chains with a boundary edge, k-nearest-neighbour graphs,
+complete graphs, rings and Erdos-Renyi graphs.
+
+Gossip uses a symmetric doubly-stochastic mixing matrix W supported on the edges plus the diagonal
+(``Graph.mixing``), kept sparse as ``Mixing`` (edge weights + self weights):
+
+* ``metropolis`` (Metropolis-Hastings, the default): W_ij = 1 / (1 + max(d_i, d_j)) on edges,
+  W_ii = 1 - sum_j W_ij.  On a complete graph this is uniform averaging, W = 11^T / N.
+* ``max_degree``: W_ij = 1 / (1 + d_max) on edges, W_ii = 1 - d_i / (1 + d_max).
+
+(The FedEM reference code instead solves the fastest-mixing SDP with cvxpy for an Erdos-Renyi(0.5) graph;
+Metropolis weights need no solver and are the standard choice in the D-SGD literature.)  Mixing weights
+ignore the edge weights A_e: they depend on the unweighted degrees.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
+import torch
+from torch import Tensor
 
 
 class GraphError(ValueError):
     """Malformed graph input."""
 
 
+class Mixing(NamedTuple):
+    """A sparse symmetric mixing matrix: ``W_ij = weight[e]`` for edge e = (i, j) (both directions) and
+    ``W_ii = self_weight[i]``.  Tensors, so they live in a server state and in checkpoints."""
+
+    edges: Tensor  # (E, 2) long
+    weight: Tensor  # (E,) float
+    self_weight: Tensor  # (N,) float
+
+    def mix(self, stacked: Tensor) -> Tensor:
+        """Gossip step on a (N, ...) tensor: row i of the result is sum_j W_ij stacked[j].  O(N + E)."""
+        flat = stacked.reshape(stacked.shape[0], -1)
+        w = self.weight.to(flat.dtype).unsqueeze(1)
+        i, j = self.edges[:, 0], self.edges[:, 1]
+        out = self.self_weight.to(flat.dtype).unsqueeze(1) * flat
+        out = out.index_add(0, i, w * flat.index_select(0, j)).index_add(0, j, w * flat.index_select(0, i))
+        return out.reshape(stacked.shape)
+
+    def dense(self) -> Tensor:
+        """W as a dense (N, N) float64 matrix (tests, small graphs)."""
+        out = torch.diag(self.self_weight.to(torch.float64))
+        i, j = self.edges[:, 0], self.edges[:, 1]
+        out[i, j] = self.weight.to(torch.float64)
+        out[j, i] = self.weight.to(torch.float64)
+        return out
+
+
 @dataclass
-class EmpiricalGraph:
+class Graph:
     num_nodes: int
     edges: np.ndarray  # (E, 2) int64, edges[:, 0] < edges[:, 1]
     weights: np.ndarray  # (E,) float64 > 0
@@ -70,9 +113,22 @@ class EmpiricalGraph:
         n, _ = sp.csgraph.connected_components(self.adjacency(), directed=False)
         return n == 1
 
+    def mixing(self, rule: Literal["metropolis", "max_degree"] = "metropolis") -> Mixing:
+        """The symmetric doubly-stochastic mixing matrix of this graph (float64; see the module docstring)."""
+        deg = self.degree()
+        i, j = self.edges[:, 0], self.edges[:, 1]
+        if rule == "metropolis":
+            w = 1.0 / (1.0 + np.maximum(deg[i], deg[j]))
+        elif rule == "max_degree":
+            w = np.full(self.num_edges, 1.0 / (1.0 + deg.max(initial=0.0)))
+        else:
+            raise GraphError(f"unknown mixing rule {rule!r}; use metropolis or max_degree")
+        off = np.bincount(i, w, self.num_nodes) + np.bincount(j, w, self.num_nodes)
+        return Mixing(torch.from_numpy(self.edges.copy()), torch.from_numpy(w), torch.from_numpy(1.0 - off))
+
     # ------------------------------------------------------------------------------------- builders
     @classmethod
-    def from_adjacency(cls, a: Any) -> EmpiricalGraph:
+    def from_adjacency(cls, a: Any) -> Graph:
         """Symmetric weighted adjacency (dense array or scipy.sparse); the diagonal must be zero."""
         m = sp.coo_matrix(a)
         if m.shape[0] != m.shape[1]:
@@ -86,13 +142,13 @@ class EmpiricalGraph:
         return cls(m.shape[0], np.stack([m.row[keep], m.col[keep]], 1), m.data[keep])
 
     @classmethod
-    def from_edges(cls, num_nodes: int, edges: Any, weights: Any = None) -> EmpiricalGraph:
+    def from_edges(cls, num_nodes: int, edges: Any, weights: Any = None) -> Graph:
         e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
         w = np.ones(len(e)) if weights is None else np.asarray(weights, dtype=np.float64)
         return cls(num_nodes, e, w)
 
     @classmethod
-    def from_networkx(cls, g: Any, weight: str = "weight") -> EmpiricalGraph:
+    def from_networkx(cls, g: Any, weight: str = "weight") -> Graph:
         nodes = list(g.nodes())
         index = {v: i for i, v in enumerate(nodes)}
         e = [(index[a], index[b]) for a, b in g.edges()]
@@ -123,7 +179,7 @@ def _pairs_between(na: int, nb: int, p: float, rng: np.random.Generator) -> np.n
 
 
 def sbm(sizes: list[int] | tuple[int, ...], p_in: float, p_out: float, seed: int = 0,
-        weight_in: tuple[float, float] = (1.0, 0.0), weight_out: tuple[float, float] = (1.0, 0.0)) -> EmpiricalGraph:
+        weight_in: tuple[float, float] = (1.0, 0.0), weight_out: tuple[float, float] = (1.0, 0.0)) -> Graph:
     """Stochastic block model: edges inside a block with probability ``p_in``, across with ``p_out``;
     weights drawn N(mean, sd) per edge (clipped to stay > 0), e.g. (40, 1) inside and (10, 1) across as
     in the ICASSP 2021 toy example."""
@@ -143,20 +199,20 @@ def sbm(sizes: list[int] | tuple[int, ...], p_in: float, p_out: float, seed: int
     edges = np.concatenate(blocks) if blocks else np.zeros((0, 2), dtype=np.int64)
     weights = np.maximum(np.concatenate(ws), 1e-6) if ws else np.zeros(0)
     clusters = np.repeat(np.arange(len(sizes)), sizes)
-    return EmpiricalGraph(int(starts[-1]), edges, weights, clusters)
+    return Graph(int(starts[-1]), edges, weights, clusters)
 
 
-def chain(sizes: tuple[int, ...] = (5, 5), weight: float = 1.25, boundary_weight: float = 1.0) -> EmpiricalGraph:
+def chain(sizes: tuple[int, ...] = (5, 5), weight: float = 1.25, boundary_weight: float = 1.0) -> Graph:
     """A path through consecutive clusters; edges inside a cluster have ``weight``, the edges joining
     clusters ``boundary_weight`` (Jung's chain experiments: 5/4 and eta in {1, 1/4})."""
     n = int(sum(sizes))
     e = np.stack([np.arange(n - 1), np.arange(1, n)], 1)
     clusters = np.repeat(np.arange(len(sizes)), sizes)
     w = np.where(clusters[:-1] != clusters[1:], boundary_weight, weight)
-    return EmpiricalGraph(n, e, w, clusters)
+    return Graph(n, e, w, clusters)
 
 
-def knn(features: np.ndarray, k: int = 5, bandwidth: float | None = None) -> EmpiricalGraph:
+def knn(features: np.ndarray, k: int = 5, bandwidth: float | None = None) -> Graph:
     """Symmetrized k-nearest-neighbour graph of node features, weights exp(-d^2 / (2 h^2)) with h the
     median neighbour distance (or ``bandwidth``)."""
     from scipy.spatial import cKDTree
@@ -174,4 +230,65 @@ def knn(features: np.ndarray, k: int = 5, bandwidth: float | None = None) -> Emp
     key = lo * len(f) + hi
     _, first = np.unique(key, return_index=True)
     w = np.exp(-(d[first] ** 2) / (2 * h * h))
-    return EmpiricalGraph(len(f), np.stack([lo[first], hi[first]], 1), np.maximum(w, 1e-12))
+    return Graph(len(f), np.stack([lo[first], hi[first]], 1), np.maximum(w, 1e-12))
+
+
+def complete(n: int) -> Graph:
+    i, j = np.triu_indices(n, 1)
+    return Graph(n, np.stack([i, j], 1), np.ones(len(i)))
+
+
+def ring(n: int) -> Graph:
+    if n < 3:
+        return complete(n)
+    i = np.arange(n)
+    return Graph(n, np.stack([i, (i + 1) % n], 1), np.ones(n))
+
+
+def erdos_renyi(n: int, p: float, seed: int = 0, max_tries: int = 1000) -> Graph:
+    """G(n, p) (exact sparse sampling), redrawn until connected (the FedEM experiments use p = 0.5)."""
+    if not 0 < p <= 1:
+        raise GraphError(f"edge probability must be in (0, 1], got {p}")
+    rng = np.random.default_rng(seed)
+    for _ in range(max_tries):
+        e = _pairs_within(n, p, rng)
+        g = Graph(n, e, np.ones(len(e)))
+        if n == 1 or g.is_connected():
+            return g
+    raise GraphError(f"no connected G({n}, {p}) in {max_tries} draws; raise p")
+
+
+def from_file(path: str | Path, n: int) -> Graph:
+    """A user-given adjacency: ``.npy`` or whitespace-separated text, N x N, symmetric, 0/1 or weights > 0,
+    connected."""
+    path = Path(path)
+    try:
+        a = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, ndmin=2)
+    except (OSError, ValueError) as e:
+        raise GraphError(f"{path}: cannot read an adjacency matrix ({e})") from e
+    a = np.asarray(a, dtype=np.float64)
+    if a.shape != (n, n):
+        raise GraphError(f"{path}: adjacency must be {n} x {n}, got {a.shape}")
+    if not np.allclose(a, a.T):
+        raise GraphError(f"{path}: adjacency must be symmetric")
+    np.fill_diagonal(a, 0.0)
+    g = Graph.from_adjacency((a != 0).astype(np.float64))
+    if not g.is_connected():
+        raise GraphError(f"{path}: the graph is not connected")
+    return g
+
+
+TOPOLOGIES = ("complete", "ring", "erdos_renyi", "file")
+
+
+def build(kind: str, n: int, p: float = 0.5, seed: int = 0, path: str = "") -> Graph:
+    """A communication graph by name (the decentralized algorithms' ``topology`` field)."""
+    if kind == "complete":
+        return complete(n)
+    if kind == "ring":
+        return ring(n)
+    if kind == "erdos_renyi":
+        return erdos_renyi(n, p, seed)
+    if kind == "file":
+        return from_file(path, n)
+    raise GraphError(f"unknown topology {kind!r}; use one of {TOPOLOGIES}")

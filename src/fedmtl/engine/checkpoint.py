@@ -1,0 +1,87 @@
+"""Checkpoints: written atomically, read without pickle.
+
+A checkpoint holds tensors and plain data only (``torch.save`` of dicts, lists, numbers and strings; the
+server state flattened to ``{path: tensor}`` by ``tree.to_named``), and is read back with
+``torch.load(weights_only=True)``, which refuses anything else: a crafted file cannot run code.  A file that
+is not a checkpoint, is truncated or corrupt, or holds another format gives a ``CheckpointError`` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import tree as T
+from .round import EngineState
+
+FORMAT = "fedmtl-checkpoint/2"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (unreadable, tampered, or from another run)."""
+
+
+def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: dict[str, Any]) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename: never a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": FORMAT, "round": state.round,
+        "server": {k: v.detach().cpu() for k, v in T.to_named(state.server).items()},
+        "clients": clients, "history": state.history, "counters": state.counters, "config": config,
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ckpt-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read and sanity-check a checkpoint (format, round, finite server state); tensors on the CPU."""
+    path = Path(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such checkpoint") from None
+    except Exception as e:  # pickle refusal, truncation, corruption: all mean "not a usable checkpoint"
+        raise CheckpointError(f"{path}: not a readable fedmtl checkpoint ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a fedmtl checkpoint of format {FORMAT!r}")
+    missing = {"round", "server", "clients", "history", "counters", "config"} - set(payload)
+    if missing:
+        raise CheckpointError(f"{path}: incomplete checkpoint (missing {sorted(missing)})")
+    rnd = payload["round"]
+    if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
+        raise CheckpointError(f"{path}: invalid round {rnd!r}")
+    server = payload["server"]
+    if not isinstance(server, dict) or not all(isinstance(v, torch.Tensor) for v in server.values()):
+        raise CheckpointError(f"{path}: the server state must be named tensors")
+    for name, v in server.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"{path}: server state {name} holds NaN or Inf")
+    if not isinstance(payload["history"], list) or not isinstance(payload["counters"], dict):
+        raise CheckpointError(f"{path}: malformed history or counters")
+    return payload
+
+
+def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, Any], rounds: int) -> None:
+    """Refuse a checkpoint written by another configuration or past this run's last round."""
+    if payload["config"] != config:
+        raise CheckpointError(f"{path}: the checkpoint was written with a different configuration; resume with "
+                              "the same config and --set options")
+    if payload["round"] > rounds:
+        raise CheckpointError(f"{path}: checkpoint of round {payload['round']} but the run has {rounds} rounds")
+    if len(payload["history"]) != payload["round"] or not all(isinstance(r, dict) for r in payload["history"]):
+        raise CheckpointError(f"{path}: the history does not match the checkpoint's round {payload['round']}")

@@ -1,0 +1,196 @@
+"""The clients a round loop talks to: ``Clients`` (the interface) and ``LocalClients`` (clients held in this
+process: their data, their ``ClientStore`` and a local executor).
+
+In a simulation one ``LocalClients`` holds the whole federation.  On a Flower SuperNode one holds that node's
+share of it (``global_ids``), and ``fedmtl.flower.executor.FlowerClients`` implements the same interface on
+the server by sending messages to the nodes.  Client state never leaves the process that holds the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import tree as T
+from ..algorithms.base import Algorithm, Context
+from ..data.federated import FederatedData, Orders, padded, round_batches
+from ..tree import Tree
+from .evaluation import chunks, per_client, scores
+from .executors import Executor, TrainBatches
+from .store import ClientStore, StoreKind
+
+
+class TrainOut(NamedTuple):
+    """A round's client results, stacked over the K clients in the order they were asked."""
+
+    updates: Tree  # (K, ...) what each client sends (zeros where it failed)
+    losses: Tensor  # (K,) training loss (NaN where it failed)
+    ok: Tensor  # (K,) bool: update, new state and loss finite (the new state was kept)
+    failed: Tensor  # (K,) bool: no usable reply (raised, timed out, malformed); remote executors only
+
+
+class Clients(Protocol):
+    """What the round loop needs from the clients, wherever they run."""
+
+    groups: tuple[str, ...]
+
+    def start(self, ctx: Context, server0: Tree, resume: dict[str, Any] | None = None, round_idx: int = 0) -> None: ...
+
+    def train(self, payload: Tree, ids: Tensor, orders: Orders, lr: float, round_idx: int) -> TrainOut: ...
+
+    def evaluate(self, group: str, payload: Tree, server: Tree, ids: Tensor, adapt: Orders | None,
+                 lr: float) -> dict[str, Any]: ...
+
+    def gossip(self, fn: Callable[[Tree, Tree], tuple[Tree, Tree]], server: Tree, round_idx: int) -> Tree: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def commit(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalClients:
+    """Clients held in this process.
+
+    ``data`` holds their examples (seen clients, and unseen ones in a simulation); ``global_ids`` (sorted) are
+    the federation-wide ids of ``data``'s seen clients (default 0..N-1).  Data stays on the CPU; a round moves
+    only its batches and its clients' states to ``device``.
+    """
+
+    def __init__(self, alg: Algorithm, data: FederatedData, executor: Executor, device: torch.device,
+                 batch_size: int, eval_chunk_elems: int = 2**24, store: StoreKind = "memory",
+                 store_dir: str | Path | None = None, journal: bool = False, global_ids: Tensor | None = None):
+        self.alg, self.data, self.executor, self.device = alg, data, executor, device
+        self.batch_size, self.eval_chunk_elems = batch_size, eval_chunk_elems
+        self.store_kind, self.store_dir, self.journal = store, store_dir, journal
+        self.global_ids = None if global_ids is None else global_ids.to(torch.long).cpu()
+        if self.global_ids is not None and bool((self.global_ids[1:] <= self.global_ids[:-1]).any()):
+            raise ValueError("global_ids must be sorted and distinct")
+        self.groups = ("seen",) if data.unseen is None else ("seen", "unseen")
+        self.store: ClientStore | None = None
+        self.ctx: Context | None = None
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def start(self, ctx: Context, server0: Tree, resume: dict[str, Any] | None = None, round_idx: int = 0) -> None:
+        """Open the store; its never-written rows are ``alg.init_clients(ctx, server0, ids)``."""
+        self.ctx = ctx
+        alg = self.alg
+
+        def init(rows: Tensor) -> Tree:
+            return T.to(alg.init_clients(ctx, server0, self.to_global(rows)), "cpu")
+
+        kind = self.store_kind if T.leaves(init(torch.zeros(1, dtype=torch.long))) else "memory"
+        self.store = ClientStore(self.data.seen.num_clients, init, kind,
+                                 None if self.store_dir is None else Path(self.store_dir), self.journal,
+                                 resume=resume is not None)
+        if resume is not None:
+            self.store.load_state_dict(resume, round_idx)
+
+    def to_global(self, rows: Tensor) -> Tensor:
+        return rows if self.global_ids is None else self.global_ids[rows.cpu()]
+
+    def rows_of(self, ids: Tensor) -> Tensor:
+        """Local rows of the federation-wide client ids ``ids`` (an error for clients held elsewhere)."""
+        ids = ids.to(torch.long).cpu()
+        if self.global_ids is None:
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.data.seen.num_clients):
+                raise KeyError(f"client ids {ids[:5].tolist()}... are not all held here")
+            return ids
+        rows = torch.searchsorted(self.global_ids, ids).clamp_max(len(self.global_ids) - 1)
+        if not bool((self.global_ids[rows] == ids).all()):
+            missing = ids[self.global_ids[rows] != ids][:5].tolist()
+            raise KeyError(f"clients {missing} are not held here (this process holds "
+                           f"{self.global_ids[:8].tolist()}...)")
+        return rows
+
+    def _update(self, payload: Tree, state: Tree, batches: Any, lr: float) -> Any:
+        return self.alg.client_update(self.ctx, payload, state, batches, lr)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------------ training
+    def train(self, payload: Tree, ids: Tensor, orders: Orders, lr: float, round_idx: int) -> TrainOut:
+        """Run ``client_update`` for clients ``ids``; write back the new states of those whose results are finite."""
+        assert self.store is not None, "start() first"
+        rows = self.rows_of(ids)
+        states = T.to(self.store.read(rows), self.device)
+        batches = TrainBatches(self.data.seen.train, rows, orders, self.batch_size, self.device)
+        updates, new_states, losses = self.executor.train(self._update, payload, states, batches, lr)
+        ok = torch.isfinite(losses)
+        if T.leaves(updates):
+            ok &= T.all_finite_rows(updates)
+        if T.leaves(new_states):
+            ok &= T.all_finite_rows(new_states)
+        keep = torch.nonzero(ok).flatten()
+        if T.leaves(new_states) and keep.numel():
+            self.store.write(rows[keep.cpu()], T.take(new_states, keep), round_idx)
+        return TrainOut(updates, losses, ok, torch.zeros_like(ok))
+
+    def gossip(self, fn: Callable[[Tree, Tree], tuple[Tree, Tree]], server: Tree, round_idx: int) -> Tree:
+        """``fn(server, all states) -> (server, all states)`` over the whole population (decentralized methods)."""
+        assert self.store is not None
+        server, states = fn(server, T.to(self.store.read_all(), self.device))
+        self.store.write_all(states, round_idx)
+        return server
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self, group: str, payload: Tree, server: Tree, ids: Tensor, adapt: Orders | None,
+                 lr: float) -> dict[str, Any]:
+        """Per-client scores of clients ``ids`` of ``group`` ("seen": federation-wide ids; "unseen": indices
+        into the unseen clients) on each of their splits, predicting with ``alg.personalize``.  ``adapt``:
+        the adaptation orders of ``ids`` (for algorithms that adapt, and for unseen clients)."""
+        assert self.store is not None and self.ctx is not None
+        alg, ctx, seen = self.alg, self.ctx, group == "seen"
+        grp = self.data.group(group)
+        rows = self.rows_of(ids) if seen else ids.to(torch.long).cpu()
+        splits = grp.splits()
+        cmax = torch.stack([s.counts[rows] for s in splits.values()]).max(0).values
+        per_ex = int(np.prod(self.data.feature_shape)) or 1
+        res = {k: (torch.zeros(len(rows), dtype=torch.float64), torch.zeros(len(rows), dtype=torch.float64))
+               for k in splits}
+
+        def personalize(p: Tree, s: Tree, b: Any) -> Tree:
+            return alg.personalize(ctx, p, s, b, lr, seen)
+
+        def predict(_: Any, es: Tree, x: Tensor) -> Tensor:
+            return alg.predict_log_proba(ctx, es, x)
+
+        for pos in chunks(cmax, per_ex, self.eval_chunk_elems):
+            r = rows[pos]
+            states = self.store.read(r) if seen else alg.init_clients(ctx, server, ids[pos])
+            states = T.to(states, self.device)
+            b = None if adapt is None else T.to(round_batches(grp.train, rows, adapt, pos, self.batch_size),
+                                                 self.device)
+            if not T.leaves(states) and b is None:  # one state for every client: a global model
+                eval_states = T.broadcast(personalize(payload, states, None), len(pos))
+            else:
+                eval_states = self.executor.map(personalize, payload, states, b)
+            for name, split in splits.items():
+                x, y, mask = (t.to(self.device) for t in padded(split, r))
+                logp = self.executor.map(predict, None, eval_states, x)
+                c, l = scores(logp, y, mask)
+                res[name][0][pos] = c.double().cpu()
+                res[name][1][pos] = l.double().cpu()
+        return {name: per_client(c, l, splits[name].counts[rows], ids) for name, (c, l) in res.items()}
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        assert self.store is not None
+        return self.store.state_dict()
+
+    def commit(self) -> None:
+        if self.store is not None:
+            self.store.commit()
+
+    def read(self, ids: Tensor) -> Tree:
+        """Client states of federation-wide ids ``ids`` (stacked), e.g. Ditto's personal models after a run."""
+        assert self.store is not None
+        return self.store.read(self.rows_of(ids))
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

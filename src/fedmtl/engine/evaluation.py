@@ -1,0 +1,79 @@
+"""Per-client evaluation and its summaries.
+
+Every client of a group is evaluated on each of its splits (train / val / test) with the state it
+predicts with (``Algorithm.personalize``: the global model, its own model, a fine-tuned copy, a
+mixture...).  Summaries over clients (``summarize``):
+
+* ``acc`` — sample-weighted mean accuracy (total correct / total examples; the FedEM reference logs);
+* ``acc_mean`` — unweighted mean over clients ("average across clients");
+* ``acc_p10`` — **bottom decile = the 10th percentile** of per-client accuracy (numpy's linear
+  interpolation).  ``acc_bottom10_mean`` — mean accuracy of the worst 10% of clients, the other
+  reading of "bottom decile"; both are reported so published numbers can be compared with either;
+* ``loss`` — sample-weighted mean negative log-likelihood.
+
+Results are always the state at the end of the run (final round), never the best round.  With
+``run.eval_clients = N`` the summaries are over a fixed uniform sample of N clients per group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def chunks(counts_max: Tensor, elems_per_example: int, budget: int) -> list[Tensor]:
+    """Consecutive positions grouped so that each group's padded evaluation tensor (clients x largest
+    client x feature elements) stays within ``budget`` elements (always at least one client a group)."""
+    out, start, n = [], 0, counts_max.numel()
+    order = torch.arange(n)
+    while start < n:
+        nmax, end = 1, start
+        while end < n:
+            cand = max(nmax, int(counts_max[end]))
+            if end > start and (end - start + 1) * cand * elems_per_example > budget:
+                break
+            nmax, end = cand, end + 1
+        out.append(order[start:end])
+        start = end
+    return out
+
+
+def scores(logp: Tensor, y: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-client (correct count, summed NLL) from (k, n, C) log-probabilities, labels and padding masks."""
+    nll = -torch.gather(logp, -1, y.unsqueeze(-1)).squeeze(-1)
+    correct = (logp.argmax(-1) == y).to(logp.dtype)
+    return (correct * mask).sum(-1), (torch.nan_to_num(nll, nan=float("inf")) * mask).sum(-1)
+
+
+def per_client(correct: Tensor, nll: Tensor, n: Tensor, clients: Tensor) -> dict[str, Any]:
+    """One split's per-client metrics: ``{"acc", "loss", "n", "client"}`` arrays."""
+    n = n.double().cpu()
+    safe = n.clamp_min(1)
+    return {"acc": (correct.double().cpu() / safe).numpy(), "loss": (nll.double().cpu() / safe).numpy(),
+            "n": n.numpy(), "client": clients.cpu().numpy()}
+
+
+def summarize(per_client: dict[str, Any]) -> dict[str, float]:
+    """Flat summary ``{"<group>_<split>_<metric>": value}`` from ``Engine.evaluate`` output
+    (``{group: {split: per_client(...)}}``)."""
+    out: dict[str, float] = {}
+    for gname, splits in per_client.items():
+        for sname, m in splits.items():
+            n = np.asarray(m["n"], dtype=float)
+            has = n > 0
+            if not has.any():
+                continue
+            acc, loss, n = np.asarray(m["acc"])[has], np.asarray(m["loss"])[has], n[has]
+            k = max(1, int(np.ceil(0.1 * acc.size)))
+            pre = f"{gname}_{sname}_"
+            out[pre + "acc"] = float((acc * n).sum() / n.sum())
+            out[pre + "acc_mean"] = float(acc.mean())
+            out[pre + "acc_p10"] = float(np.percentile(acc, 10))
+            out[pre + "acc_bottom10_mean"] = float(np.sort(acc)[:k].mean())
+            out[pre + "loss"] = float((loss * n).sum() / n.sum())
+    if "seen_test_acc_mean" in out and "unseen_test_acc_mean" in out:
+        out["participation_gap"] = out["unseen_test_acc_mean"] - out["seen_test_acc_mean"]
+    return out

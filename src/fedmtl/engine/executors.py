@@ -1,0 +1,135 @@
+"""Executors: run one per-client function over a set of clients and return the clients' stacked outputs.
+
+That is all an executor does; the round loop (``engine.round``) decides what runs where.
+
+* ``vmap``: the clients as one batched computation (``torch.func.vmap``).  For training, clients are
+  grouped into buckets of similar step counts (powers of two; ``bucketing = "none"`` pads everyone to the
+  largest), each bucket one vmap call at most ``chunk_size`` clients wide.  Padded steps are exact no-ops
+  (``optim.masked_steps``), so the grouping never changes the result.
+* ``loop``: one client at a time over the same function, with unpadded (ragged) batches as a DataLoader
+  gives; the reference in tests, readable tracebacks, and the faster path for compute-bound models on CPU.
+* ``flower`` (``fedmtl.flower.executor``) sends the function's inputs to SuperNodes, which run it with one
+  of the two above.
+
+``auto`` (``make_executor``) picks ``loop`` for models that declare ``prefer_loop_on_cpu`` (convolutions, the
+LSTM) on CPU and ``vmap`` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+
+from .. import tree as T
+from ..data.federated import Orders, Split, ragged_batches, round_batches, steps_per_epoch
+from ..model import Model
+from ..optim import Batches
+
+ExecutorName = Literal["auto", "vmap", "loop"]
+
+
+class TrainBatches:
+    """The training batches of a round's clients: rows ``rows`` of ``split`` visiting their examples in
+    ``orders``; built per bucket (padded) or per client (ragged) and moved to ``device`` only then."""
+
+    def __init__(self, split: Split, rows: Tensor, orders: Orders, batch_size: int, device: torch.device):
+        self.split, self.rows, self.orders, self.batch_size, self.device = split, rows, orders, batch_size, device
+        self.counts = split.counts[rows]
+
+    def padded(self, pos: Tensor) -> Batches:
+        return T.to(round_batches(self.split, self.rows, self.orders, pos, self.batch_size), self.device)
+
+    def ragged(self, i: int) -> Batches:
+        return T.to(ragged_batches(self.split, self.rows, self.orders, i, self.batch_size), self.device)
+
+
+def _in_dims(*args: Any) -> tuple[int | None, ...]:
+    return tuple(None if a is None else 0 for a in args)
+
+
+class Executor:
+    """Runs ``fn`` for each of K clients; outputs stacked along a leading K axis."""
+
+    name = "executor"
+
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float) -> Any:
+        """``fn(payload, state, batches, lr)`` for every client; ``states`` stacked (K, ...)."""
+        raise NotImplementedError
+
+    def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
+        """``fn(shared, *row_k)`` for every row k of the stacked arguments (``None`` arguments pass through)."""
+        raise NotImplementedError
+
+
+class VmapExecutor(Executor):
+    name = "vmap"
+
+    def __init__(self, chunk_size: int = 0, bucketing: Literal["steps", "none"] = "steps"):
+        self.chunk_size, self.bucketing = chunk_size, bucketing
+        self._train_fns: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def buckets(self, counts: Tensor, batch_size: int) -> list[Tensor]:
+        """Positions (into the K clients) grouped into vmap calls."""
+        steps = steps_per_epoch(counts, batch_size)
+        if self.bucketing == "steps":
+            key = torch.ceil(torch.log2(steps.double().clamp_min(1))).long()
+        else:
+            key = torch.zeros_like(steps)
+        groups: list[Tensor] = []
+        for v in torch.unique(key):
+            pos = torch.nonzero(key == v).flatten()
+            pos = pos[torch.argsort(counts[pos], stable=True)]
+            groups += list(torch.split(pos, self.chunk_size or len(pos)))
+        return groups
+
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float) -> Any:
+        vfn = self._train_fns.get(fn)
+        if vfn is None:
+            vfn = self._train_fns[fn] = vmap(fn, in_dims=(None, 0, 0, None), randomness="error")
+        outs, where = [], []
+        for pos in self.buckets(batches.counts, batches.batch_size):
+            outs.append(vfn(payload, T.take(states, pos.to(batches.device)), batches.padded(pos), lr))
+            where.append(pos)
+        if len(outs) == 1:
+            inverse = torch.argsort(where[0]).to(batches.device)
+            return T.tmap(lambda x: x[inverse], outs[0])
+        inverse = torch.argsort(torch.cat(where)).to(batches.device)
+        return T.tmap(lambda *xs: torch.cat(xs)[inverse], *outs)
+
+    def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
+        return vmap(fn, in_dims=(None, *_in_dims(*stacked)), randomness="error")(shared, *stacked)
+
+
+class LoopExecutor(Executor):
+    name = "loop"
+
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float) -> Any:
+        result = None
+        for i in range(len(batches.rows)):  # written straight into a preallocated stack
+            out = fn(payload, T.take(states, i), batches.ragged(i), lr)
+            if result is None:
+                result = T.tmap(lambda x: x.new_empty((len(batches.rows), *x.shape)), out)
+            for dst, src in zip(T.leaves(result), T.leaves(out), strict=True):
+                dst[i] = src
+        return result
+
+    def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
+        k = next(len(x) for a in stacked if a is not None for x in T.leaves(a))
+        rows = [fn(shared, *(None if a is None else T.take(a, i) for a in stacked)) for i in range(k)]
+        return T.stack(rows)
+
+
+def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
+                  bucketing: Literal["steps", "none"] = "steps") -> Executor:
+    """The executor ``name``; ``auto`` loops for compute-bound models (``prefer_loop_on_cpu``) on CPU."""
+    if name == "auto":
+        name = "loop" if (model.prefer_loop_on_cpu and device.type == "cpu") else "vmap"
+    if name == "vmap":
+        return VmapExecutor(chunk_size, bucketing)
+    if name == "loop":
+        return LoopExecutor()
+    raise ValueError(f"unknown executor {name!r}; use auto, vmap or loop")

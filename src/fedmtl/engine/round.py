@@ -1,0 +1,264 @@
+"""The one round loop.  Every algorithm, on every executor (vmap, loop, Flower), runs through ``Engine.round``:
+
+    sample -> systems draw (stragglers, drops) -> broadcast -> run clients -> validate (NaN/Inf, failed
+    replies) -> aggregate -> (clients keep their new states) -> post-round sync (gossip) -> [evaluate,
+    checkpoint: ``engine.driver``]
+
+Randomness comes only from the run's seed: round r draws its client sample, batch orders and evaluation
+adaptation batches from generators seeded with ``(seed, r, purpose)``, so a resumed run repeats an
+uninterrupted one exactly and every executor sees identical data.  Sampling costs O(clients sampled), not
+O(population): the engine never touches the clients it did not sample (``ClientStore``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import tree as T
+from ..algorithms.base import Algorithm, Context
+from ..data.federated import FederatedData, epoch_orders
+from ..model import Model
+from ..optim import SGD
+from ..tree import Tree
+from .clients import Clients
+from .executors import ExecutorName
+from .systems import SystemsModel
+
+log = logging.getLogger("fedmtl")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The ``[run]`` table: everything about a run that is not the algorithm."""
+
+    rounds: int = 200
+    seed: int = 1234
+    batch_size: int = 128
+    local_epochs: int = 1
+    sampling_rate: float = 1.0
+    clients_per_round: int = 0  # > 0 overrides sampling_rate
+    runner: ExecutorName = "auto"  # the local executor: auto | vmap | loop
+    chunk_size: int = 0  # 0 = no limit on clients per vmap call
+    bucketing: Literal["steps", "none"] = "steps"
+    device: str = "cpu"
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    eval_chunk_elems: int = 2**24  # bound on padded evaluation tensor size
+    eval_clients: int = 0  # > 0: evaluate a fixed uniform sample of this many clients per group
+    client_store: Literal["memory", "mmap"] = "memory"  # mmap: client states in files of the run directory
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"run.rounds must be >= 1, got {self.rounds}")
+        if self.batch_size < 1 or self.local_epochs < 1:
+            raise ValueError("run.batch_size and run.local_epochs must be >= 1")
+        if not 0 < self.sampling_rate <= 1:
+            raise ValueError(f"run.sampling_rate must be in (0, 1], got {self.sampling_rate}")
+        if self.clients_per_round < 0:
+            raise ValueError("run.clients_per_round must be >= 0")
+        if self.runner not in ("auto", "vmap", "loop"):
+            raise ValueError(f"run.runner must be 'auto', 'vmap' or 'loop', got {self.runner!r}")
+        if self.bucketing not in ("steps", "none"):
+            raise ValueError(f"run.bucketing must be 'steps' or 'none', got {self.bucketing!r}")
+        if self.client_store not in ("memory", "mmap"):
+            raise ValueError(f"run.client_store must be 'memory' or 'mmap', got {self.client_store!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"run.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if self.eval_every < 1 or self.checkpoint_every < 0 or self.chunk_size < 0 or self.eval_clients < 0:
+            raise ValueError("run.eval_every must be >= 1; checkpoint_every, chunk_size and eval_clients >= 0")
+        if self.threads < 0:
+            raise ValueError(f"run.threads must be >= 0, got {self.threads}")
+
+
+def round_generator(seed: int, round_idx: int, stream: int = 0) -> torch.Generator:
+    """Generator for one round and one purpose, independent of everything that came before."""
+    mixed = np.random.SeedSequence([seed, round_idx, stream]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(mixed) & ((1 << 63) - 1))
+
+
+def sample_without_replacement(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """A uniform k-subset of range(n), sorted, in O(k) expected time for k <= n/2: the first k distinct values
+    of i.i.d. uniform draws (a uniformly random subset by symmetry).  Larger k: a permutation prefix."""
+    if 2 * k > n:
+        return np.sort(rng.permutation(n)[:k])
+    chosen = np.zeros(0, dtype=np.int64)
+    while len(chosen) < k:
+        draw = rng.integers(0, n, size=int(1.1 * (k - len(chosen))) + 16)
+        pool = np.concatenate([chosen, draw])
+        _, first = np.unique(pool, return_index=True)
+        chosen = pool[np.sort(first)][:k]  # first occurrences, in draw order
+    return np.sort(chosen)
+
+
+def sample_clients(cfg: RunConfig, num_clients: int, round_idx: int) -> Tensor:
+    """The clients of round ``round_idx`` (sorted ids): everyone, or a uniform sample without replacement of
+    ``clients_per_round`` (else ``round(sampling_rate * num_clients)``) clients."""
+    k = cfg.clients_per_round or max(1, int(round(cfg.sampling_rate * num_clients)))
+    k = min(k, num_clients)
+    if k == num_clients:
+        return torch.arange(num_clients)
+    rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, round_idx, 1]))
+    return torch.from_numpy(sample_without_replacement(rng, num_clients, k))
+
+
+class Federation(NamedTuple):
+    """What the server knows about the clients: their number and sizes, never their data."""
+
+    train_counts: Tensor  # (N,) long, training examples of each seen client
+    feature_shape: tuple[int, ...]
+    num_classes: int
+    meta: dict[str, Any]
+    unseen_train_counts: Tensor | None = None  # (U,) long
+
+    @classmethod
+    def of(cls, data: FederatedData) -> Federation:
+        unseen = None if data.unseen is None else data.unseen.train.counts.clone()
+        return cls(data.seen.train.counts.clone(), data.feature_shape, data.num_classes, data.meta, unseen)
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.train_counts.numel())
+
+    def counts(self, group: str) -> Tensor:
+        c = self.train_counts if group == "seen" else self.unseen_train_counts
+        if c is None:
+            raise KeyError(f"no {group} clients")
+        return c
+
+
+@dataclass
+class EngineState:
+    """Everything of a run besides the clients' own states: what a checkpoint holds with the store's rows."""
+
+    round: int
+    server: Tree
+    history: list[dict[str, Any]] = field(default_factory=list)
+    counters: dict[str, Any] = field(default_factory=lambda: {"excluded_updates": 0})
+
+
+class Engine:
+    """Runs ``algorithm`` on ``clients`` (``LocalClients`` in a simulation, ``FlowerClients`` over Flower)."""
+
+    def __init__(self, algorithm: Algorithm, model: Model, opt: SGD, cfg: RunConfig, clients: Clients,
+                 federation: Federation, systems: SystemsModel | None = None):
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"run.device = {cfg.device!r} but this machine has no CUDA device "
+                             "(torch.cuda.is_available() is False); use run.device = 'cpu'")
+        if federation.num_classes < 2:
+            raise ValueError("the round engine trains classifiers: its data needs num_classes >= 2 "
+                             "(real-valued targets are for the networked GTV solver, fedmtl.networked)")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.alg, self.model, self.opt, self.cfg = algorithm, model, opt, cfg
+        self.clients, self.fed = clients, federation
+        self.systems = systems or SystemsModel()
+        self.device = torch.device(cfg.device)
+        model.module.to(self.device)
+        self._n_params = sum(int(p.numel()) for p in model.module.parameters())
+        self.ctx = Context(model, opt, federation.num_clients, float(federation.train_counts.sum()), cfg.local_epochs,
+                           cfg.rounds, int(federation.train_counts.max()))
+        self.eval_ids = {g: self._eval_sample(g) for g in clients.groups}
+
+    # ------------------------------------------------------------------------------------------ state
+    def init_state(self, resume: dict[str, Any] | None = None) -> EngineState:
+        """A fresh run (the clients' stores opened empty), or, with ``resume`` (a loaded checkpoint), the
+        checkpoint's round, server and history with the clients' states restored."""
+        params = T.to(self.model.init(self.cfg.seed), self.device)
+        server0 = self.alg.init_server(self.ctx, params, self.cfg.seed)
+        if resume is None:
+            self.clients.start(self.ctx, server0)
+            return EngineState(round=0, server=server0)
+        server = T.from_named(resume["server"], server0, self.device)
+        self.clients.start(self.ctx, server0, resume["clients"], int(resume["round"]))
+        return EngineState(int(resume["round"]), server, list(resume["history"]), dict(resume["counters"]))
+
+    def _eval_sample(self, group: str) -> Tensor:
+        n = int(self.fed.counts(group).numel())
+        k = self.cfg.eval_clients
+        if not k or k >= n:
+            return torch.arange(n)
+        rng = np.random.default_rng(np.random.SeedSequence([self.cfg.seed, 11, 0 if group == "seen" else 1]))
+        return torch.from_numpy(sample_without_replacement(rng, n, k))
+
+    # ------------------------------------------------------------------------------------------ one round
+    def round(self, state: EngineState) -> dict[str, Any]:
+        r, cfg, alg = state.round, self.cfg, self.alg
+        ids = sample_clients(cfg, self.fed.num_clients, r)
+        lr = self.opt.lr_at(r, cfg.rounds)
+        payload = alg.payload(state.server)
+        counts = self.fed.train_counts[ids]
+        budget = alg.step_budget(counts, cfg.batch_size, cfg.local_epochs).numpy()
+        draw = self.systems.draw(cfg.seed, r, ids.numpy())
+        done = self.systems.steps(draw, budget)
+        est = self._estimated_seconds(payload, draw, budget, done)
+        state.counters["est_time_s"] = float(state.counters.get("est_time_s", 0.0)) + est
+        n_dropped = int(draw.dropped.sum())
+        if n_dropped:
+            keep = ~draw.dropped
+            ids, counts, done = ids[torch.from_numpy(keep)], counts[torch.from_numpy(keep)], done[keep]
+        row: dict[str, Any] = {"round": r + 1, "lr": lr, "clients": len(ids), "dropped": n_dropped}
+        excluded, loss = 0, float("nan")
+        if len(ids):
+            orders = epoch_orders(counts, cfg.local_epochs, round_generator(cfg.seed, r, 2))
+            orders = orders._replace(limit=torch.from_numpy(done))
+            out = self.clients.train(payload, ids, orders, lr, r)
+            failed = out.failed.cpu()
+            valid = out.ok.cpu() & ~failed
+            bad = ~out.ok.cpu() & ~failed
+            excluded = int(bad.sum())
+            if excluded:
+                log.warning("round %d: excluded %d client update(s) with NaN/Inf: clients %s", r, excluded,
+                            ids[bad].tolist()[:20])
+            if bool(failed.any()):
+                n_failed = int(failed.sum())
+                row["dropped"] += n_failed
+                row["clients"] -= n_failed
+                log.warning("round %d: %d of %d clients failed to answer: %s", r, n_failed, len(ids),
+                            ids[failed].tolist()[:20])
+            weights = counts.to(torch.float64) * valid.to(torch.float64)
+            state.server = alg.aggregate(self.ctx, state.server, out.updates, weights.to(self.device), ids)
+            ok = out.losses.detach().cpu()[valid]
+            loss = float(ok.float().mean()) if ok.numel() else float("nan")
+        if alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not
+            state.server = self.clients.gossip(lambda s, c: alg.sync(self.ctx, s, c), state.server, r)
+        state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded
+        state.counters["dropped_updates"] = int(state.counters.get("dropped_updates", 0)) + row["dropped"]
+        state.round = r + 1
+        return {**row, "excluded": excluded, "train_loss": loss, "est_time_s": state.counters["est_time_s"]}
+
+    def _estimated_seconds(self, payload: Tree, draw: Any, budget: Any, done: Any) -> float:
+        """Estimated wall-clock seconds of this round on the systems model's device network: the compute of
+        the round's clock cycle (or of its slowest node, in ``wait`` mode) at 6 FLOPs per parameter per
+        example (forward and backward), plus the payload down and an update as large up."""
+        step_flops = 6.0 * self._n_params * self.cfg.batch_size
+        nbytes = float(sum(int(x.numel()) * x.element_size() for x in T.leaves(payload)))
+        steps = self.systems.compute_time_steps(draw, budget, done)
+        return self.systems.time_model.round_seconds(steps * step_flops, nbytes, nbytes)
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self, state: EngineState, groups: tuple[str, ...] = ("seen", "unseen")) -> dict[str, Any]:
+        """Per-client accuracy and loss on every split of every group (of the fixed evaluation sample).
+
+        Returns ``{group: {split: {"acc": (C,), "loss": (C,), "n": (C,), "client": (C,)}}}`` (numpy arrays).
+        """
+        out: dict[str, Any] = {}
+        lr = self.opt.lr_at(max(state.round - 1, 0), self.cfg.rounds)
+        payload = self.alg.payload(state.server)
+        for group in groups:
+            if group not in self.clients.groups:
+                continue
+            ids = self.eval_ids[group]
+            seen = group == "seen"
+            adapt = None
+            if self.alg.needs_adaptation or not seen:
+                g = torch.Generator().manual_seed(int(self.cfg.seed) * 7919 + state.round * 104729 + (not seen))
+                adapt = epoch_orders(self.fed.counts(group)[ids], self.alg.adapt_epochs, g)
+            out[group] = self.clients.evaluate(group, payload, state.server, ids, adapt, lr)
+        return out

@@ -1,0 +1,137 @@
+"""The three registries (algorithms, models, datasets) and the decorators that extend them.
+
+A config's ``[algorithm] name``, ``[model] name`` and ``[data] name`` are looked up here.  Built-ins
+register themselves when their packages are imported (``fedmtl.algorithms``, ``fedmtl.models``,
+``fedmtl.data``); plugins register with the decorators and are imported by ``fedmtl run --import MODULE``
+or through the entry-point group ``fedmtl.plugins`` (``load_plugins``)::
+
+    @fedmtl.register_algorithm
+    @dataclass(frozen=True)
+    class MyAlg(fedmtl.Algorithm):
+        name: ClassVar[str] = "myalg"
+        ...
+
+    @fedmtl.register_model("tiny")
+    def tiny(input_shape, num_classes, meta=None, width: int = 8) -> fedmtl.Model: ...
+
+    @fedmtl.register_dataset("mydata")
+    def mydata(num_clients: int = 10, seed: int = 0) -> fedmtl.FederatedData: ...
+
+This module imports nothing from the rest of the package, so every module may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+log = logging.getLogger("fedmtl")
+
+ALGORITHMS: dict[str, type] = {}
+MODELS: dict[str, Callable[..., Any]] = {}
+DATASETS: dict[str, Callable[..., Any]] = {}
+
+PLUGIN_GROUP = "fedmtl.plugins"
+C = TypeVar("C")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class RegistryError(ValueError):
+    """A registration that cannot be accepted (name taken, wrong kind of object)."""
+
+
+def _check_name(name: object, kind: str) -> str:
+    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+        raise RegistryError(f"{kind} name must be a non-empty string without spaces, got {name!r}")
+    return name
+
+
+def _add(registry: dict[str, Any], name: str, obj: Any, kind: str, replace: bool) -> None:
+    if name in registry and registry[name] is not obj and not replace:
+        raise RegistryError(f"{kind} {name!r} is already registered ({registry[name]!r}); "
+                            f"pass replace=True to override it")
+    registry[name] = obj
+
+
+def register_algorithm(cls: type[C] | None = None, *, replace: bool = False) -> Any:
+    """Class decorator: add an ``Algorithm`` subclass (a frozen dataclass with a ``name`` class attribute)."""
+
+    def deco(c: type[C]) -> type[C]:
+        from .algorithms.base import Algorithm  # a function-level import: the registry stays import-free
+
+        if not (isinstance(c, type) and issubclass(c, Algorithm)):
+            raise RegistryError(f"register_algorithm needs a subclass of fedmtl.Algorithm, got {c!r}")
+        if not dataclasses.is_dataclass(c) or not c.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            raise RegistryError(f"{c.__name__} must be a frozen dataclass (@dataclass(frozen=True)): "
+                                "its fields are its hyper-parameters")
+        name = _check_name(getattr(c, "name", None), "algorithm")
+        if name == Algorithm.name:
+            raise RegistryError(f"{c.__name__} needs its own class attribute name: ClassVar[str] = '...'")
+        _add(ALGORITHMS, name, c, "algorithm", replace)
+        return c
+
+    return deco(cls) if cls is not None else deco
+
+
+def _register_fn(registry: dict[str, Any], kind: str, name: str | Callable[..., Any] | None,
+                 replace: bool) -> Any:
+    def deco(fn: F, label: str | None = None) -> F:
+        if not callable(fn):
+            raise RegistryError(f"register_{kind} decorates a builder function, got {fn!r}")
+        _add(registry, _check_name(label or fn.__name__, kind), fn, kind, replace)
+        return fn
+
+    if callable(name):  # used bare: @register_model
+        return deco(name)
+    return lambda fn: deco(fn, name)
+
+
+def register_model(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
+    """Decorator for a model builder ``(input_shape, num_classes, meta=None, **kwargs) -> Model``; the keyword
+    arguments are the ``[model]`` table's keys.  ``@register_model`` uses the function's name."""
+    return _register_fn(MODELS, "model", name, replace)
+
+
+def register_dataset(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
+    """Decorator for a dataset builder ``(**kwargs) -> FederatedData``; its keyword arguments are the
+    ``[data]`` table's keys.  ``@register_dataset`` uses the function's name."""
+    return _register_fn(DATASETS, "dataset", name, replace)
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import modules that register algorithms, models or datasets (``fedmtl run --import MODULE``)."""
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise RegistryError(f"--import {mod}: cannot import it ({e}); is it on PYTHONPATH or installed?") from e
+
+
+_loaded_entry_points = False
+
+
+def load_plugins() -> list[str]:
+    """Import every module named in the entry-point group ``fedmtl.plugins`` (once per process).
+
+    A package declares, in its pyproject.toml::
+
+        [project.entry-points."fedmtl.plugins"]
+        mypkg = "mypkg.fedmtl_plugin"
+    """
+    global _loaded_entry_points
+    if _loaded_entry_points:
+        return []
+    _loaded_entry_points = True
+    names = []
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # a broken plugin must not take the whole CLI down with it
+            log.warning("fedmtl plugin %s (%s) failed to load: %s", ep.name, ep.value, e)
+            continue
+        names.append(ep.name)
+    return names

@@ -1,0 +1,265 @@
+"""``check_algorithm``: the contract every fedmtl algorithm keeps, as a function anyone can call on their own.
+
+    from fedmtl.testing import check_algorithm
+    check_algorithm(MyAlg, {"mu": 0.1})          # raises ContractError naming the broken promise
+
+Checks, on a small synthetic federation (20 clients, 16 seen and 4 unseen, binary, 10 features, linear
+model, momentum SGD), each with tolerances that a wrong algorithm fails:
+
+* ``capabilities``: the class attributes agree with what the algorithm does (``keeps_client_state`` iff its
+  client state has tensors);
+* ``loop_equals_vmap``: the ``loop`` and ``vmap`` executors give the same server, client states, losses and
+  evaluation (half the clients sampled, two local epochs), and grouping clients differently into vmap calls
+  (no bucketing; chunks of 3) changes nothing;
+* ``no_input_mutation``: the payload, the states and the data are not modified in place;
+* ``deterministic``: the same seed gives identical rounds and evaluation, another seed different ones;
+* ``learns``: the training loss over all clients falls on the toy task;
+* ``checkpoint_round_trip``: two rounds, a checkpoint written and read back (without pickle) and one more
+  round equal three uninterrupted rounds;
+* ``nan_excluded``: a client whose update is NaN is excluded and counted, and nothing non-finite reaches the
+  server or any client's state.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import tree as T
+from .algorithms.base import Algorithm
+from .data.federated import FederatedData
+from .engine import checkpoint
+from .engine.driver import make_engine
+from .engine.evaluation import summarize
+from .engine.round import Engine, RunConfig
+from .model import Model
+from .optim import SGD
+
+
+class ContractError(AssertionError):
+    """An algorithm breaks the contract; the message names the check and what differed."""
+
+
+def toy_data() -> FederatedData:
+    """20 clients (16 seen, 4 unseen), d = 10, binary, with validation splits (FedEM's synthetic generator)."""
+    from .data.synthetic import fedem_synthetic
+
+    return fedem_synthetic(num_clients=20, dim=10, n_test=40, max_samples=300, seed=3, unseen_frac=0.2, val_frac=0.2)
+
+
+def simulator(alg: Algorithm, data: FederatedData, model: Model | None = None, opt: SGD | None = None,
+              **run: Any) -> Engine:
+    """An in-process engine for tests: linear model, momentum SGD, 6 rounds of batch 32 unless given."""
+    from .models import build_model
+
+    model = model or build_model("linear", data.feature_shape, data.num_classes, data.meta)
+    opt = opt or SGD(lr=0.1, momentum=0.9, weight_decay=5e-4, lr_milestones=(0.5, 0.75))
+    cfg = {"rounds": 6, "batch_size": 32, "seed": 7, **run}
+    systems = cfg.pop("systems", None)
+    return make_engine(alg, model, data, opt, RunConfig(**cfg), systems)
+
+
+def run_rounds(engine: Engine, n: int) -> tuple[Any, list[dict[str, Any]]]:
+    st = engine.init_state()
+    return st, [engine.round(st) for _ in range(n)]
+
+
+def all_client_states(engine: Engine) -> Any:
+    return engine.clients.read(torch.arange(engine.fed.num_clients))  # type: ignore[attr-defined]
+
+
+def _close(a: Any, b: Any, atol: float, what: str) -> None:
+    la, lb = T.leaves(a), T.leaves(b)
+    if len(la) != len(lb):
+        raise ContractError(f"{what}: {len(la)} vs {len(lb)} tensors")
+    for x, y in zip(la, lb, strict=True):
+        if x.shape != y.shape or not torch.allclose(x.double(), y.double(), atol=atol, rtol=atol, equal_nan=True):
+            diff = (x.double() - y.double()).abs().max() if x.shape == y.shape else f"shapes {x.shape} {y.shape}"
+            raise ContractError(f"{what}: differ by {diff} (tolerance {atol})")
+
+
+def _summaries_close(a: dict[str, float], b: dict[str, float], atol: float, what: str) -> None:
+    if a.keys() != b.keys():
+        raise ContractError(f"{what}: different metrics {sorted(a.keys() ^ b.keys())}")
+    for k in a:
+        if not (abs(a[k] - b[k]) <= atol or (np.isnan(a[k]) and np.isnan(b[k]))):
+            raise ContractError(f"{what}: {k} = {a[k]} vs {b[k]}")
+
+
+def check_algorithm(
+    cls: type[Algorithm],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    data: FederatedData | None = None,
+    model: Model | None = None,
+    opt: SGD | None = None,
+    toy_rounds: int = 15,
+    atol: float = 1e-5,
+    checks: tuple[str, ...] | None = None,
+) -> dict[str, str]:
+    """Run the contract suite (module docstring) on ``cls(**kwargs)``; returns ``{check: "ok"}`` or raises
+    ``ContractError``.  ``data`` / ``model`` / ``opt`` replace the toy federation, the linear model and the
+    optimizer (e.g. a bias-free model for MOCHA); ``toy_rounds``: rounds of the ``learns`` check (more for
+    methods that make one gradient query per round); ``checks``: a subset to run."""
+    kwargs = kwargs or {}
+    try:
+        alg = cls(**kwargs)
+    except Exception as e:
+        raise ContractError(f"constructing {cls.__name__}(**{kwargs}): {type(e).__name__}: {e}") from e
+    data = data if data is not None else toy_data()
+
+    def sim(a: Algorithm = alg, **run: Any) -> Engine:
+        return simulator(a, data, model, opt, **run)
+
+    suite: dict[str, Callable[[], None]] = {
+        "capabilities": lambda: _capabilities(alg, sim),
+        "no_input_mutation": lambda: _no_mutation(sim, data),
+        "deterministic": lambda: _deterministic(sim),
+        "loop_equals_vmap": lambda: _loop_equals_vmap(sim, atol),
+        "learns": lambda: _learns(sim, toy_rounds),
+        "checkpoint_round_trip": lambda: _checkpoint_round_trip(sim),
+        "nan_excluded": lambda: _nan_excluded(cls, kwargs, data, sim),
+    }
+    done = {}
+    for name, fn in suite.items():
+        if checks is not None and name not in checks:
+            continue
+        try:
+            fn()
+        except ContractError as e:
+            raise ContractError(f"{cls.__name__} fails '{name}': {e}") from None
+        except Exception as e:  # an algorithm that crashes under a check fails that check
+            raise ContractError(f"{cls.__name__} fails '{name}': {type(e).__name__}: {e}") from e
+        done[name] = "ok"
+    return done
+
+
+def _capabilities(alg: Algorithm, sim: Callable[..., Engine]) -> None:
+    eng = sim()
+    st = eng.init_state()
+    has_state = bool(T.leaves(alg.init_clients(eng.ctx, st.server, torch.arange(2))))
+    if alg.keeps_client_state != has_state and not (has_state and _only_ids(alg, eng, st)):
+        raise ContractError(f"keeps_client_state = {alg.keeps_client_state} but the client state "
+                            f"{'has' if has_state else 'has no'} tensors")
+
+
+def _only_ids(alg: Algorithm, eng: Engine, st: Any) -> bool:
+    """A client state that only records the client's id (Clustered FL, Omni-Fedge) is not personal state."""
+    init = alg.init_clients(eng.ctx, st.server, torch.arange(2))
+    return tuple(getattr(init, "_fields", ())) == ("id",)
+
+
+def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
+    res = {}
+    for runner in ("vmap", "loop"):
+        eng = sim(runner=runner, sampling_rate=0.5, local_epochs=2)
+        st, rows = run_rounds(eng, 3)
+        res[runner] = (st.server, all_client_states(eng), rows, summarize(eng.evaluate(st)))
+    (sa, ca, ra, ea), (sb, cb, rb, eb) = res["vmap"], res["loop"]
+    _close(sa, sb, atol, "server state, vmap vs loop")
+    _close(ca, cb, atol, "client states, vmap vs loop")
+    for a, b in zip(ra, rb, strict=True):
+        la, lb = a["train_loss"], b["train_loss"]
+        if not (abs(la - lb) <= atol or (np.isnan(la) and np.isnan(lb))):
+            raise ContractError(f"round {a['round']} training loss, vmap {a['train_loss']} vs loop {b['train_loss']}")
+    _summaries_close(ea, eb, atol, "evaluation, vmap vs loop")
+    outs = []
+    for extra in ({"bucketing": "none"}, {"bucketing": "steps", "chunk_size": 3}):
+        eng = sim(**extra)
+        st, _ = run_rounds(eng, 2)
+        outs.append((st.server, all_client_states(eng)))
+    _close(outs[0], outs[1], 1e-6, "grouping clients into vmap calls changed the result")
+
+
+def _no_mutation(sim: Callable[..., Engine], data: FederatedData) -> None:
+    eng = sim(runner="loop")  # one client at a time: vmap-specific failures belong to loop_equals_vmap
+    st = eng.init_state()
+    server0, clients0 = T.clone(st.server), T.clone(all_client_states(eng))
+    payload = eng.alg.payload(st.server)
+    p0 = T.clone(payload)
+    x0, y0 = data.seen.train.x.clone(), data.seen.train.y.clone()
+    eng.round(st)
+    eng.evaluate(st)
+    _close(payload, p0, 0.0, "the payload was modified in place")
+    if not (torch.equal(data.seen.train.x, x0) and torch.equal(data.seen.train.y, y0)):
+        raise ContractError("the training data was modified")
+    fresh = sim(runner="loop")
+    st2 = fresh.init_state()
+    _close((st2.server, all_client_states(fresh)), (server0, clients0), 0.0, "initial states were modified")
+
+
+def _deterministic(sim: Callable[..., Engine]) -> None:
+    res = []
+    for _ in range(2):
+        eng = sim(sampling_rate=0.5, runner="loop")
+        st, rows = run_rounds(eng, 2)
+        res.append((rows, summarize(eng.evaluate(st))))
+    if res[0] != res[1]:
+        raise ContractError("two runs with the same seed differ (global random state? unseeded randomness?)")
+    eng = sim(sampling_rate=0.5, seed=99, runner="loop")
+    _, rows = run_rounds(eng, 2)
+    if rows == res[0][0]:
+        raise ContractError("another seed gave identical rounds (is the run's seed used?)")
+
+
+def _learns(sim: Callable[..., Engine], rounds: int) -> None:
+    eng = sim(rounds=rounds)
+    st = eng.init_state()
+    before = summarize(eng.evaluate(st))["seen_train_loss"]
+    for _ in range(rounds):
+        eng.round(st)
+    after = summarize(eng.evaluate(st))["seen_train_loss"]
+    if not after < before - 0.05:
+        raise ContractError(f"training loss did not fall on the toy task: {before:.4f} -> {after:.4f} "
+                            f"in {rounds} rounds")
+
+
+def _checkpoint_round_trip(sim: Callable[..., Engine]) -> None:
+    ref = sim(sampling_rate=0.5)
+    st_ref, _ = run_rounds(ref, 3)
+    eng = sim(sampling_rate=0.5)
+    st = eng.init_state()
+    for _ in range(2):
+        eng.round(st)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "checkpoint.pt"
+        checkpoint.save(path, st, {"check": True}, eng.clients.state_dict())
+        saved = checkpoint.load(path)
+    resumed = sim(sampling_rate=0.5)
+    st2 = resumed.init_state(saved)
+    resumed.round(st2)
+    _close(st2.server, st_ref.server, 0.0, "server after resuming from a checkpoint")
+    _close(all_client_states(resumed), all_client_states(ref), 0.0, "client states after resuming")
+    if st2.history != st_ref.history[: len(st2.history)] or st2.counters.keys() != st_ref.counters.keys():
+        raise ContractError("history or counters changed by the checkpoint round trip")
+
+
+def _nan_excluded(cls: type[Algorithm], kwargs: dict[str, Any], data: FederatedData,
+                  sim: Callable[..., Engine]) -> None:
+    n0 = float(data.seen.train.counts[0])
+
+    class Poisoned(cls):  # type: ignore[misc, valid-type]
+        def client_update(self, ctx, payload, state, batches, lr):  # type: ignore[no-untyped-def]
+            upd, new_state, loss = super().client_update(ctx, payload, state, batches, lr)
+            bad = batches.n == n0
+
+            def poison(t: torch.Tensor) -> torch.Tensor:
+                return torch.where(bad, torch.full_like(t, float("nan")), t) if t.is_floating_point() else t
+
+            return T.tmap(poison, upd), T.tmap(poison, new_state), torch.where(bad, loss * float("nan"), loss)
+
+    eng = sim(Poisoned(**kwargs))
+    st = eng.init_state()
+    rows = [eng.round(st) for _ in range(2)]
+    if not all(r["excluded"] >= 1 for r in rows) or st.counters["excluded_updates"] < 2:
+        raise ContractError(f"a NaN update was not excluded and counted: {[r['excluded'] for r in rows]}")
+    for x in T.leaves(st.server) + T.leaves(all_client_states(eng)):
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise ContractError("a NaN update reached the server or a client's state")
+    if not np.isfinite(summarize(eng.evaluate(st))["seen_test_loss"]):
+        raise ContractError("evaluation after a NaN update is not finite")
