@@ -97,14 +97,48 @@ def _in_process(text):
     return st, summarize({"seen": sim.evaluate(st, ("seen",))["seen"]})
 
 
+MOCHA_CONFIG = """
+[data]
+name = "related_tasks"
+m = 5
+d = 4
+seed = 2
+
+[model]
+name = "linear"
+bias = false
+
+[algorithm]
+name = "mocha"
+lam = 0.1
+omega_every = 2
+
+[optim]
+lr = 1.0
+
+[run]
+rounds = 3
+batch_size = 1000
+seed = 5
+
+[systems]
+variability = "high"
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("alg,extra,k", [("fedem", "num_components = 2", 3), ("fedavg", "", 0)])
+@pytest.mark.parametrize("alg,extra,k", [("fedem", "num_components = 2", 3), ("fedavg", "", 0),
+                                         ("clustered", "warmup_rounds = 1\neps1 = 10.0\neps2 = 0.01", 0),
+                                         ("mocha", "", 0)])
 def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
+    """The Flower executor runs the engine's loop: the same server state and metrics as in-process, for a
+    global model, FedEM's mixture, Clustered FL's split clusters and MOCHA with stragglers."""
     import tomllib
 
     from fedmtl.flower.simulation import simulate
 
-    text = dumps(validate(tomllib.loads(CONFIG.format(alg=alg, extra=extra, k=k))).raw)
+    raw = MOCHA_CONFIG if alg == "mocha" else CONFIG.format(alg=alg, extra=extra, k=k)
+    text = dumps(validate(tomllib.loads(raw)).raw)
     res = simulate(text, out=tmp_path / "run")
     st, final = _in_process(text)
     for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
@@ -112,6 +146,8 @@ def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
     for key, v in final.items():
         assert abs(res.final[key] - v) < 1e-5, key
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
+    if alg == "clustered":
+        assert int(res.server.assign.max()) >= 1  # the split happened, and reached the clients over Flower
 
 
 @pytest.mark.slow

@@ -139,8 +139,10 @@ def to_named(tree: Tree) -> dict[str, Tensor]:
     return out
 
 
-def from_named(named: dict[str, Tensor], template: Tree, device: torch.device | str | None = None) -> Tree:
-    """Rebuild a tree shaped like ``template`` from ``to_named`` output; names, shapes and dtypes must agree."""
+def from_named(named: dict[str, Tensor], template: Tree, device: torch.device | str | None = None,
+               leading: bool = False) -> Tree:
+    """Rebuild a tree shaped like ``template`` from ``to_named`` output; names, shapes and dtypes must agree
+    (``leading=True``: all but the leading axis, for stacks whose length changes, e.g. Clustered FL's models)."""
     flat, spec = pytree.tree_flatten_with_path(template)
     want = [pytree.keystr(p) for p, _ in flat]
     got = list(named)
@@ -152,7 +154,9 @@ def from_named(named: dict[str, Tensor], template: Tree, device: torch.device | 
         t = named[name]
         if not isinstance(t, Tensor):
             raise TreeError(f"{name}: expected a tensor, got {type(t).__name__}")
-        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+        same = tuple(t.shape) == tuple(ref.shape) or (
+            leading and t.dim() == ref.dim() and t.dim() > 0 and tuple(t.shape[1:]) == tuple(ref.shape[1:]))
+        if not same or t.dtype != ref.dtype:
             raise TreeError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
         leaves.append(t if device is None else t.to(device))
     return pytree.tree_unflatten(leaves, spec)

@@ -41,11 +41,11 @@ def _tensor(a: Any, what: str) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
-def _labels(y: Tensor, regression: bool, what: str) -> Tensor:
+def _labels(y: Tensor, regression: bool, what: str, dtype: torch.dtype = torch.float32) -> Tensor:
     if regression:
-        if not (y.is_floating_point() or y.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
-            raise DataError(f"{what}: regression targets must be numbers, got {y.dtype}")
-        y = y.to(torch.float64) if y.dtype == torch.float64 else y.to(torch.float32)
+        if y.dtype == torch.bool or y.is_complex():
+            raise DataError(f"{what}: regression targets must be real numbers, got {y.dtype}")
+        y = y.to(dtype)
         if y.numel() and not bool(torch.isfinite(y).all()):
             raise DataError(f"{what}: targets contain NaN or Inf")
         return y
@@ -215,12 +215,13 @@ class FederatedData:
         ``test`` (and ``val``) hold one ``(x, y)`` pair per training client, in the same order (a client may
         have zero test examples); ``unseen_train`` / ``unseen_test`` describe clients held out of training.
         Features keep their shape (n_k, *feature_shape), the same for every client; floating-point features
-        are cast to ``dtype`` (float32: what the engine trains in), integer features (token ids, uint8
-        images) are kept.  Labels are integer class indices, given as integers or as floats with integer
-        values; ``num_classes`` defaults to the largest label + 1.  ``regression=True`` keeps real-valued
-        targets (``num_classes = 0``).  Every client is validated on its own: a client whose features and
-        labels differ in length is an error even when the totals match; so are NaN/Inf features,
-        non-integer or out-of-range labels and training clients without examples.
+        are cast to ``dtype`` (float32: what the engine trains in; the float64 reference solvers pass float64),
+        integer features (token ids, uint8 images) are kept.  Labels are integer class indices, given as
+        integers or as floats with integer values; ``num_classes`` defaults to the largest label + 1.
+        ``regression=True`` keeps real-valued targets (``num_classes = 0``, cast to ``dtype``).  Every client
+        is validated on its own: a client whose features and labels differ in length is an error even when the
+        totals match; so are NaN/Inf features, non-integer or out-of-range labels and training clients
+        without examples.
         """
         groups = {"train": train, "test": test, "val": val, "unseen_train": unseen_train, "unseen_test": unseen_test}
         if (unseen_train is None) != (unseen_test is None):
@@ -254,7 +255,7 @@ class FederatedData:
                     x = x.to(dtype)
                 elif x.dtype == torch.bool or x.is_complex():
                     raise DataError(f"{gname} client {k}: features must be real numbers, got {x.dtype}")
-                y = _labels(y, regression, f"{gname} client {k}")
+                y = _labels(y, regression, f"{gname} client {k}", dtype)
                 out.append((x, y))
             conv[gname] = out
         n = len(conv["train"])

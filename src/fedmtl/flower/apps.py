@@ -200,7 +200,7 @@ def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
     _maybe_fail(k, r)
     lc, server0 = _node_clients(rt, context, conf)
     _restore(lc, context, cfg_text, k)
-    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0))  # type: ignore[arg-type]
+    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0), leading=True)  # type: ignore[arg-type]
     out = lc.train(payload, torch.tensor([k]), orders_of(msg.content["order"]), float(conf["lr"]), r)  # type: ignore[arg-type]
     ok = bool(out.ok[0])
     if ok:  # a client never keeps a state whose update the server will reject
@@ -218,7 +218,7 @@ def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
     k, conf = _client_of(msg, context)
     lc, server0 = _node_clients(rt, context, conf)
     _restore(lc, context, cfg_text, k)
-    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0))  # type: ignore[arg-type]
+    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0), leading=True)  # type: ignore[arg-type]
     adapt = orders_of(msg.content["order"]) if "order" in msg.content else None  # type: ignore[arg-type]
     res = lc.evaluate("seen", payload, server0, torch.tensor([k]), adapt, float(conf["lr"]))
     out: dict[str, Any] = {"client": k}

@@ -27,11 +27,16 @@ def tree_to_record(tree: Tree) -> ArrayRecord:
     return ArrayRecord({name: leaf.detach().cpu().contiguous() for name, leaf in to_named(tree).items()})
 
 
-def record_to_tree(record: ArrayRecord, template: Tree, device: torch.device | str = "cpu") -> Tree:
-    """Rebuild a tree shaped like ``template`` from ``record`` (names, shapes and dtypes must match)."""
+def record_to_tree(record: ArrayRecord, template: Tree, device: torch.device | str = "cpu",
+                   leading: bool = False) -> Tree:
+    """Rebuild a tree shaped like ``template`` from ``record`` (names, shapes and dtypes must match; with
+    ``leading`` the length of stacked leaves may differ, as a payload whose stack grows)."""
     named = {name: torch.from_numpy(np.ascontiguousarray(record[name].numpy())) for name in record.keys()}
+    for name, ref in to_named(template).items():  # Flower's arrays are at least 1-d: scalars come back as (1,)
+        if ref.dim() == 0 and name in named and tuple(named[name].shape) == (1,):
+            named[name] = named[name].reshape(())
     try:
-        return from_named(named, template, device)
+        return from_named(named, template, device, leading)
     except TreeError as e:
         raise RecordError(str(e)) from None
 

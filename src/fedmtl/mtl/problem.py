@@ -12,7 +12,8 @@ dual variable in label-free form.  Hinge: phi(beta) = -beta on [0, 1].  Squared 
 l(m) = max(0, 1 - m)^2: phi(beta) = -beta + beta^2 / 4 on [0, inf).  P(W(beta)) - D(beta) >= 0 is the
 duality gap.
 
-Arrays are float64 numpy, padded over tasks: X (m, n_max, d), y (m, n_max) in {-1, +1} (0 = padding).
+Arrays are float64 numpy, padded over tasks: X (m, n_max, d), y (m, n_max) in {-1, +1} (0 = padding); the padded
+view of a ``FederatedData`` (``MTLData.from_federated``: one task per client), the reference solver's input.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from ..data.federated import DataError
+from ..data.federated import DataError, FederatedData
 
 
 class Loss:
@@ -113,31 +115,45 @@ class MTLData:
         return np.einsum("tnd,tnd->tn", self.X, self.X)
 
     @classmethod
+    def from_federated(cls, data: FederatedData, split: str = "train") -> MTLData:
+        """One task per seen client of ``data`` (2 classes: class 1 -> +1, class 0 -> -1), its ``split`` examples
+        padded over tasks; features flattened and taken as float64."""
+        if data.num_classes != 2:
+            raise DataError(f"MOCHA's tasks are binary; {data.name} has {data.num_classes} classes")
+        s = data.seen.splits()[split]
+        counts = s.counts.numpy().astype(np.int64)
+        if (counts == 0).any():
+            raise DataError(f"{data.name}.{split}: tasks {np.flatnonzero(counts == 0)[:5].tolist()} have no examples")
+        x = s.x.reshape(len(s.x), -1).to(torch.float64).numpy()
+        y = np.where(s.y.numpy() > 0, 1.0, -1.0)
+        m, nmax = len(counts), int(counts.max())
+        X = np.zeros((m, nmax, x.shape[1]))
+        Y = np.zeros((m, nmax))
+        rows = np.repeat(np.arange(m), counts)
+        cols = np.arange(len(y)) - np.repeat(s.offsets[:-1].numpy(), counts)
+        X[rows, cols] = x
+        Y[rows, cols] = y
+        return cls(X, Y, counts)
+
+    @classmethod
     def from_tasks(cls, xs: list[np.ndarray], ys: list[np.ndarray]) -> MTLData:
-        """Tasks as (n_t, d) features and labels in {-1, +1} or {0, 1} (mapped to -1, +1)."""
+        """Tasks as (n_t, d) features and labels in {-1, +1} or {0, 1}: validated as a float64
+        ``FederatedData`` (``FederatedData.from_arrays``), then padded (``from_federated``)."""
         if len(xs) != len(ys) or not xs:
             raise DataError(f"need as many label arrays as feature arrays (got {len(xs)} and {len(ys)}), >= 1")
-        d = None
-        for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            x, y = np.asarray(x), np.asarray(y).ravel()
-            if x.ndim != 2 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
-                raise DataError(f"task {t}: features {x.shape} and {y.shape[0]} labels (need (n, d), n >= 1)")
-            if d is not None and x.shape[1] != d:
-                raise DataError(f"task {t}: {x.shape[1]} features, earlier tasks have {d}")
-            d = x.shape[1]
-            if not np.isfinite(x).all():
-                raise DataError(f"task {t}: features contain NaN or Inf")
+        ys01 = []
+        for t, y in enumerate(ys):
+            y = np.asarray(y).ravel()
             if not np.isin(y, (-1, 1)).all() and not np.isin(y, (0, 1)).all():
                 raise DataError(f"task {t}: labels must be in {{-1, +1}} or {{0, 1}}, found {np.unique(y)[:5]}")
-        counts = np.array([len(y) for y in ys], dtype=np.int64)
-        m, nmax = len(xs), int(counts.max())
-        X = np.zeros((m, nmax, d or 0))
-        Y = np.zeros((m, nmax))
-        for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            y = np.asarray(y, dtype=np.float64).ravel()
-            X[t, : len(y)] = x
-            Y[t, : len(y)] = np.where(y > 0, 1.0, -1.0)
-        return cls(X, Y, counts)
+            ys01.append((y > 0).astype(np.int64))
+        for t, x in enumerate(xs):
+            if np.asarray(x).ndim != 2:
+                raise DataError(f"task {t}: features must be (n, d), got shape {np.asarray(x).shape}")
+        empty = [(np.zeros((0, *np.asarray(x).shape[1:])), np.zeros(0, dtype=np.int64)) for x in xs]
+        fd = FederatedData.from_arrays(list(zip(xs, ys01, strict=True)), empty, num_classes=2, dtype=torch.float64,
+                                       name="tasks")
+        return cls.from_federated(fd)
 
     def subset(self, keep: list[np.ndarray]) -> MTLData:
         """Per-task index arrays -> a new MTLData (used for CV folds and splits)."""

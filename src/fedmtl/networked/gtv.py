@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from ..data.federated import DataError, FederatedData
 from ..graph import Graph, GraphError
 
 PENALTIES = ("tv", "l1", "squared")
@@ -46,7 +48,8 @@ LOSSES = ("squared", "logistic")
 
 @dataclass
 class NodeData:
-    """Local datasets padded over nodes: X (N, m_max, n), y (N, m_max), counts (N,), labelled (N,) bool."""
+    """Local datasets padded over nodes: X (N, m_max, n), y (N, m_max), counts (N,), labelled (N,) bool; the padded
+    view of a regression ``FederatedData`` (``from_federated``), the solver's input."""
 
     X: np.ndarray
     y: np.ndarray
@@ -54,29 +57,40 @@ class NodeData:
     labelled: np.ndarray
 
     @classmethod
-    def from_lists(cls, xs: list[np.ndarray], ys: list[np.ndarray], labelled: Any) -> NodeData:
-        if len(xs) != len(ys):
-            raise GraphError(f"{len(xs)} feature arrays but {len(ys)} label arrays")
-        n = {np.asarray(x).shape[1] for x in xs if np.asarray(x).ndim == 2}
-        if len(n) != 1:
-            raise GraphError(f"every node needs (m_i, n) features with one n; got {sorted(n)}")
-        counts = np.array([len(y) for y in ys], dtype=np.int64)
-        mmax = max(int(counts.max()), 1)
-        X = np.zeros((len(xs), mmax, n.pop()))
-        Y = np.zeros((len(xs), mmax))
-        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            x = np.asarray(x, dtype=np.float64)
-            if len(x) != len(y):
-                raise GraphError(f"node {i}: {len(x)} feature rows but {len(y)} labels")
-            X[i, : len(y)] = x
-            Y[i, : len(y)] = y
-        lab = np.zeros(len(xs), dtype=bool)
-        lab[np.asarray(labelled)] = True
+    def from_federated(cls, data: FederatedData, labelled: Any, split: str = "train") -> NodeData:
+        """Node i = seen client i of ``data`` with its ``split`` examples (real-valued targets: ``num_classes == 0``;
+        for the logistic loss, labels in {-1, +1}); ``labelled`` are the nodes whose loss enters the problem."""
+        if not data.is_regression:
+            raise GraphError(f"{data.name}: the GTV solver fits real-valued targets (FederatedData.from_arrays(..., "
+                             "regression=True)); class labels are not targets")
+        s = data.seen.splits()[split]
+        counts = s.counts.numpy().astype(np.int64)
+        x = s.x.reshape(len(s.x), -1).to(torch.float64).numpy()
+        y = s.y.to(torch.float64).numpy()
+        n_nodes, mmax = len(counts), max(int(counts.max()), 1)
+        X, Y = np.zeros((n_nodes, mmax, x.shape[1])), np.zeros((n_nodes, mmax))
+        rows = np.repeat(np.arange(n_nodes), counts)
+        cols = np.arange(len(y)) - np.repeat(s.offsets[:-1].numpy(), counts)
+        X[rows, cols] = x
+        Y[rows, cols] = y
+        lab = np.zeros(n_nodes, dtype=bool)
+        lab[np.asarray(labelled, dtype=np.int64)] = True
         if (lab & (counts == 0)).any():
             raise GraphError("a labelled node has no samples")
-        if not (np.isfinite(X).all() and np.isfinite(Y).all()):
-            raise GraphError("features or labels contain NaN or Inf")
         return cls(X, Y, counts, lab)
+
+    @classmethod
+    def from_lists(cls, xs: list[np.ndarray], ys: list[np.ndarray], labelled: Any) -> NodeData:
+        """Per-node (m_i, n) features and targets, validated as a float64 ``FederatedData`` then padded."""
+        if len(xs) != len(ys):
+            raise GraphError(f"{len(xs)} feature arrays but {len(ys)} label arrays")
+        empty = [(np.zeros((0, *np.shape(x)[1:])), np.zeros(0)) for x in xs]
+        try:
+            fd = FederatedData.from_arrays(list(zip(xs, ys, strict=True)), empty, regression=True, dtype=torch.float64,
+                                           name="nodes")
+        except DataError as e:
+            raise GraphError(str(e)) from e
+        return cls.from_federated(fd, labelled)
 
     @property
     def num_nodes(self) -> int:
