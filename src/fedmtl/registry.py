@@ -65,7 +65,9 @@ def register_algorithm(cls: type[C] | None = None, *, replace: bool = False) -> 
 
         if not (isinstance(c, type) and issubclass(c, Algorithm)):
             raise RegistryError(f"register_algorithm needs a subclass of fedmtl.Algorithm, got {c!r}")
-        if not dataclasses.is_dataclass(c) or not c.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        own = [k for k, v in c.__dict__.get("__annotations__", {}).items() if "ClassVar" not in str(v)]
+        undecorated = own and "__dataclass_fields__" not in c.__dict__  # its new fields would be silently ignored
+        if undecorated or not dataclasses.is_dataclass(c) or not c.__dataclass_params__.frozen:  # type: ignore
             raise RegistryError(f"{c.__name__} must be a frozen dataclass (@dataclass(frozen=True)): "
                                 "its fields are its hyper-parameters")
         name = _check_name(getattr(c, "name", None), "algorithm")

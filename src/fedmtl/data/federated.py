@@ -28,6 +28,12 @@ class DataError(ValueError):
     """Malformed federated data (shapes, labels, empty clients)."""
 
 
+def all_finite(x: Tensor, chunk: int = 1 << 22) -> bool:
+    """No NaN/Inf in ``x``, checked a chunk at a time (no temporary the size of a million-client federation)."""
+    flat = x.reshape(-1)
+    return all(bool(torch.isfinite(c).all()) for c in flat.split(chunk))
+
+
 def _tensor(a: Any, what: str) -> Tensor:
     """A numpy array, tensor or nested list as a CPU tensor (no copy where possible)."""
     if isinstance(a, Tensor):
@@ -126,7 +132,7 @@ class Split:
             lo, hi = int(self.y.min()), int(self.y.max())
             if lo < 0 or hi >= num_classes:
                 raise DataError(f"{name}: labels must lie in [0, {num_classes - 1}], found values in [{lo}, {hi}]")
-        if self.x.is_floating_point() and self.x.numel() and not bool(torch.isfinite(self.x).all()):
+        if self.x.is_floating_point() and not all_finite(self.x):
             raise DataError(f"{name}: features contain NaN or Inf")
 
 

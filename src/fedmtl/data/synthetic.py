@@ -168,16 +168,16 @@ def linear_mixture(
     min_train: int = 10,
     max_train: int = 20,
     n_test: int = 5,
-    noise: float = 0.5,
+    label_noise: float = 0.1,
     seed: int = 0,
     feature_dtype: str = "float32",
-    chunk: int = 100_000,
+    chunk: int = 25_000,
 ) -> FederatedData:
     """A vectorized mixture federation for populations of up to millions of clients (``fedmtl bench scale``).
 
     M linear labelling rules W_m (d x C, N(0, 1/d)); client k mixes them with pi_k ~ Dirichlet(alpha); each
-    example draws its rule z ~ pi_k, x ~ N(0, I_d) and y = argmax(x W_z + noise * Gumbel), i.e. a softmax
-    draw at temperature ``noise``.  Clients have U{min_train..max_train} training and ``n_test`` test
+    example draws its rule z ~ pi_k, x ~ N(0, I_d) and y = argmax(x W_z), replaced by a uniformly random class
+    with probability ``label_noise``.  Clients have U{min_train..max_train} training and ``n_test`` test
     examples.  Everything is generated ``chunk`` clients at a time straight into the flat arrays (a million
     clients in seconds); ``feature_dtype = "float16"`` halves the features' memory (models cast them to
     float32 on the fly).  ``meta["pi"]`` holds the mixture weights.
@@ -186,10 +186,13 @@ def linear_mixture(
         raise ValueError("need num_clients, dim, num_components >= 1, num_classes >= 2, n_test >= 0")
     if not 1 <= min_train <= max_train:
         raise ValueError(f"need 1 <= min_train <= max_train, got {min_train}, {max_train}")
+    if not 0 <= label_noise <= 1:
+        raise ValueError(f"label_noise must be in [0, 1], got {label_noise}")
     if feature_dtype not in ("float32", "float16"):
         raise ValueError(f"feature_dtype must be 'float32' or 'float16', got {feature_dtype!r}")
-    np_dtype = np.float16 if feature_dtype == "float16" else np.float32
+    tdtype = torch.float16 if feature_dtype == "float16" else torch.float32
     rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
     rules = rng.normal(size=(num_components, dim, num_classes)).astype(np.float32) / np.sqrt(dim)
     pi = rng.dirichlet(np.full(num_components, alpha), size=num_clients).astype(np.float32)  # (N, M)
     sizes = {"train": rng.integers(min_train, max_train + 1, size=num_clients), "test": np.full(num_clients, n_test)}
@@ -197,7 +200,7 @@ def linear_mixture(
     for name, counts in sizes.items():
         offsets = np.zeros(num_clients + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
-        x = np.empty((int(offsets[-1]), dim), dtype=np_dtype)
+        x = torch.empty((int(offsets[-1]), dim), dtype=tdtype)
         y = np.empty(int(offsets[-1]), dtype=np.int64)
         cum = np.cumsum(pi, axis=1)
         for c0 in range(0, num_clients, chunk):
@@ -205,12 +208,13 @@ def linear_mixture(
             a, b = int(offsets[c0]), int(offsets[c1])
             owner = np.repeat(np.arange(c0, c1), counts[c0:c1])
             z = (rng.random((b - a, 1), dtype=np.float32) > cum[owner]).sum(1).clip(max=num_components - 1)
-            xc = rng.standard_normal((b - a, dim), dtype=np.float32)
+            xc = torch.randn(b - a, dim, generator=gen).numpy()  # torch's sampler: 3x numpy's here
             every = (xc @ rules.transpose(1, 0, 2).reshape(dim, -1)).reshape(b - a, num_components, num_classes)
-            logits = every[np.arange(b - a), z]  # each example's own rule
-            gumbel = -np.log(-np.log(rng.random(logits.shape, dtype=np.float32).clip(1e-12, 1 - 1e-7)))
-            y[a:b] = np.argmax(logits + noise * gumbel, axis=1)
-            x[a:b] = xc
-        splits[name] = Split(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(offsets))
+            yc = np.argmax(every[np.arange(b - a), z], axis=1)  # each example's own rule
+            flip = rng.random(b - a, dtype=np.float32) < label_noise
+            yc[flip] = rng.integers(0, num_classes, int(flip.sum()))
+            y[a:b] = yc
+            x[a:b] = torch.from_numpy(xc)  # torch's vectorized float16 conversion (numpy's is ~20x slower)
+        splits[name] = Split(x, torch.from_numpy(y), torch.from_numpy(offsets))
     meta = {"pi": pi, "input": "float16"} if feature_dtype == "float16" else {"pi": pi}
     return FederatedData(ClientGroup(splits["train"], splits["test"]), num_classes, name="linear_mixture", meta=meta)

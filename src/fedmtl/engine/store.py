@@ -5,11 +5,12 @@ A round costs O(sampled clients), never O(population):
 
 * ``read(ids)`` gathers K rows; ``write(ids, values)`` is one ``index_copy_`` per leaf.
 * Rows are initialized **lazily**: a row never written holds the algorithm's initial state, produced when it
-  is read by ``init_fn(ids)`` (``Algorithm.init_clients`` with the initial server).  Nothing is written
-  for a client before it first trains, so a population of a million clients costs nothing up front, and
-  the memory store's untouched rows are never even paged in.
-* ``kind = "memory"``: ordinary tensors.  ``kind = "mmap"``: one ``.npy`` file per leaf in a directory of
-  the run (``numpy.lib.format.open_memmap``), so personal models of a million clients need not fit in RAM.
+  is read by ``init_fn(ids)`` (``Algorithm.init_clients`` with the initial server).  Nothing is computed or
+  written for a client before it first trains.
+* ``kind = "memory"``: ordinary tensors, allocated (zeroed) for the whole population at the start.
+  ``kind = "mmap"``: one ``.npy`` file per leaf in a directory of the run (``numpy.lib.format.open_memmap``):
+  a file page is materialized only when a client on it is first written, and pages can be evicted, so
+  personal models of a million clients need not fit in RAM.
 
 Resuming a memory-mapped store: the files are written in place every round, while a checkpoint is taken
 every few rounds.  Before a round overwrites rows, their old values go to an **undo journal**
@@ -24,6 +25,7 @@ A memory store's checkpoint holds the written rows only (O(clients trained so fa
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -75,8 +77,10 @@ class ClientStore:
         self._journal: _UndoJournal | None = None
         self._arrays: list[np.memmap] = []
         if kind == "memory":
-            # torch.empty: pages of rows that are never written are never touched (not resident)
-            self.leaves = [torch.empty((self.num_clients, *s), dtype=d) for s, d in zip(self.row_shapes, self.dtypes,
+            # allocated and zeroed up front (O(N) once): a round then rewrites resident rows.  Left untouched, the
+            # first write of each row would pay a page fault, several times a row's copy (measured: a Ditto round
+            # over 1,000 fresh clients of 10^6 took 16 ms to store their models against 0.4 ms when resident)
+            self.leaves = [torch.zeros((self.num_clients, *s), dtype=d) for s, d in zip(self.row_shapes, self.dtypes,
                                                                                        strict=True)]
             self.written = torch.zeros(self.num_clients, dtype=torch.bool)
         elif kind == "mmap":
@@ -125,6 +129,10 @@ class ClientStore:
         except (OSError, ValueError) as e:
             raise StoreError(f"{d}: cannot open the client store files ({e})") from e
         self._arrays.append(written)
+        for a in self._arrays:  # clients are read and written at random: no readahead of their neighbours' pages
+            mm = getattr(a, "_mmap", None)
+            if mm is not None and hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_RANDOM)
         self.written = torch.from_numpy(written)
         if not resume:
             self.written.zero_()
