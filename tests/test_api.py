@@ -108,7 +108,8 @@ def test_run_with_arrays_and_a_module():
     assert res.summary["config"]["data"]["name"] == "<python data>"
     # a model that does not fit the data is refused before any training
     with pytest.raises(ModelError, match="cannot run"):
-        fedmtl.run({"algorithm": {"name": "fedavg"}}, data=data, model=Model.from_module(nn.Linear(7, 3), num_classes=3))
+        fedmtl.run({"algorithm": {"name": "fedavg"}}, data=data,
+                   model=Model.from_module(nn.Linear(7, 3), num_classes=3))
 
 
 def test_run_from_a_toml_path_with_overrides(tmp_path):
