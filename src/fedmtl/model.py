@@ -8,7 +8,7 @@
 * ``"multiclass"``: C logits, softmax cross-entropy.
 
 ``nll(out, y)`` returns the per-sample negative log-likelihood (the loss that FedEM's E-step uses),
-``proba(out)`` the (n, C) class probabilities (FedEM mixes probabilities, never logits).
+``log_proba(out)`` the (n, C) log class probabilities (FedEM mixes probabilities, never logits).
 """
 
 from __future__ import annotations
@@ -145,9 +145,6 @@ class Model:
         if self.output == "binary":
             return torch.stack([F.logsigmoid(-out), F.logsigmoid(out)], dim=-1)
         return F.log_softmax(out, dim=-1)
-
-    def proba(self, out: Tensor) -> Tensor:
-        return self.log_proba(out).exp()
 
     def loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
         """Batch mean of ``weight * nll`` over the real samples (``mask`` = 1; padding = 0).

@@ -171,13 +171,6 @@ def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
     return x, batches.y[:s0].reshape(-1), batches.mask[:s0].reshape(-1)
 
 
-def num_batches(batches: Batches) -> Tensor | int:
-    """Number of batches the client runs (a 0-d tensor for padded batches, an int for ragged ones)."""
-    if isinstance(batches.x, list):
-        return int(live_steps(batches).sum())
-    return live_steps(batches).sum()
-
-
 def pick_batch(batches: Batches, i: int) -> tuple[Tensor, Tensor, Tensor]:
     """Batch ``i mod (number of live batches)``: vmap-safe cyclic access for fixed-step methods."""
     if isinstance(batches.x, list):

@@ -115,10 +115,6 @@ def all_finite_rows(stacked: Tree) -> Tensor:
     return ok
 
 
-def num_params(tree: Tree) -> int:
-    return sum(x.numel() for x in leaves(tree))
-
-
 def to(tree: Tree, device: torch.device | str) -> Tree:
     return tmap(lambda x: x.to(device), tree)
 
@@ -160,8 +156,3 @@ def from_named(named: dict[str, Tensor], template: Tree, device: torch.device | 
             raise TreeError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
         leaves.append(t if device is None else t.to(device))
     return pytree.tree_unflatten(leaves, spec)
-
-
-def structure_like(tree: Tree, template: Tree) -> bool:
-    """True when ``tree`` has the tree structure of ``template`` (leaf values not compared)."""
-    return pytree.tree_structure(tree) == pytree.tree_structure(template)

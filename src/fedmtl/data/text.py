@@ -104,10 +104,6 @@ def encode(text: str) -> np.ndarray:
     return idx[idx != 255]
 
 
-def decode(idx: np.ndarray) -> str:
-    return "".join(VOCAB[i] for i in idx)
-
-
 def _clean(lines: list[str]) -> str:
     return re.sub(r" {2,}", " ", " ".join(lines)).strip()
 

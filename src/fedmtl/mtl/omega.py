@@ -39,10 +39,6 @@ class Regularizer:
     def step(self, W: np.ndarray, omega: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return omega, sym_inv(omega)
 
-    def penalty_extra(self, omega: np.ndarray) -> float:
-        """Terms of the full objective that depend on Omega only (0 for these three)."""
-        return 0.0
-
 
 @dataclass
 class FixedOmega(Regularizer):

@@ -28,7 +28,6 @@ from ..data.federated import DataError, FederatedData
 
 class Loss:
     name = "loss"
-    smooth = False
 
     def primal(self, margin: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -65,7 +64,6 @@ class Hinge(Loss):
 
 class SquaredHinge(Loss):
     name = "squared_hinge"
-    smooth = True
 
     def primal(self, margin: np.ndarray) -> np.ndarray:
         return np.maximum(0.0, 1.0 - margin) ** 2
