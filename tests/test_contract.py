@@ -106,3 +106,25 @@ def test_check_algorithm_passes_a_correct_plugin(small_data):
     assert all(v == "ok" for v in check_algorithm(HalfStep, {"server_lr": 0.7}, data=small_data).values())
     with pytest.raises(ContractError, match="constructing"):
         check_algorithm(HalfStep, {"no_such_field": 1})
+
+
+@dataclass(frozen=True)
+class OneNaN(FedAvg):
+    name: ClassVar[str] = "bad_one_nan"
+
+    def client_update(self, ctx, payload, state, batches, lr):
+        params, st, loss = super().client_update(ctx, payload, state, batches, lr)
+        return params, st, torch.where(batches.n == 3.0, loss * float("nan"), loss)
+
+
+def test_excluded_updates_are_logged_with_their_clients(caplog):
+    from fedmtl import FederatedData
+    from fedmtl.testing import run_rounds, simulator
+
+    rng = torch.Generator().manual_seed(0)
+    train = [(torch.randn(n, 4, generator=rng), torch.randint(0, 2, (n,), generator=rng)) for n in (5, 3, 6)]
+    data = FederatedData.from_arrays(train, train)
+    with caplog.at_level("WARNING", logger="fedmtl"):
+        _, rows = run_rounds(simulator(OneNaN(), data), 2)
+    assert [r["excluded"] for r in rows] == [1, 1]
+    assert "excluded 1 client update(s) with NaN/Inf: clients [1]" in caplog.text

@@ -216,7 +216,7 @@ def _bench_models(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                           "cpu_count": os.cpu_count(), "matmul_gflops": matmul_gflops()}
+                           "cpu_count": os.cpu_count(), "matmul_gflops": matmul_gflops(), "rounds_timed": args.rounds}
     rss0 = _peak_rss_mb()
     fm = fashion_mnist(num_clients=100, partition="label_groups", fraction=args.fraction, download=False)
     res["fmnist_federation_bytes"] = int(sum(s.x.numel() * s.x.element_size() + s.y.numel() * 8
