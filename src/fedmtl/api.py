@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from .config import PYTHON_DATA, PYTHON_MODEL, ConfigError, apply_overrides, validate
+from .config import PYTHON_DATA, PYTHON_MODEL, ConfigError, apply_overrides, read_toml, validate
 from .data.federated import DataError, FederatedData
 from .engine.driver import RunResult, run_experiment
 from .model import Model
@@ -51,14 +50,7 @@ def run(
     if isinstance(config_or_path, dict):
         raw, source = copy.deepcopy(config_or_path), "<dict config>"
     else:
-        path = Path(config_or_path)
-        try:
-            raw = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        source = str(path)
+        raw, source = read_toml(config_or_path), str(config_or_path)
     raw = apply_overrides(raw, [])  # a copy with every table a fresh dict
     for table, values in _overrides(overrides).items():
         raw.setdefault(table, {})

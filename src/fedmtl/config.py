@@ -245,14 +245,18 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def load(path: str | Path, overrides: list[str] | None = None, data_given: bool = False,
          model_given: bool = False) -> ExperimentConfig:
+    return validate(apply_overrides(read_toml(path), overrides or []), str(path), data_given, model_given)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of a TOML config file; a missing or malformed file is a ConfigError naming it."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return validate(apply_overrides(raw, overrides or []), str(path), data_given, model_given)
 
 
 def dumps(raw: dict[str, dict[str, Any]]) -> str:
