@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import os
 from pathlib import Path
 
 from cryptography import x509
@@ -87,7 +88,6 @@ class LocalDeployment:
     """
 
     def __init__(self, workdir: str | Path, partitions: list[list[int]], num_clients: int | None = None):
-        import os
         import sys
 
         self.dir = Path(workdir)
@@ -104,7 +104,9 @@ class LocalDeployment:
         import subprocess
 
         log = open(self.dir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir)
+        # its own process group, so that stop() ends it and the ServerApp / ClientApp processes it spawns
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
+                             start_new_session=True)
         self.procs.append((name, p))
         return p
 
@@ -170,22 +172,22 @@ class LocalDeployment:
                          timeout=timeout)
 
     def stop(self) -> None:
+        """End every process this deployment started, with its children (by process group, never by name)."""
+        import signal
         import subprocess
 
         for _, p in reversed(self.procs):
             assert isinstance(p, subprocess.Popen)
-            if p.poll() is None:
-                p.terminate()
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL: what is left of the group after 10 s
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:  # the whole group has ended
+                    break
                 try:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
-                    p.kill()
+                    pass
         self.procs.clear()
-        # ServerApp / ClientApp processes the SuperLink and SuperNodes spawned
-        try:
-            subprocess.run(["pkill", "-f", f"127.0.0.1:{self.port}"], check=False)
-        except FileNotFoundError:  # no procps: the SuperLink / SuperNodes stopped above end their children
-            pass
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
