@@ -129,10 +129,13 @@ variability = "high"
 @pytest.mark.slow
 @pytest.mark.parametrize("alg,extra,k", [("fedem", "num_components = 2", 3), ("fedavg", "", 0),
                                          ("clustered", "warmup_rounds = 1\neps1 = 10.0\neps2 = 0.01", 0),
-                                         ("mocha", "", 0)])
+                                         ("mocha", "", 0),
+                                         ("dfedem", 'num_components = 2\ntopology = "ring"', 0),
+                                         ("dsgd", 'topology = "erdos_renyi"\nedge_prob = 0.4', 0)])
 def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
     """The Flower executor runs the engine's loop: the same server state and metrics as in-process, for a
-    global model, FedEM's mixture, Clustered FL's split clusters and MOCHA with stragglers."""
+    global model, FedEM's mixture, Clustered FL's split clusters, MOCHA with stragglers, and D-FedEM / D-SGD
+    as server-relayed gossip (their personalized models live on the nodes: the metrics are the check)."""
     import tomllib
 
     from fedmtl.flower.simulation import simulate
@@ -173,20 +176,30 @@ def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_deployment_with_tls_and_node_authentication(tmp_path):
+def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
     """A real SuperLink (TLS, node authentication) and two SuperNodes on 127.0.0.1 run 3 FedEM rounds
-    through ``flwr run``; the result equals the in-process simulator; an unregistered node is refused."""
+    through ``flwr run``.  Each node holds only its own clients' .npz files (disjoint folders); the app's
+    config describes another federation (other seed, other size), so no node could rebuild its data from it.
+    The result equals the in-process simulator on the original data; an unregistered node is refused by the
+    SuperLink; private keys are 0600 and the CA key is not among the files a node receives."""
     import json
+    import stat
     import time
     import tomllib
 
+    from fedmtl.data.npz import export
     from fedmtl.engine import checkpoint
     from fedmtl.flower.deploy import LocalDeployment
     from fedmtl.flower.project import write_project
 
     cfg = validate(tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", k=3)))
-    app = write_project(cfg, tmp_path / "app", 5)
-    with LocalDeployment(tmp_path / "dep", partitions=[[0, 1, 2], [3, 4]]) as dep:
+    data = cfg.build_data()
+    export(data, tmp_path / "site_a", [0, 1, 2])
+    export(data, tmp_path / "site_b", [3, 4])
+    other = validate(tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", k=3)
+                                   .replace("num_clients = 5", "num_clients = 2").replace("seed = 2", "seed = 77")))
+    app = write_project(other, tmp_path / "app", 5)
+    with LocalDeployment(tmp_path / "dep", data_dirs=[tmp_path / "site_a", tmp_path / "site_b"]) as dep:
         deadline = time.time() + 120
         while dep.online_nodes() < 2:
             assert time.time() < deadline, "SuperNodes did not come online"
@@ -194,8 +207,23 @@ def test_deployment_with_tls_and_node_authentication(tmp_path):
         intruder = dep.start_unregistered_node()
         dep.run(app, tmp_path / "out")
         intruder.wait(120)  # type: ignore[attr-defined]
-        assert intruder.returncode != 0 or "failed" in (tmp_path / "dep" / "unregistered.log").read_text()
         assert dep.online_nodes() == 2  # the unregistered key never joined
+        # refused by the SuperLink, for its key: the link logs the intruder's public key as unknown, and the
+        # node exits with Flower's exit code 305 (SuperNode activation refused)
+        from cryptography.hazmat.primitives import serialization
+
+        priv = serialization.load_ssh_private_key(dep.keys[-1][0].read_bytes(), None)
+        pem = priv.public_key().public_bytes(serialization.Encoding.PEM,
+                                             serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+        link = (tmp_path / "dep" / "superlink.log").read_text()
+        refused = [ln for ln in link.splitlines() if "No SuperNode found with the given public key" in ln]
+        assert refused and repr(pem.encode())[2:-1] in refused[0], link[-3000:]
+        assert intruder.returncode != 0  # type: ignore[attr-defined]
+        assert "Exit Code: 305" in (tmp_path / "dep" / "unregistered.log").read_text()
+        for key in [tmp_path / "dep" / "certs" / "server.key", tmp_path / "dep" / "certs-ca" / "ca.key",
+                    *(priv for priv, _ in dep.keys)]:
+            assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
+        assert not (tmp_path / "dep" / "certs" / "ca.key").exists()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     server = checkpoint.load(tmp_path / "out" / "checkpoint.pt")["server"]
     st, final = _in_process(dumps(cfg.raw))

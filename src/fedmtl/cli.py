@@ -50,7 +50,22 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from .config import load
     from .data.federated import describe
 
-    cfg = load(args.config, args.set)
+    if len(args.what) == 2 and args.what[0] == "export":
+        from .data.npz import export, parse_range
+
+        if not args.out:
+            raise ConfigError("fedmtl data export: --out DIR is required")
+        cfg = load(args.what[1], args.set)
+        data = cfg.build_data()
+        n = data.seen.num_clients
+        ids = parse_range(args.clients, n) if args.clients else list(range(n))
+        export(data, args.out, ids)
+        print(f"written: {args.out}/dataset.json and {len(ids)} client_<k>.npz files (clients "
+              f"{ids[0]}-{ids[-1]} of {n})")
+        return 0
+    if len(args.what) != 1:
+        raise ConfigError("usage: fedmtl data CONFIG  |  fedmtl data export CONFIG --out DIR [--clients A-B]")
+    cfg = load(args.what[0], args.set)
     data = cfg.build_data()
     print(describe(data))
     return 0
@@ -141,8 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     _plugins_arg(sw)
     sw.set_defaults(fn=_cmd_sweep)
 
-    d = sub.add_parser("data", help="build a config's dataset and print its statistics")
-    d.add_argument("config")
+    d = sub.add_parser("data", help="print a config's dataset statistics, or 'export' it as per-client .npz files "
+                                    "(the node-local format of a Flower SuperNode's data-dir)")
+    d.add_argument("what", nargs="+", metavar="[export] CONFIG")
+    d.add_argument("--out", help="export: the data directory to write")
+    d.add_argument("--clients", help="export: which seen clients, e.g. 0-49 or 0,3,7 (default: all)")
     d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     _plugins_arg(d)
     d.set_defaults(fn=_cmd_data)

@@ -106,6 +106,12 @@ class Algorithm:
         """``syncs_clients`` methods: after aggregation, the stacked states of ALL clients (gossip)."""
         return server, clients
 
+    def sync_average(self, server: Any, mean_state: Tree) -> Any:
+        """``syncs_clients`` methods over Flower (server-relayed gossip): the server state after a ``sync`` whose
+        clients' new states average to ``mean_state`` (one client state), computed without the clients' states.
+        Only methods whose server keeps nothing but that average can be relayed."""
+        raise NotImplementedError(f"{self.name} cannot run as server-relayed gossip over Flower")
+
     # -- client ---------------------------------------------------------------------------------
     def init_client(self, ctx: Context, server: Any) -> Tree:
         """State one client starts with (unbatched); default: none."""

@@ -72,6 +72,14 @@ class _Gossip:
     def aggregate(self, ctx: Context, server: Gossip, updates: Tree, weights: Tensor, clients: Tensor) -> Gossip:
         return server
 
+    def _models(self, state: Tree) -> Params:
+        """The models part of a client state (what gossip mixes)."""
+        raise NotImplementedError
+
+    def sync_average(self, server: Gossip, mean_state: Tree) -> Gossip:
+        """The mixing matrices used are doubly stochastic: whoever mixes, the server's average is the clients'."""
+        return Gossip(server.mixing, self._models(mean_state))
+
     def _mix(self, server: Gossip, models: Params) -> tuple[Gossip, Params]:
         mixed = T.tmap(server.mixing.mix, models)
         return Gossip(server.mixing, T.tmap(lambda x: x.mean(0), mixed)), mixed
@@ -93,6 +101,9 @@ class DFedEM(_Gossip, FedEM):
     ) -> tuple[Params, PeerMixture, Tensor]:
         comps, st, nll = FedEM.client_update(self, ctx, state.components, MixtureWeights(state.pi), batches, lr)
         return {}, PeerMixture(comps, st.pi), nll
+
+    def _models(self, state: Tree) -> Params:
+        return state.components
 
     def sync(self, ctx: Context, server: Gossip, clients: PeerMixture) -> tuple[Gossip, PeerMixture]:  # type: ignore[override]
         server, mixed = self._mix(server, clients.components)
@@ -122,6 +133,9 @@ class DSGD(_Gossip, FedAvg):
     ) -> tuple[Params, PeerModel, Tensor]:
         params, _, loss = FedAvg.client_update(self, ctx, state.params, (), batches, lr)
         return {}, PeerModel(params), loss
+
+    def _models(self, state: Tree) -> Params:
+        return state.params
 
     def sync(self, ctx: Context, server: Gossip, clients: PeerModel) -> tuple[Gossip, PeerModel]:  # type: ignore[override]
         server, mixed = self._mix(server, clients.params)

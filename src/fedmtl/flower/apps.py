@@ -1,16 +1,21 @@
 """fedmtl algorithms as a Flower ``ServerApp`` and ``ClientApp`` (Flower >= 1.41, Message API).
 
-* **ServerApp** (``server_main``): asks every SuperNode which clients it serves (``query``), then runs the
-  engine's round loop (``fedmtl.engine.round.Engine`` driven by ``fedmtl.engine.driver.drive``) with the
-  Flower executor (``executor.FlowerClients``): the same sampling, systems model, NaN exclusion, aggregation,
-  evaluation, run directory, checkpoints and resume as ``fedmtl run``.  Flower's built-in strategies are not
-  used: they cannot carry several models per reply (FedEM's M components travel as stacked named arrays).
-* **ClientApp** (the handlers below): a SuperNode serving client k (``partition-id=k``, or several with
-  ``partition-ids="A-B"``) builds the experiment's federation from the config (same seed, so the same
-  partition) and runs the engine's ``LocalClients`` over its own clients: ``client_update`` on exactly the
-  batches the server's orders describe, with the run's local executor.  Client state (FedEM's pi, Ditto's
-  personal model, MOCHA's duals) stays on the node, in its persistent ``context.state`` (and, with
-  ``FEDMTL_FLOWER_STATE_DIR`` set, in 0600 files read back without pickle, so a restarted node finds it).
+* **ServerApp** (``server_main``): asks every SuperNode which clients it serves and what their data looks like
+  (``query``: client ids, training-set sizes, feature shape and dtype, classes; never data), refuses nodes that
+  disagree, then runs the engine's round loop (``fedmtl.engine.round.Engine`` driven by
+  ``fedmtl.engine.driver.drive``) with the Flower executor (``executor.FlowerClients``): the same sampling,
+  systems model, NaN exclusion, aggregation, evaluation, run directory, checkpoints and resume as ``fedmtl run``.
+  Flower's built-in strategies are not used: they cannot carry several models per reply (FedEM's M components
+  travel as stacked named arrays) nor several clients per message.
+* **ClientApp** (the handlers below): a SuperNode serves one or many clients.  Its data is either
+  *node-local* (node config ``data-dir=/path``: one ``client_<k>.npz`` per client, ``fedmtl.data.npz``) or, for
+  trying things out, rebuilt from the experiment config (``partition-id=K`` or ``partition-ids="A-B"``: the same
+  seed gives the same federation, of which the node keeps its share).  Per round the node gets *one* ``train``
+  message for all of its sampled clients and runs them with the engine's ``LocalClients`` and local executor
+  (vmap or loop, as ``run.runner`` says), on exactly the batches the server's orders describe.  Client state
+  (FedEM's pi, Ditto's personal models, MOCHA's duals, D-FedEM's models) stays on the node: in the run's
+  ``context.state`` and, with node config ``state-dir=/path`` (or ``FEDMTL_FLOWER_STATE_DIR``), in 0600 files
+  read back without pickle, so a restarted node or a resumed run finds it.
 """
 
 from __future__ import annotations
@@ -19,29 +24,33 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, RecordDict
+from torch import Tensor
 
 from .. import tree as T
 from ..algorithms.base import Algorithm
 from ..algorithms.base import Context as AlgContext
 from ..config import ExperimentConfig, validate
+from ..data.federated import FederatedData
 from ..engine.clients import LocalClients
 from ..engine.driver import RunResult, drive
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
+from ..model import Model
 from ..tree import Tree
-from .executor import FlowerClients, orders_of
+from .executor import FlowerClients, context_config, orders_of
 from .records import from_record, record_to_tree, to_config, to_metrics, tree_to_record
 
 log = logging.getLogger("fedmtl")
-STATE_KEY = "fedmtl.client_state"
+STATE_KEY = "fedmtl.client_states"
 
 
 def config_from_text(text: str, source: str = "<flower run config>") -> ExperimentConfig:
@@ -56,178 +65,278 @@ def _sha(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- client
 @dataclass
-class _Runtime:
+class _Node:
+    """What one SuperNode serves: its clients' data and federation-wide ids, the model and the algorithm."""
+
     cfg: ExperimentConfig
-    data: Any
-    model: Any
     alg: Algorithm
-    nodes: dict[tuple[int, ...], tuple[LocalClients, Tree]]  # per set of partitions served: clients, initial server
+    model: Model
+    data: FederatedData  # this node's clients only (seen, in id order)
+    ids: Tensor  # (K,) long, sorted: their federation-wide ids
+    source: str  # "data-dir" or "config"
+    clients: dict[tuple[Any, ...], tuple[LocalClients, Tree]] = field(default_factory=dict)
 
 
-_RUNTIMES: dict[str, _Runtime] = {}
+_NODES: dict[tuple[str, str], _Node] = {}
 
 
-def runtime(cfg_text: str) -> _Runtime:
-    """The node's dataset, model and algorithm, built once per process and config."""
-    key = _sha(cfg_text)
-    if key not in _RUNTIMES:
-        cfg = config_from_text(cfg_text)
-        data = cfg.build_data()
-        model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-        _RUNTIMES[key] = _Runtime(cfg, data, model, cfg.build_algorithm(), {})
-    return _RUNTIMES[key]
+def _partitions(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b) + 1)) if b else [int(a)]
+    return sorted(set(out))
 
 
-def _partitions(context: Context) -> list[int]:
-    """The clients this SuperNode serves: node config ``partition-id=K`` (one client, Flower's convention)
-    or ``partition-ids="A-B"`` / ``"A,B,C"`` (several clients on one machine)."""
-    nc = context.node_config
-    if "partition-ids" in nc:
-        out: list[int] = []
-        for part in str(nc["partition-ids"]).split(","):
-            a, _, b = part.strip().partition("-")
-            out += list(range(int(a), int(b) + 1)) if b else [int(a)]
-        return sorted(set(out))
-    if "partition-id" not in nc:
-        raise ValueError("this SuperNode has no node config 'partition-id' (start it with "
-                         "--node-config 'partition-id=K num-partitions=N')")
-    return [int(nc["partition-id"])]
+def node_of(context: Context, cfg_text: str) -> _Node:
+    """The node's data, model and algorithm, built once per process, config and node config."""
+    nc = dict(context.node_config)
+    key = (_sha(cfg_text), json.dumps({k: str(v) for k, v in sorted(nc.items())}))
+    if key in _NODES:
+        return _NODES[key]
+    cfg = config_from_text(cfg_text)
+    if "data-dir" in nc:
+        from ..data.npz import load_dir
 
-
-def _node_clients(rt: _Runtime, context: Context, conf: dict[str, Any]) -> tuple[LocalClients, Tree]:
-    """This node's clients as ``LocalClients`` (built once per process, their algorithm context from the
-    message) and the initial server state (the template of payloads; Ditto's personal models start from it)."""
-    ks = tuple(_partitions(context))
-    if any(not 0 <= k < rt.data.seen.num_clients for k in ks):
-        raise ValueError(f"partition ids {list(ks)[:8]} out of range: the federation has {rt.data.seen.num_clients} "
-                         "seen clients")
-    if ks not in rt.nodes:
-        cfg, dev = rt.cfg, torch.device("cpu")
-        ids = torch.tensor(ks, dtype=torch.long)
-        lc = LocalClients(rt.alg, rt.data.subset(ids), make_executor(cfg.run.runner, rt.model, dev, cfg.run.chunk_size,
-                                                                     cfg.run.bucketing),
-                          dev, cfg.run.batch_size, cfg.run.eval_chunk_elems, global_ids=ids)
-        ctx = AlgContext(rt.model, cfg.optim, int(conf["num_clients"]), float(conf["total_train"]),
-                         int(conf["local_epochs"]), int(conf["rounds"]), int(conf["max_train"]))
-        server0 = rt.alg.init_server(ctx, rt.model.init(cfg.run.seed), cfg.run.seed)
-        lc.start(ctx, server0)
-        rt.nodes[ks] = (lc, server0)
-    return rt.nodes[ks]
-
-
-def _state_file(cfg_text: str, k: int) -> Path | None:
-    root = os.environ.get("FEDMTL_FLOWER_STATE_DIR")
-    return None if not root else Path(root) / f"{_sha(cfg_text)[:16]}_client{k}.pt"
-
-
-def _restore(lc: LocalClients, context: Context, cfg_text: str, k: int) -> None:
-    """Put client k's saved state (context state, else the state directory) into the node's store."""
-    one = T.take(lc.read(torch.tensor([k])), 0)
-    if not T.leaves(one):
-        return
-    saved: Tree = None
-    if f"{STATE_KEY}.{k}" in context.state:
-        rec = context.state[f"{STATE_KEY}.{k}"]
-        assert isinstance(rec, ArrayRecord)
-        saved = record_to_tree(rec, one)
+        ids, data = load_dir(str(nc["data-dir"]))
+        source = "data-dir"
     else:
-        f = _state_file(cfg_text, k)
-        if f is not None and f.exists():
-            try:
-                saved = T.from_named(torch.load(f, map_location="cpu", weights_only=True), one)
-            except Exception as e:  # a corrupt or foreign file: say which, start the client afresh
-                log.warning("client %d: ignoring unreadable state file %s (%s)", k, f, e)
-    if saved is not None:
-        assert lc.store is not None
-        lc.store.write(lc.rows_of(torch.tensor([k])), T.stack([saved]))
+        if "partition-ids" in nc:
+            ks = _partitions(str(nc["partition-ids"]))
+        elif "partition-id" in nc:
+            ks = [int(nc["partition-id"])]
+        else:
+            raise ValueError("this SuperNode has no data: start it with --node-config \"data-dir=/path\" (its "
+                             "clients' .npz files) or 'partition-ids=\"A-B\"' (a share of the config's federation)")
+        full = cfg.build_data()
+        if any(not 0 <= k < full.seen.num_clients for k in ks):
+            raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {full.seen.num_clients} "
+                             "seen clients")
+        ids = torch.tensor(ks, dtype=torch.long)
+        data, source = full.subset(ids), "config"
+    model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
+    model.check_features(data.seen.train.x[:2])
+    node = _NODES[key] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
+    return node
 
 
-def _save(lc: LocalClients, context: Context, cfg_text: str, k: int) -> None:
-    state = T.take(lc.read(torch.tensor([k])), 0)
-    if not T.leaves(state):
+def _alg_context(node: _Node, conf: dict[str, Any]) -> AlgContext:
+    return AlgContext(node.model, node.cfg.optim, int(conf["num_clients"]), float(conf["total_train"]),
+                      int(conf["local_epochs"]), int(conf["rounds"]), int(conf["max_train"]))
+
+
+def _local_clients(node: _Node, conf: dict[str, Any]) -> tuple[LocalClients, Tree]:
+    """The node's clients as ``LocalClients`` (their algorithm context from the message) and the initial
+    server state (the template of payloads; Ditto's personal models and D-FedEM's mixing come from it)."""
+    ctx = _alg_context(node, conf)
+    key = tuple(context_config(ctx).values())
+    if key not in node.clients:
+        cfg, dev = node.cfg, torch.device("cpu")
+        lc = LocalClients(node.alg, node.data, make_executor(cfg.run.runner, node.model, dev, cfg.run.chunk_size,
+                                                             cfg.run.bucketing),
+                          dev, cfg.run.batch_size, cfg.run.eval_chunk_elems, global_ids=node.ids)
+        server0 = node.alg.init_server(ctx, node.model.init(cfg.run.seed), cfg.run.seed)
+        lc.start(ctx, server0)
+        node.clients[key] = (lc, server0)
+    return node.clients[key]
+
+
+def _state_dir(context: Context) -> Path | None:
+    root = context.node_config.get("state-dir") or os.environ.get("FEDMTL_FLOWER_STATE_DIR")
+    return None if not root else Path(str(root))
+
+
+_VERSION = re.compile(r"client(\d+)\.r(\d+)\.pt")
+
+
+def _versions(d: Path, tag: str, k: int) -> list[tuple[int, Path]]:
+    """Saved states of client k in state directory ``d``: (round, file), oldest first."""
+    sub = d / tag
+    if not sub.is_dir():
+        return []
+    out = []
+    for f in sub.glob(f"client{k}.r*.pt"):
+        m = _VERSION.fullmatch(f.name)
+        if m and int(m.group(1)) == k:
+            out.append((int(m.group(2)), f))
+    return sorted(out)
+
+
+def _restore(node: _Node, lc: LocalClients, context: Context, cfg_text: str, before: int) -> None:
+    """Put the node's clients' saved states into its store: the run's ``context.state`` (one stacked record),
+    else, client by client, the newest state file written before round ``before`` (a resumed run never sees
+    a state from rounds after its checkpoint)."""
+    assert lc.store is not None
+    if not lc.store.leaves:
         return
-    context.state[f"{STATE_KEY}.{k}"] = tree_to_record(state)
-    f = _state_file(cfg_text, k)
-    if f is not None:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=f.parent, prefix=f".{f.name}.", suffix=".tmp")  # 0600, a unique name
+    template = lc.read(node.ids[:1])
+    if STATE_KEY in context.state:
+        rec = context.state[STATE_KEY]
+        assert isinstance(rec, ArrayRecord)
+        saved = record_to_tree(rec, template, leading=True)
+        lc.store.write(torch.arange(len(node.ids)), saved)
+        return
+    d = _state_dir(context)
+    if d is None:
+        return
+    one = T.take(template, 0)
+    for row, k in enumerate(node.ids.tolist()):
+        for rnd, f in reversed(_versions(d, _sha(cfg_text)[:16], k)):
+            if rnd >= before:
+                continue
+            try:
+                got = torch.load(f, map_location="cpu", weights_only=True)
+                state = T.from_named(got["state"], one)
+            except Exception as e:  # a corrupt or foreign file: say which, try the older one
+                log.warning("client %d: ignoring unreadable state file %s (%s)", k, f, e)
+                continue
+            lc.store.write(torch.tensor([row]), T.stack([state]))
+            break
+
+
+def _save(node: _Node, lc: LocalClients, context: Context, cfg_text: str, rows: Tensor, rnd: int) -> None:
+    """Keep the node's client states: all of them in ``context.state``; the clients ``rows`` (written in round
+    ``rnd``) in the state directory, 0600 files through unique temporary names, keeping the versions a resume
+    from the last ``checkpoint_every`` rounds may need."""
+    assert lc.store is not None
+    if not lc.store.leaves:
+        return
+    context.state[STATE_KEY] = tree_to_record(lc.read(node.ids))
+    d = _state_dir(context)
+    if d is None or not rows.numel():
+        return
+    tag = _sha(cfg_text)[:16]
+    sub = d / tag
+    sub.mkdir(parents=True, exist_ok=True, mode=0o700)
+    keep = max(node.cfg.run.checkpoint_every, 1)
+    states = lc.store.read(rows)
+    for i, row in enumerate(rows.tolist()):
+        k = int(node.ids[row])
+        f = sub / f"client{k}.r{rnd}.pt"
+        fd, tmp = tempfile.mkstemp(dir=sub, prefix=f".{f.name}.", suffix=".tmp")  # 0600, a unique name
         try:
             with os.fdopen(fd, "wb") as fh:
-                torch.save(T.to_named(state), fh)
+                torch.save({"round": rnd, "state": T.to_named(T.take(states, i))}, fh)
             os.replace(tmp, f)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        # a resume restarts at the last checkpoint, at most `keep` rounds back, and reads the newest version
+        # written before it: keep every version since round rnd + 1 - keep and the newest one before
+        for _, stale in [v for v in _versions(d, tag, k) if v[0] < rnd + 1 - keep][:-1]:
+            stale.unlink(missing_ok=True)
 
 
-def _client_of(msg: Message, context: Context) -> tuple[int, dict[str, Any]]:
-    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
-    k = int(conf["client"])
-    if k not in _partitions(context):
-        raise ValueError(f"message for client {k} reached a SuperNode serving partitions {_partitions(context)[:8]}")
-    return k, conf
-
-
-def _maybe_fail(k: int, rnd: int) -> None:
-    """Test hook: FEDMTL_FLOWER_FAIL="k:r,k2:r2" makes client k raise in round r (a crashing device)."""
+def _maybe_fail(ks: list[int], rnd: int) -> None:
+    """Test hook: FEDMTL_FLOWER_FAIL="k:r,k2:r2" makes the node serving client k fail in round r (a crash)."""
     spec = os.environ.get("FEDMTL_FLOWER_FAIL", "")
     for item in filter(None, spec.split(",")):
         kk, rr = item.split(":")
-        if int(kk) == k and int(rr) == rnd:
-            raise RuntimeError(f"client {k} crashed in round {rnd} (FEDMTL_FLOWER_FAIL)")
+        if int(kk) in ks and int(rr) == rnd:
+            raise RuntimeError(f"client {kk} crashed in round {rnd} (FEDMTL_FLOWER_FAIL)")
+
+
+def _asked(node: _Node, conf: dict[str, Any]) -> Tensor:
+    ids = torch.tensor([int(k) for k in conf["clients"]], dtype=torch.long)
+    held = set(node.ids.tolist())
+    stray = [k for k in ids.tolist() if k not in held]
+    if stray:
+        raise ValueError(f"message for clients {stray[:8]} reached a SuperNode serving {node.ids[:8].tolist()}...")
+    return ids
 
 
 def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
-    rt = runtime(cfg_text)
-    ks = _partitions(context)
-    d = rt.data
-    if not all(0 <= k < d.seen.num_clients for k in ks):
-        raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {d.seen.num_clients} seen clients")
+    """What the server may know of this node: its clients' ids and training-set sizes, the feature shape and
+    dtype, the classes and the dataset's public metadata; never an example."""
+    node = node_of(context, cfg_text)
+    d = node.data
     info = to_config({
-        "partition_ids": ks, "num_clients": d.seen.num_clients,
-        "all_train_counts": d.seen.train.counts.tolist(),
-        "config_sha": _sha(cfg_text),
+        "client_ids": node.ids.tolist(), "train_counts": d.seen.train.counts.tolist(),
+        "config_sha": _sha(cfg_text), "source": node.source,
         "feature_shape": list(d.feature_shape), "feature_dtype": str(d.seen.train.x.dtype).removeprefix("torch."),
-        "num_classes": d.num_classes, "meta": json.dumps(d.meta, default=str),
+        "num_classes": d.num_classes, "meta": json.dumps(d.meta, default=str, sort_keys=True),
     })
     return Message(RecordDict({"info": info}), reply_to=msg)
 
 
 def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
-    rt = runtime(cfg_text)
-    k, conf = _client_of(msg, context)
-    r = int(conf["round"])
-    _maybe_fail(k, r)
-    lc, server0 = _node_clients(rt, context, conf)
-    _restore(lc, context, cfg_text, k)
-    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0), leading=True)  # type: ignore[arg-type]
-    out = lc.train(payload, torch.tensor([k]), orders_of(msg.content["order"]), float(conf["lr"]), r)  # type: ignore[arg-type]
-    ok = bool(out.ok[0])
-    if ok:  # a client never keeps a state whose update the server will reject
-        _save(lc, context, cfg_text, k)
-    n = int(lc.data.seen.train.counts[int(lc.rows_of(torch.tensor([k]))[0])])
+    """Train this node's sampled clients (one message per node per round) with the local executor; reply their
+    updates stacked in the order asked, their losses and which of them are finite."""
+    node = node_of(context, cfg_text)
+    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
+    ids, r = _asked(node, conf), int(conf["round"])
+    _maybe_fail(ids.tolist(), r)
+    lc, server0 = _local_clients(node, conf)
+    _restore(node, lc, context, cfg_text, r)
+    payload = record_to_tree(msg.content["payload"], node.alg.payload(server0), leading=True)  # type: ignore[arg-type]
+    out = lc.train(payload, ids, orders_of(msg.content["order"]), float(conf["lr"]), r)  # type: ignore[arg-type]
+    # a client never keeps a state whose update the server will reject (LocalClients writes finite ones only)
+    _save(node, lc, context, cfg_text, lc.rows_of(ids[out.ok]), r)
+    losses = torch.where(out.ok, out.losses.detach().double().cpu(), torch.zeros(()))
     content = RecordDict({
-        "update": tree_to_record(T.take(out.updates, 0)),
-        "metrics": to_metrics({"loss": float(out.losses[0]), "n": n, "finite": int(ok), "client": k}),
+        "update": tree_to_record(out.updates),
+        "metrics": to_metrics({"clients": ids.tolist(), "loss": losses.tolist(),
+                               "finite": out.ok.to(torch.long).tolist()}),
     })
     return Message(content, reply_to=msg)
 
 
 def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
-    rt = runtime(cfg_text)
-    k, conf = _client_of(msg, context)
-    lc, server0 = _node_clients(rt, context, conf)
-    _restore(lc, context, cfg_text, k)
-    payload = record_to_tree(msg.content["payload"], rt.alg.payload(server0), leading=True)  # type: ignore[arg-type]
+    """Score this node's asked clients on their own splits: per client, examples, correct and summed NLL."""
+    node = node_of(context, cfg_text)
+    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
+    ids = _asked(node, conf)
+    lc, server0 = _local_clients(node, conf)
+    _restore(node, lc, context, cfg_text, int(conf["round"]))
+    payload = record_to_tree(msg.content["payload"], node.alg.payload(server0), leading=True)  # type: ignore[arg-type]
     adapt = orders_of(msg.content["order"]) if "order" in msg.content else None  # type: ignore[arg-type]
-    res = lc.evaluate("seen", payload, server0, torch.tensor([k]), adapt, float(conf["lr"]))
-    out: dict[str, Any] = {"client": k}
+    res = lc.evaluate("seen", payload, server0, ids, adapt, float(conf["lr"]))
+    out: dict[str, Any] = {"clients": ids.tolist()}
     for name, m in res.items():
-        n = float(m["n"][0])
-        out[f"{name}_n"] = int(n)
-        out[f"{name}_correct"] = float(m["acc"][0] * max(n, 1.0))
-        out[f"{name}_nll"] = float(m["loss"][0] * max(n, 1.0))
+        n = torch.as_tensor(m["n"], dtype=torch.float64)
+        out[f"{name}_n"] = n.to(torch.long).tolist()
+        out[f"{name}_correct"] = (torch.as_tensor(m["acc"], dtype=torch.float64) * n.clamp_min(1)).tolist()
+        out[f"{name}_nll"] = (torch.as_tensor(m["loss"], dtype=torch.float64) * n.clamp_min(1)).tolist()
     return Message(RecordDict({"metrics": to_metrics(out)}), reply_to=msg)
+
+
+def handle_pull(msg: Message, context: Context, cfg_text: str) -> Message:
+    """Server-relayed gossip, step 1: this node's clients' states (all of them), for the server to forward."""
+    node = node_of(context, cfg_text)
+    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
+    lc, _ = _local_clients(node, conf)
+    _restore(node, lc, context, cfg_text, int(conf["round"]) + 1)
+    return Message(RecordDict({"states": tree_to_record(lc.read(node.ids)),
+                               "config": to_config({"clients": node.ids.tolist()})}), reply_to=msg)
+
+
+def handle_mix(msg: Message, context: Context, cfg_text: str) -> Message:
+    """Server-relayed gossip, step 2: mix this node's clients with the neighbours' states the server forwarded
+    (``alg.sync`` over a population whose other rows are zeros: row i of a gossip step reads only i's
+    neighbours, so this node's rows equal a simulation's).  Replies the sum of its clients' new states."""
+    node = node_of(context, cfg_text)
+    conf = from_record(msg.content["config"])  # type: ignore[arg-type]
+    lc, server0 = _local_clients(node, conf)
+    r = int(conf["round"])
+    _restore(node, lc, context, cfg_text, r + 1)
+    own = lc.read(node.ids)
+    n = int(conf["num_clients"])
+    full = T.tmap(lambda x: x.new_zeros((n, *x.shape[1:])), own)
+    nb_ids = torch.tensor([int(k) for k in conf["neighbours"]], dtype=torch.long)
+    if nb_ids.numel():
+        nb = record_to_tree(msg.content["neighbours"], own, leading=True)  # type: ignore[arg-type]
+        for dst, src in zip(T.leaves(full), T.leaves(nb), strict=True):
+            dst.index_copy_(0, nb_ids, src)
+    for dst, src in zip(T.leaves(full), T.leaves(own), strict=True):
+        dst.index_copy_(0, node.ids, src)
+    ctx = _alg_context(node, conf)
+    _, mixed = node.alg.sync(ctx, server0, full)
+    mine = T.tmap(lambda x: x.index_select(0, node.ids), mixed)
+    assert lc.store is not None
+    lc.store.write(torch.arange(len(node.ids)), mine, r)
+    _save(node, lc, context, cfg_text, torch.arange(len(node.ids)), r)
+    return Message(RecordDict({"sum": tree_to_record(T.tmap(lambda x: x.double().sum(0), mine)),
+                               "config": to_config({"clients": node.ids.tolist()})}), reply_to=msg)
 
 
 def make_client_app(cfg_text: str | None = None) -> Any:
@@ -251,6 +360,14 @@ def make_client_app(cfg_text: str | None = None) -> Any:
     def _evaluate(msg: Message, context: Context) -> Message:
         return handle_evaluate(msg, context, text(context))
 
+    @app.train("pull")
+    def _pull(msg: Message, context: Context) -> Message:
+        return handle_pull(msg, context, text(context))
+
+    @app.train("mix")
+    def _mix(msg: Message, context: Context) -> Message:
+        return handle_mix(msg, context, text(context))
+
     return app
 
 
@@ -263,8 +380,12 @@ class ServerOptions:
     connect_timeout: float = 300.0
 
 
+class NodeError(RuntimeError):
+    """SuperNodes that cannot form one federation (overlapping or missing clients, disagreeing data)."""
+
+
 def _discover(grid: Any, want: int | None, timeout: float) -> dict[int, dict[str, Any]]:
-    """client id -> {node_id, info} for every connected SuperNode."""
+    """node id -> what the node reported (``handle_query``), for every connected SuperNode."""
     t0 = time.time()
     while True:
         nodes = list(grid.get_node_ids())
@@ -277,36 +398,59 @@ def _discover(grid: Any, want: int | None, timeout: float) -> dict[int, dict[str
     out: dict[int, dict[str, Any]] = {}
     for rep in grid.send_and_receive(msgs, timeout=timeout):
         if rep.has_error():
-            raise RuntimeError(f"node {rep.metadata.src_node_id} failed the partition query: {rep.error.reason}")
-        info = from_record(rep.content["info"])  # type: ignore[arg-type]
-        for pid in info["partition_ids"]:
-            if pid in out:
-                raise RuntimeError(f"two SuperNodes claim partition {pid}")
-            out[int(pid)] = {"node_id": int(rep.metadata.src_node_id), **info}
+            raise NodeError(f"SuperNode {rep.metadata.src_node_id} could not describe its clients: "
+                            f"{rep.error.reason[:2000]}")
+        out[int(rep.metadata.src_node_id)] = from_record(rep.content["info"])  # type: ignore[arg-type]
+    if len(out) < len(nodes):
+        raise NodeError(f"only {len(out)} of {len(nodes)} SuperNodes answered the query within {timeout:.0f} s")
     return out
+
+
+def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Federation, torch.dtype, dict[int, int]]:
+    """The federation the nodes hold together, from their reports only: client id -> node, training-set sizes,
+    feature shape and dtype, classes.  Nodes that disagree, overlap or leave ids out are refused by name."""
+    ref_node, ref = next(iter(infos.items()))
+    for nid, info in infos.items():
+        if info["config_sha"] != _sha(cfg_text):
+            raise NodeError(f"SuperNode {nid} runs another experiment config than this ServerApp")
+        for key, what in (("feature_shape", "feature shape"), ("feature_dtype", "feature dtype"),
+                          ("num_classes", "number of classes"), ("meta", "dataset metadata")):
+            if info[key] != ref[key]:
+                raise NodeError(f"SuperNode {nid} reports {what} {info[key]!r} but SuperNode {ref_node} reports "
+                                f"{ref[key]!r}: every node's data must have the same {what}")
+    owner: dict[int, int] = {}
+    counts: dict[int, int] = {}
+    for nid, info in infos.items():
+        if len(info["client_ids"]) != len(info["train_counts"]):
+            raise NodeError(f"SuperNode {nid} sent {len(info['client_ids'])} ids but {len(info['train_counts'])} sizes")
+        for k, c in zip(info["client_ids"], info["train_counts"], strict=True):
+            if int(k) in owner:
+                raise NodeError(f"SuperNodes {owner[int(k)]} and {nid} both hold client {k}: a client's data lives "
+                                "on one node")
+            if int(c) < 1:
+                raise NodeError(f"SuperNode {nid}: client {k} has no training examples")
+            owner[int(k)], counts[int(k)] = nid, int(c)
+    n = len(owner)
+    missing = sorted(set(range(n)) - set(owner))
+    if missing:
+        raise NodeError(f"the SuperNodes' clients must be numbered 0..N-1 without gaps: no node holds client(s) "
+                        f"{missing[:10]} (ids go up to {max(owner)})")
+    fed = Federation(torch.tensor([counts[k] for k in range(n)], dtype=torch.long), tuple(ref["feature_shape"]),
+                     int(ref["num_classes"]), json.loads(ref["meta"]))
+    return fed, getattr(torch, str(ref["feature_dtype"])), owner
 
 
 def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> RunResult:
     """The ServerApp's main: discover the nodes, then drive the engine with the Flower executor."""
     cfg = config_from_text(cfg_text)
     alg = cfg.build_algorithm()
-    nodes = _discover(grid, opts.num_nodes or None, opts.connect_timeout)
-    first = next(iter(nodes.values()))
-    n_clients = int(first["num_clients"])
-    if any(v["config_sha"] != first["config_sha"] for v in nodes.values()):
-        raise RuntimeError("SuperNodes run different experiment configs")
-    if first["config_sha"] != _sha(cfg_text):
-        raise RuntimeError("the SuperNodes run another experiment config than this ServerApp")
-    missing = sorted(set(range(n_clients)) - set(nodes))
-    if missing:
-        raise RuntimeError(f"no SuperNode holds partition(s) {missing[:10]} (of {n_clients})")
-    fed = Federation(torch.tensor(first["all_train_counts"], dtype=torch.long), tuple(first["feature_shape"]),
-                     int(first["num_classes"]), json.loads(first["meta"]))
+    infos = _discover(grid, opts.num_nodes or None, opts.connect_timeout)
+    fed, dtype, owner = federation_of(infos, cfg_text)
+    log.info("flower server: %d SuperNodes hold %d clients (%s)", len(infos), fed.num_clients,
+             ", ".join(sorted({str(i["source"]) for i in infos.values()})))
     # the model skeleton from what the nodes report: the server never reads client data
     model = cfg.build_model(fed.feature_shape, fed.num_classes, fed.meta)
-    dtype = getattr(torch, str(first["feature_dtype"]))
-    clients = FlowerClients(grid, {k: v["node_id"] for k, v in nodes.items()}, alg, fed.feature_shape, dtype,
-                            opts.round_timeout)
+    clients = FlowerClients(grid, owner, alg, fed.feature_shape, dtype, opts.round_timeout)
     engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems)
     out = Path(opts.out) if opts.out else None
     resume = out is not None and (out / "checkpoint.pt").exists()
@@ -335,4 +479,4 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     return app
 
 
-__all__ = ["ServerOptions", "make_client_app", "make_server_app", "server_main"]
+__all__ = ["NodeError", "ServerOptions", "federation_of", "make_client_app", "make_server_app", "server_main"]

@@ -1,10 +1,12 @@
 """Deployment helpers: TLS certificates and SuperNode key pairs written with ``cryptography``.
 
-``make_certificates(dir)`` writes a self-signed CA (ca.crt, ca.key) and a server certificate for the
-SuperLink (server.pem, server.key) valid for 127.0.0.1 / localhost (or the given hosts);
-``make_node_keys(dir, n)`` writes n elliptic-curve (NIST P-384) key pairs, private and public keys in
-OpenSSH format (as ``ssh-keygen -t ecdsa -b 384`` writes them): what ``flower-supernode
---auth-supernode-private-key`` and ``flwr supernode register`` read.
+``make_certificates(dir, ca_dir)`` writes a self-signed CA and a server certificate for the SuperLink valid
+for 127.0.0.1 / localhost (or the given hosts): ``dir`` gets ``ca.crt`` (the only file every node receives),
+``server.pem`` and ``server.key`` (the SuperLink's); the CA's private key goes to ``ca_dir`` (default: a
+sibling ``<dir>-ca``), apart from everything that is copied to any machine.  ``make_node_keys(dir, n)``
+writes n elliptic-curve (NIST P-384) key pairs in OpenSSH format (as ``ssh-keygen -t ecdsa -b 384`` writes
+them): what ``flower-supernode --auth-supernode-private-key`` and ``flwr supernode register`` read.  Every
+private key is written 0600 (and its directory 0700) through a unique temporary name.
 """
 
 from __future__ import annotations
@@ -24,9 +26,33 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def make_certificates(out: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30) -> Path:
+def _write(path: Path, data: bytes, private: bool = False) -> None:
+    """Write ``data`` atomically; a private key 0600 from its first byte (never world-readable, not even briefly)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp: 0600
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        if not private:
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _private_dir(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    return d
+
+
+def make_certificates(out: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30,
+                      ca_dir: str | Path | None = None) -> Path:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _private_dir(out)  # holds server.key
+    ca_home = _private_dir(Path(ca_dir) if ca_dir is not None else out.with_name(out.name + "-ca"))
     now = dt.datetime.now(dt.UTC)
     ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     ca = (x509.CertificateBuilder().subject_name(_name("fedmtl-ca")).issuer_name(_name("fedmtl-ca"))
@@ -48,24 +74,24 @@ def make_certificates(out: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "l
             .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
     nopass = serialization.NoEncryption()
-    (out / "ca.crt").write_bytes(ca.public_bytes(pem))
-    (out / "ca.key").write_bytes(ca_key.private_bytes(pem, serialization.PrivateFormat.TraditionalOpenSSL, nopass))
-    (out / "server.pem").write_bytes(cert.public_bytes(pem))
-    (out / "server.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.TraditionalOpenSSL, nopass))
+    _write(ca_home / "ca.key", ca_key.private_bytes(pem, serialization.PrivateFormat.TraditionalOpenSSL, nopass),
+           private=True)
+    _write(out / "ca.crt", ca.public_bytes(pem))
+    _write(out / "server.pem", cert.public_bytes(pem))
+    _write(out / "server.key", key.private_bytes(pem, serialization.PrivateFormat.TraditionalOpenSSL, nopass),
+           private=True)
     return out
 
 
 def make_node_keys(out: str | Path, n: int, prefix: str = "node") -> list[tuple[Path, Path]]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _private_dir(Path(out))
     pairs = []
     for i in range(n):
         key = ec.generate_private_key(ec.SECP384R1())
         priv, pub = out / f"{prefix}{i}", out / f"{prefix}{i}.pub"
-        priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                           serialization.NoEncryption()))
-        pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                      serialization.PublicFormat.OpenSSH))
+        _write(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                       serialization.NoEncryption()), private=True)
+        _write(pub, key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
         pairs.append((priv, pub))
     return pairs
 
@@ -82,17 +108,23 @@ class LocalDeployment:
     """A real SuperLink (TLS, SuperNode authentication) and SuperNodes on 127.0.0.1, as processes.
 
     ``with LocalDeployment(workdir, partitions=[[0], [1]]) as dep: dep.run(app_dir, out_dir)`` registers one
-    key per SuperNode, starts the nodes (node i serves ``partitions[i]``), launches ``flwr run`` and stops
-    every process at exit.  ``start_unregistered_node()`` starts a node whose key was never registered
-    (the SuperLink must refuse it).  Executables come from the running interpreter's environment.
+    key per SuperNode, starts the nodes (node i serves ``partitions[i]`` of the config's federation, or, with
+    ``data_dirs``, the clients whose ``.npz`` files are in ``data_dirs[i]``), launches ``flwr run`` and stops
+    every process at exit (by the process groups it started).  ``start_unregistered_node()`` starts a node
+    whose key was never registered (the SuperLink must refuse it).  Executables come from the running
+    interpreter's environment.
     """
 
-    def __init__(self, workdir: str | Path, partitions: list[list[int]], num_clients: int | None = None):
+    def __init__(self, workdir: str | Path, partitions: list[list[int]] | None = None,
+                 data_dirs: list[str | Path] | None = None):
         import sys
 
+        if (partitions is None) == (data_dirs is None):
+            raise ValueError("give the nodes either partitions (of the config's federation) or data_dirs")
         self.dir = Path(workdir)
+        self.node_configs = ([f'data-dir="{Path(d).resolve()}"' for d in data_dirs] if data_dirs is not None else
+                             [f'partition-ids="{",".join(str(k) for k in p)}"' for p in partitions or []])
         self.partitions = partitions
-        self.num_clients = num_clients or sum(len(p) for p in partitions)
         self.bin = Path(sys.executable).parent
         self.port = free_port()
         self.env = {**os.environ, "FLWR_HOME": str(self.dir / "flwr-home"),
@@ -124,7 +156,7 @@ class LocalDeployment:
 
         self.dir.mkdir(parents=True, exist_ok=True)
         certs = make_certificates(self.dir / "certs")
-        self.keys = make_node_keys(self.dir / "keys", len(self.partitions) + 1)
+        self.keys = make_node_keys(self.dir / "keys", len(self.node_configs) + 1)
         home = self.dir / "flwr-home"
         home.mkdir(exist_ok=True)
         (home / "config.toml").write_text(
@@ -145,14 +177,12 @@ class LocalDeployment:
                     self.stop()
                     raise
                 time.sleep(1)
-        for i, part in enumerate(self.partitions):
+        for i, node_config in enumerate(self.node_configs):
             self._cli("supernode", "register", str(self.keys[i][1]), "deployment")
-            ids = ",".join(str(k) for k in part)
             self._spawn(f"supernode{i}", [
                 str(self.bin / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
                 "--root-certificates", str(certs / "ca.crt"), "--auth-supernode-private-key", str(self.keys[i][0]),
-                "--node-config", f'partition-ids="{ids}" num-partitions={self.num_clients}',
-                "--host", "127.0.0.1", "--port", str(free_port())])
+                "--node-config", node_config, "--host", "127.0.0.1", "--port", str(free_port())])
         return self
 
     def start_unregistered_node(self) -> object:
@@ -168,7 +198,7 @@ class LocalDeployment:
     def run(self, app_dir: str | Path, out_dir: str | Path, timeout: float = 900) -> str:
         """``flwr run`` the app (streaming its log) and wait for it; returns the log."""
         return self._cli("run", str(app_dir), "deployment", "--stream", "--run-config",
-                         f"fedmtl-out='{Path(out_dir).resolve()}' fedmtl-num-nodes={len(self.partitions)}",
+                         f"fedmtl-out='{Path(out_dir).resolve()}' fedmtl-num-nodes={len(self.node_configs)}",
                          timeout=timeout)
 
     def stop(self) -> None:

@@ -2,12 +2,22 @@
 SuperNodes, so a Flower ServerApp runs the same ``Engine`` and driver as a simulation (sampling, systems
 model, NaN exclusion, aggregation, evaluation, checkpoints, resume).
 
-Per round, every sampled client gets one ``train`` message: the payload (an ``ArrayRecord`` of named tensors),
-its own epoch order of local examples and its straggler limit (so it runs exactly the batches a simulation
-would), and the scalars of the algorithm's context.  Its node replies with the client's update (its state
-stays on the node).  A reply that carries an error, never arrives within ``round_timeout`` seconds or cannot
-be decoded is a *failed* client: dropped for that round, logged and counted.  A node's client whose update,
-state or loss is not finite reports it (``finite = 0``), keeps its old state, and is *excluded*.
+**One message per node per round.**  The sampled clients are grouped by the SuperNode that holds them; each
+node gets one ``train`` message: the payload (an ``ArrayRecord`` of named tensors), the ids of its sampled
+clients, their epoch orders and straggler limits (so each runs exactly the batches a simulation would) and
+the scalars of the algorithm's context.  The node runs them with its local executor and replies their
+updates, stacked in the order asked.  Updates travel per client, never pre-summed on the node, for every
+algorithm: the server's aggregate is the algorithm's own (FedEM's responsibilities, Clustered FL's per-cluster
+means, MOCHA's dual sums) and it must see each update to exclude non-finite ones exactly as a simulation does.
+
+A node whose reply carries an error, never arrives within ``round_timeout`` seconds or cannot be decoded
+*fails*: its clients are dropped for that round, logged and counted.  A client whose update, state or loss is
+not finite is reported (``finite = 0``), keeps its old state on its node, and is *excluded*.
+
+**Decentralized methods** (D-FedEM, D-SGD) gossip through the server, which keeps no client model: it pulls
+every node's client states, forwards to each node the states of its clients' neighbours in the mixing graph
+(``train.mix``), and each node mixes its own clients; the server only learns the population average (for
+unseen clients and reports) from the nodes' partial sums.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch import Tensor
 
 from .. import tree as T
@@ -51,19 +61,29 @@ def update_template(alg: Algorithm, ctx: Context, server0: Tree, feature_shape: 
     return T.tmap(lambda t: t.detach().cpu(), update)
 
 
-def order_record(orders: Orders, i: int) -> ArrayRecord:
-    """Client i's epoch order (E, n_i) of its own examples, and its step limit."""
-    s, e = int(orders.starts[i]), int(orders.starts[i + 1])
-    rec = {"local": orders.local[:, s:e].contiguous()}
+def order_record(orders: Orders, positions: list[int]) -> ArrayRecord:
+    """The epoch orders (E, n_i) of the clients at ``positions`` of ``orders``, concatenated, with their
+    starts and step limits: what one node needs to run exactly a simulation's batches."""
+    parts = [orders.local[:, int(orders.starts[i]) : int(orders.starts[i + 1])] for i in positions]
+    sizes = torch.tensor([p.shape[1] for p in parts], dtype=torch.long)
+    starts = torch.zeros(len(parts) + 1, dtype=torch.long)
+    starts[1:] = torch.cumsum(sizes, 0)
+    rec = {"local": torch.cat(parts, 1).contiguous(), "starts": starts}
     if orders.limit is not None:
-        rec["limit"] = orders.limit[i : i + 1].to(torch.long)
+        rec["limit"] = orders.limit[torch.tensor(positions, dtype=torch.long)].to(torch.long)
     return ArrayRecord(rec)
 
 
 def orders_of(rec: ArrayRecord) -> Orders:
-    local = torch.from_numpy(np.ascontiguousarray(rec["local"].numpy())).to(torch.long)
-    limit = torch.from_numpy(rec["limit"].numpy()).to(torch.long) if "limit" in rec else None
-    return Orders(local, torch.tensor([0, local.shape[1]]), limit)
+    def get(name: str) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(rec[name].numpy())).to(torch.long)
+
+    local = get("local")
+    if local.dim() != 2:
+        raise RecordError(f"epoch orders must be 2-d (epochs, examples), got shape {tuple(local.shape)}")
+    starts = get("starts")
+    limit = get("limit") if "limit" in rec else None
+    return Orders(local, starts, limit)
 
 
 class FlowerClients:
@@ -77,97 +97,170 @@ class FlowerClients:
 
     def __init__(self, grid: Any, nodes: dict[int, int], alg: Algorithm, feature_shape: tuple[int, ...],
                  feature_dtype: torch.dtype, round_timeout: float = 600.0):
-        if alg.syncs_clients:
-            raise ValueError(f"algorithm {alg.name!r} gossips between neighbours after each round; Flower runs are "
-                             "hub-and-spoke and decentralized methods are not offered over Flower yet")
         self.grid, self.nodes, self.alg = grid, nodes, alg
         self.feature_shape, self.feature_dtype = feature_shape, feature_dtype
         self.round_timeout = round_timeout
         self.ctx: Context | None = None
         self.template: Tree = None
+        self.state_template: Tree = None
+        self.round = 0  # rounds completed: evaluation reads the client states written before it
 
     def start(self, ctx: Context, server0: Tree, resume: dict[str, Any] | None = None, round_idx: int = 0) -> None:
-        self.ctx = ctx
+        self.ctx, self.round = ctx, round_idx
         self.template = update_template(self.alg, ctx, server0, self.feature_shape, self.feature_dtype)
+        self.state_template = T.take(self.alg.init_clients(ctx, server0, torch.zeros(1, dtype=torch.long)), 0)
+
+    def _by_node(self, ids: Tensor) -> dict[int, list[int]]:
+        """node id -> positions (into ``ids``) of the clients it holds, in order."""
+        out: dict[int, list[int]] = {}
+        for i, k in enumerate(ids.tolist()):
+            out.setdefault(self.nodes[int(k)], []).append(i)
+        return out
 
     def _send(self, msgs: list[Message]) -> list[Message]:
         return list(self.grid.send_and_receive(msgs, timeout=self.round_timeout))
 
-    def _replies(self, msgs: list[Message], ids: Tensor, what: str) -> dict[int, Message]:
-        position = {int(k): i for i, k in enumerate(ids.tolist())}
+    def _exchange(self, msgs: dict[int, Message], what: str) -> dict[int, Message]:
+        """Send one message per node; node id -> its reply (nodes that failed or never answered are logged)."""
         out: dict[int, Message] = {}
-        for rep in self._send(msgs):
+        for rep in self._send(list(msgs.values())):
+            nid = int(rep.metadata.src_node_id)
             if rep.has_error():
-                log.warning("%s: a client on node %s failed: %s", what, rep.metadata.src_node_id,
-                            rep.error.reason[:200])
-                continue
-            try:
-                k = int(from_record(rep.content["metrics"])["client"])  # type: ignore[arg-type]
-            except (KeyError, TypeError, ValueError):
-                log.warning("%s: node %s sent a reply without a client id", what, rep.metadata.src_node_id)
-                continue
-            if k in position:
-                out[position[k]] = rep
+                log.warning("%s: SuperNode %s failed: %s", what, nid, rep.error.reason[:300])
+            elif nid in msgs:
+                out[nid] = rep
+        for nid in set(msgs) - set(out):
+            log.warning("%s: no usable reply from SuperNode %s", what, nid)
         return out
 
-    def train(self, payload: Tree, ids: Tensor, orders: Orders, lr: float, round_idx: int) -> TrainOut:
+    def _config(self, extra: dict[str, Any]) -> ConfigRecord:
         assert self.ctx is not None
+        return to_config({**context_config(self.ctx), **extra})
+
+    def train(self, payload: Tree, ids: Tensor, orders: Orders, lr: float, round_idx: int) -> TrainOut:
         prec = tree_to_record(payload)
-        base = {"round": round_idx, "lr": lr, **context_config(self.ctx)}
-        msgs = [Message(RecordDict({"payload": prec, "order": order_record(orders, i),
-                                    "config": to_config({**base, "client": int(k)})}),
-                        dst_node_id=self.nodes[int(k)], message_type="train", group_id=str(round_idx))
-                for i, k in enumerate(ids.tolist())]
-        replies = self._replies(msgs, ids, f"round {round_idx}")
+        groups = self._by_node(ids)
+        msgs = {nid: Message(RecordDict({
+            "payload": prec, "order": order_record(orders, pos),
+            "config": self._config({"round": round_idx, "lr": lr, "clients": [int(ids[i]) for i in pos]})}),
+            dst_node_id=nid, message_type="train", group_id=str(round_idx)) for nid, pos in groups.items()}
+        replies = self._exchange(msgs, f"round {round_idx}")
         k = len(ids)
-        updates: list[Tree | None] = [None] * k
+        updates = T.broadcast(T.zeros_like(self.template), k) if T.leaves(self.template) else self.template
+        updates = T.tmap(lambda x: x.clone(), updates)
         losses = torch.full((k,), float("nan"))
         ok = torch.zeros(k, dtype=torch.bool)
         failed = torch.ones(k, dtype=torch.bool)
-        for i, rep in replies.items():
-            met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
-            failed[i] = False
-            if not met.get("finite", 0):
-                continue
+        for nid, rep in replies.items():
+            pos = groups[nid]
             try:
-                updates[i] = record_to_tree(rep.content["update"], self.template)  # type: ignore[arg-type]
-            except (RecordError, KeyError) as e:
-                log.warning("round %d: client %d sent a malformed update: %s", round_idx, int(ids[i]), e)
-                failed[i] = True
+                met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
+                if [int(c) for c in met["clients"]] != [int(ids[i]) for i in pos]:
+                    raise RecordError("the reply's clients are not the ones asked")
+                got = record_to_tree(rep.content["update"], T.broadcast(self.template, 1), leading=True)  # type: ignore[arg-type]
+                if any(x.shape[0] != len(pos) for x in T.leaves(got)):
+                    raise RecordError(f"{len(pos)} clients asked, updates of another number came back")
+                fin = torch.tensor([bool(f) for f in met["finite"]])
+                loss = torch.tensor([float(v) for v in met["loss"]], dtype=torch.float64)
+            except (RecordError, KeyError, TypeError, ValueError) as e:
+                log.warning("round %d: SuperNode %s sent a malformed reply: %s", round_idx, nid, e)
                 continue
-            ok[i] = True
-            losses[i] = float(met["loss"])
-        zeros = T.zeros_like(self.template)
-        stacked = T.stack([u if u is not None else zeros for u in updates])
-        return TrainOut(stacked, losses, ok, failed)
+            where = torch.tensor(pos, dtype=torch.long)
+            for dst, src in zip(T.leaves(updates), T.leaves(got), strict=True):
+                dst.index_copy_(0, where, src.to(dst.dtype))
+            failed[where] = False
+            ok[where] = fin
+            losses[where] = torch.where(fin, loss, torch.tensor(float("nan"), dtype=torch.float64)).float()
+        self.round = round_idx + 1
+        return TrainOut(updates, losses, ok, failed)
 
     def evaluate(self, group: str, payload: Tree, server: Tree, ids: Tensor, adapt: Orders | None,
                  lr: float) -> dict[str, Any]:
-        assert self.ctx is not None and group == "seen"
+        assert group == "seen"
         prec = tree_to_record(payload)
-        base = {"lr": lr, **context_config(self.ctx)}
-        msgs = []
-        for i, k in enumerate(ids.tolist()):
-            content = {"payload": prec, "config": to_config({**base, "client": int(k)})}
+        groups = self._by_node(ids)
+        msgs = {}
+        for nid, pos in groups.items():
+            content = {"payload": prec, "config": self._config({"lr": lr, "round": self.round,
+                                                                 "clients": [int(ids[i]) for i in pos]})}
             if adapt is not None:
-                content["order"] = order_record(adapt, i)
-            msgs.append(Message(RecordDict(content), dst_node_id=self.nodes[int(k)], message_type="evaluate",
-                                group_id="eval"))
-        replies = self._replies(msgs, ids, "evaluation")
-        names = sorted({key.rsplit("_", 1)[0] for rep in replies.values()
-                        for key in from_record(rep.content["metrics"]) if key != "client"})  # type: ignore[arg-type]
+                content["order"] = order_record(adapt, pos)
+            msgs[nid] = Message(RecordDict(content), dst_node_id=nid, message_type="evaluate", group_id="eval")
+        replies = self._exchange(msgs, "evaluation")
+        metrics = {}
+        for nid, rep in replies.items():
+            try:
+                met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
+                if [int(c) for c in met["clients"]] != [int(ids[i]) for i in groups[nid]]:
+                    raise RecordError("the reply's clients are not the ones asked")
+            except (RecordError, KeyError, TypeError, ValueError) as e:
+                log.warning("evaluation: SuperNode %s sent a malformed reply: %s", nid, e)
+                continue
+            metrics[nid] = met
+        names = sorted({key.rsplit("_", 1)[0] for met in metrics.values() for key in met if key != "clients"})
         out: dict[str, Any] = {}
         for name in names:
             cols = {f: torch.zeros(len(ids), dtype=torch.float64) for f in ("n", "correct", "nll")}
-            for i, rep in replies.items():
-                met = from_record(rep.content["metrics"])  # type: ignore[arg-type]
+            for nid, met in metrics.items():
+                where = torch.tensor(groups[nid], dtype=torch.long)
                 for f in cols:
-                    cols[f][i] = float(met.get(f"{name}_{f}", 0.0))
+                    cols[f][where] = torch.tensor([float(v) for v in met[f"{name}_{f}"]], dtype=torch.float64)
             out[name] = per_client(cols["correct"], cols["nll"], cols["n"], ids)
         return out
 
     def gossip(self, fn: Callable[[Tree, Tree], tuple[Tree, Tree]], server: Tree, round_idx: int) -> Tree:
-        raise NotImplementedError("decentralized methods are not offered over Flower")
+        """Server-relayed gossip (see the module docstring); ``fn`` is the nodes' business, not the server's."""
+        every = self._by_node(torch.arange(len(self.nodes)))
+        pulls = {nid: Message(RecordDict({"config": self._config({"round": round_idx})}), dst_node_id=nid,
+                              message_type="train.pull", group_id=f"pull{round_idx}") for nid in every}
+        replies = self._exchange(pulls, f"gossip round {round_idx}")
+        if len(replies) < len(every):
+            raise RuntimeError(f"gossip round {round_idx}: {len(every) - len(replies)} SuperNode(s) did not send "
+                               "their clients' states; decentralized runs need every node every round")
+        states: dict[int, tuple[list[int], Tree]] = {}
+        for nid, rep in replies.items():
+            ks = [int(c) for c in from_record(rep.content["config"])["clients"]]  # type: ignore[arg-type]
+            states[nid] = (ks, rep.content["states"])
+        owner_pos = {k: (nid, j) for nid, (ks, _) in states.items() for j, k in enumerate(ks)}
+        mixing = getattr(server, "mixing", None)
+        n = len(self.nodes)
+        neighbours: dict[int, set[int]] = {k: set() for k in range(n)}
+        if mixing is not None:
+            for i, j in mixing.edges.tolist():
+                neighbours[i].add(j)
+                neighbours[j].add(i)
+        else:  # no sparse graph known to the server: every client may read every other
+            neighbours = {k: set(range(n)) - {k} for k in range(n)}
+        decoded: dict[int, Tree] = {}
+        mixes = {}
+        for nid, (ks, _) in states.items():
+            want = sorted(set().union(*(neighbours[k] for k in ks)) - set(ks))
+            content: dict[str, Any] = {"config": self._config({"round": round_idx, "neighbours": want})}
+            if want:
+                parts = []
+                for k in want:
+                    src, j = owner_pos[k]
+                    if src not in decoded:
+                        decoded[src] = _record_rows(states[src][1])
+                    parts.append({name: rows[j : j + 1] for name, rows in decoded[src].items()})
+                content["neighbours"] = ArrayRecord({name: torch.cat([p[name] for p in parts])
+                                                     for name in parts[0]})
+            mixes[nid] = Message(RecordDict(content), dst_node_id=nid, message_type="train.mix",
+                                 group_id=f"mix{round_idx}")
+        mixed = self._exchange(mixes, f"gossip round {round_idx}")
+        if len(mixed) < len(mixes):
+            raise RuntimeError(f"gossip round {round_idx}: {len(mixes) - len(mixed)} SuperNode(s) failed to mix")
+        total: dict[str, Tensor] = {}
+        for rep in mixed.values():
+            for name, v in _record_rows(rep.content["sum"]).items():  # type: ignore[arg-type]
+                total[name] = total[name] + v if name in total else v
+        ref = T.to_named(self.state_template)
+        mean = {name: (v / n).to(ref[name].dtype) if name in ref else v for name, v in total.items()}
+        try:
+            mean_state = T.from_named(mean, self.state_template, next(iter(ref.values())).device)
+        except T.TreeError as e:
+            raise RecordError(f"gossip round {round_idx}: the nodes' sums do not match the client state: {e}") from None
+        return self.alg.sync_average(server, mean_state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "remote"}
@@ -177,3 +270,7 @@ class FlowerClients:
 
     def close(self) -> None:
         pass
+
+
+def _record_rows(rec: Any) -> dict[str, Tensor]:
+    return {name: torch.from_numpy(np.ascontiguousarray(rec[name].numpy())) for name in rec.keys()}

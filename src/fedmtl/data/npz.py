@@ -1,0 +1,183 @@
+"""Node-local data: one ``.npz`` file per client, the format a site's SuperNode reads (``data-dir``).
+
+Layout of a data directory::
+
+    dataset.json        {"format": "fedmtl-npz/1", "num_classes": C, "meta": {...}}   (meta optional)
+    client_<k>.npz      x_train, y_train, x_test, y_test[, x_val, y_val]  for client k (its federation-wide id)
+
+* ``k`` is a non-negative integer, the client's id in the whole federation; a node may hold any subset of
+  the ids, the nodes of one deployment together hold 0..N-1, each id on one node only.
+* ``x_*`` have shape ``(n, *feature_shape)``, the same feature shape and dtype for every client of every
+  node (float features are trained in float32; integer features, e.g. token ids, stay integer);
+  ``y_*`` are 1-d integer class labels in ``[0, num_classes)``.  A client needs at least one training
+  example; test and validation splits may be empty.  ``x_val`` and ``y_val`` come together, and either every
+  client of a node has them or none does.
+* Files are read with ``numpy.load(allow_pickle=False)``: object arrays are refused, never unpickled.
+
+``export`` writes any federation in this format (``fedmtl data export CONFIG --out DIR --clients A-B``);
+``load_dir`` reads one back as a ``FederatedData`` of the directory's clients plus their ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .federated import DataError, FederatedData
+
+FORMAT = "fedmtl-npz/1"
+_NAME = re.compile(r"client_(\d+)\.npz")
+
+
+def parse_range(spec: str, n: int) -> list[int]:
+    """``"A-B"`` (inclusive), ``"A,B,C"`` or a mix, as sorted distinct ids in [0, n)."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        a, sep, b = part.partition("-")
+        try:
+            lo, hi = int(a), int(b) if sep else int(a)
+        except ValueError:
+            raise DataError(f"--clients {spec!r}: expected ranges like 0-49 or lists like 0,3,7") from None
+        if lo > hi or lo < 0 or hi >= n:
+            raise DataError(f"--clients {spec!r}: {part} is not a range within the federation's clients 0-{n - 1}")
+        out.update(range(lo, hi + 1))
+    if not out:
+        raise DataError(f"--clients {spec!r}: no clients")
+    return sorted(out)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, Tensor | np.ndarray):
+        return v.tolist()
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return str(v)
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def export(data: FederatedData, out: str | Path, clients: list[int]) -> Path:
+    """Write the seen clients ``clients`` of ``data`` to ``out`` (one ``client_<k>.npz`` each, plus
+    ``dataset.json``); files are written atomically."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    n = data.seen.num_clients
+    bad = [k for k in clients if not 0 <= k < n]
+    if bad:
+        raise DataError(f"clients {bad[:5]} out of range: the federation has {n} seen clients")
+    info = {"format": FORMAT, "name": data.name, "num_classes": data.num_classes, "meta": _jsonable(data.meta)}
+    _write_atomic(out / "dataset.json", lambda fh: fh.write(json.dumps(info, indent=1).encode()))
+    for k in clients:
+        arrays = {}
+        for split, s in data.seen.splits().items():
+            x, y = s.client(k)
+            arrays[f"x_{split}"], arrays[f"y_{split}"] = x.numpy(), y.numpy()
+        _write_atomic(out / f"client_{k}.npz", lambda fh, a=arrays: np.savez(fh, **a))
+    return out
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    f = path / "dataset.json"
+    if not f.is_file():
+        raise DataError(f"{path}: no dataset.json (a data directory holds dataset.json and client_<k>.npz files; "
+                        "'fedmtl data export' writes one)")
+    try:
+        info = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{f}: not readable JSON ({e})") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise DataError(f"{f}: not a fedmtl data directory description (\"format\" must be {FORMAT!r})")
+    c = info.get("num_classes")
+    if isinstance(c, bool) or not isinstance(c, int) or c < 2:
+        raise DataError(f"{f}: num_classes must be an integer >= 2, got {c!r}")
+    if not isinstance(info.get("meta", {}), dict):
+        raise DataError(f"{f}: meta must be a JSON object")
+    return info
+
+
+def _read_client(f: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(f, allow_pickle=False) as z:
+            arrays = {name: z[name] for name in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise DataError(f"{f}: not a readable .npz file ({type(e).__name__}: {str(e)[:200]})") from None
+    for need in ("x_train", "y_train", "x_test", "y_test"):
+        if need not in arrays:
+            raise DataError(f"{f}: missing array {need!r} (has {sorted(arrays)})")
+    if ("x_val" in arrays) != ("y_val" in arrays):
+        raise DataError(f"{f}: x_val and y_val must come together")
+    extra = set(arrays) - {"x_train", "y_train", "x_test", "y_test", "x_val", "y_val"}
+    if extra:
+        raise DataError(f"{f}: unexpected arrays {sorted(extra)}")
+    return arrays
+
+
+def load_dir(path: str | Path) -> tuple[Tensor, FederatedData]:
+    """The clients of a data directory: their ids (sorted, long) and their data (seen clients in id order).
+    Every problem (missing or corrupt file, wrong keys, shapes, dtypes, labels) is a ``DataError`` naming
+    the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"data-dir {path}: no such directory")
+    info = _read_info(path)
+    files = {}
+    for f in path.iterdir():
+        m = _NAME.fullmatch(f.name)
+        if m:
+            files[int(m.group(1))] = f
+        elif f.suffix == ".npz":
+            raise DataError(f"{f}: client files are named client_<k>.npz with k the client's federation-wide id")
+    if not files:
+        raise DataError(f"data-dir {path}: no client_<k>.npz files")
+    ids = sorted(files)
+    per: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "test": [], "val": []}
+    has_val = None
+    for k in ids:
+        a = _read_client(files[k])
+        if has_val is None:
+            has_val = "x_val" in a
+        elif has_val != ("x_val" in a):
+            raise DataError(f"{files[k]}: either every client of {path} has x_val/y_val or none does")
+        for split in ("train", "test", "val"):
+            if f"x_{split}" not in a:
+                continue
+            x, y = a[f"x_{split}"], a[f"y_{split}"]
+            if x.dtype == object or y.dtype == object:
+                raise DataError(f"{files[k]}: object arrays are not allowed")
+            if y.dtype.kind == "f":
+                raise DataError(f"{files[k]}: y_{split} must hold integer class labels, got {y.dtype}")
+            per[split].append((x, y))
+    try:
+        data = FederatedData.from_arrays(per["train"], per["test"], per["val"] if has_val else None,
+                                         num_classes=int(info["num_classes"]), name=str(info.get("name", path.name)),
+                                         meta=dict(info.get("meta", {})))
+    except DataError as e:
+        # from_arrays numbers clients by position: name the file instead
+        msg = re.sub(r"client (\d+)", lambda m: f"client_{ids[int(m.group(1))]}.npz", str(e))
+        raise DataError(f"data-dir {path}: {msg}") from None
+    return torch.tensor(ids, dtype=torch.long), data
+
+
+__all__ = ["FORMAT", "export", "load_dir", "parse_range"]
