@@ -248,3 +248,40 @@ def test_cli_writes_a_flower_app_project(tmp_path):
     assert embedded["algorithm"]["name"] == "fedavg" and embedded["data"]["num_clients"] == 5
     assert "enable-supernode-auth" in (tmp_path / "app" / "DEPLOY.md").read_text()
     assert main(["flower", "app", str(cfg), "--clients", "7", "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the deliberate kill
+def test_interrupted_flower_run_resumes_exactly_from_node_state_files(tmp_path, monkeypatch):
+    """A server killed after round 3 (checkpoint of round 2) resumes in a new Flower run: the nodes find
+    their clients' states (FedEM's pi) in their state directory, take the version written before the
+    checkpoint's round (not the newer one), and the run ends exactly as an uninterrupted one."""
+    import stat
+    import tomllib
+
+    from fedmtl.engine.round import Engine
+    from fedmtl.flower.simulation import simulate
+
+    raw = CONFIG.format(alg="fedem", extra="num_components = 2", k=0).replace("rounds = 3", "rounds = 4")
+    text = dumps(validate(tomllib.loads(raw + "checkpoint_every = 2\n")).raw)
+    monkeypatch.setenv("FEDMTL_FLOWER_STATE_DIR", str(tmp_path / "state"))
+    real = Engine.round
+
+    def dies_in_round_4(self, state):
+        if state.round == 3:
+            raise KeyboardInterrupt("server killed")
+        return real(self, state)
+
+    monkeypatch.setattr(Engine, "round", dies_in_round_4)
+    with pytest.raises(BaseException):  # noqa: B017 (the server's death, however Flower reports it)
+        simulate(text, out=tmp_path / "run")
+    files = sorted((tmp_path / "state").rglob("client0.r*.pt"))
+    assert [f.name for f in files] == ["client0.r0.pt", "client0.r1.pt", "client0.r2.pt"]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    monkeypatch.setattr(Engine, "round", real)
+    res = simulate(text, out=tmp_path / "run")
+    st, final = _in_process(text)
+    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    for key, v in final.items():
+        assert abs(res.final[key] - v) < 1e-5, key

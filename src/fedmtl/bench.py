@@ -298,7 +298,8 @@ BENCHMARKS["scale"] = _bench_scale
 def _bench_flower(args: argparse.Namespace) -> int:
     from .flower.bench import run
 
-    run(args.out, clients=args.clients, rounds=3)  # round 1 pays start-up; the median of rounds 2-3 is reported
+    # round 1 pays start-up; the median of the later rounds is reported
+    run(args.out, clients=args.clients, rounds=max(args.rounds, 3))
     return 0
 
 

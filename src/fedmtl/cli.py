@@ -113,16 +113,18 @@ def _cmd_flower(args: argparse.Namespace) -> int:
         raise ConfigError("Flower is not installed: pip install 'fedmtl[flower]'") from None
     n = cfg.build_data().seen.num_clients
     if args.clients and args.clients != n:
-        raise ConfigError(f"--clients {args.clients}: {args.config} has {n} seen clients (one SuperNode each)")
+        raise ConfigError(f"--clients {args.clients}: {args.config} has {n} seen clients")
+    if not 0 <= args.nodes <= n:
+        raise ConfigError(f"--nodes {args.nodes}: between 1 and {args.config}'s {n} seen clients")
     if args.action == "app":
         from .flower.project import write_project
 
-        out = write_project(cfg, args.out or "flower-app", n)
+        out = write_project(cfg, args.out or "flower-app", args.nodes or n)
         print(f"wrote a Flower app project to {out} (flwr run {out}); deployment recipe: {out / 'DEPLOY.md'}")
         return 0
     from .flower.simulation import simulate
 
-    res = simulate(dumps(cfg.raw), n, args.out or "")
+    res = simulate(dumps(cfg.raw), n, args.out or "", nodes=args.nodes)
     print(json.dumps(res.final, indent=1))
     return 0
 
@@ -185,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     fl = sub.add_parser("flower", help="run over Flower: 'simulate' (simulation engine) or 'app' (write a project)")
     fl.add_argument("action", choices=["simulate", "app"])
     fl.add_argument("config")
-    fl.add_argument("--clients", type=int, default=0, help="SuperNodes (must equal the config's seen clients)")
+    fl.add_argument("--clients", type=int, default=0, help="simulate: check that the config has this many seen "
+                    "clients; app: SuperNodes the project's DEPLOY.md describes")
+    fl.add_argument("--nodes", type=int, default=0, help="simulate: virtual SuperNodes, each serving a block of "
+                    "clients (default: one per client)")
     fl.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     fl.add_argument("--out", help="simulate: run directory; app: project directory (default flower-app)")
     _plugins_arg(fl)

@@ -101,17 +101,23 @@ def node_of(context: Context, cfg_text: str) -> _Node:
         ids, data = load_dir(str(nc["data-dir"]))
         source = "data-dir"
     else:
+        full = cfg.build_data()
+        n = full.seen.num_clients
         if "partition-ids" in nc:
             ks = _partitions(str(nc["partition-ids"]))
         elif "partition-id" in nc:
-            ks = [int(nc["partition-id"])]
+            # Flower's convention: partition p of P; with P < N clients, p holds the p-th of P contiguous
+            # blocks (P = N: client p alone)
+            p, parts = int(nc["partition-id"]), int(nc.get("num-partitions", n))
+            if not 0 <= p < parts <= n:
+                raise ValueError(f"partition-id={p} num-partitions={parts}: need 0 <= id < num-partitions <= "
+                                 f"{n} (the federation's seen clients)")
+            ks = list(range(p * n // parts, (p + 1) * n // parts))
         else:
             raise ValueError("this SuperNode has no data: start it with --node-config \"data-dir=/path\" (its "
                              "clients' .npz files) or 'partition-ids=\"A-B\"' (a share of the config's federation)")
-        full = cfg.build_data()
-        if any(not 0 <= k < full.seen.num_clients for k in ks):
-            raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {full.seen.num_clients} "
-                             "seen clients")
+        if any(not 0 <= k < n for k in ks):
+            raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {n} seen clients")
         ids = torch.tensor(ks, dtype=torch.long)
         data, source = full.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)

@@ -1,17 +1,23 @@
 """``fedmtl bench flower``: seconds per FedAvg round for one workload on the three paths.
 
-Workload: FedEM's synthetic federation with ``clients`` clients (linear model, batch 128, one local epoch,
-every client every round).  ``vmap_round_s``: the in-process vmap runner; ``flower_simulation_round_s``:
-Flower's simulation engine (one virtual SuperNode per client, one Ray actor); ``flower_deployment_round_s``:
-a real SuperLink and two SuperNodes (each serving half of the clients) on 127.0.0.1 with TLS and node
-authentication.  Each is the median over rounds after the first (which pays start-up costs), reported with
-the first round's time.
+Workload: FedEM's synthetic federation with ``clients`` clients (linear model, batch 128, one local epoch, every
+client every round). ``vmap_round_s``: the in-process vmap runner; ``flower_simulation_round_s``: Flower's
+simulation engine (two virtual SuperNodes of half the clients each, one Ray actor);
+``flower_deployment_round_s``: a real SuperLink and two SuperNodes (each serving half of the clients) on
+127.0.0.1 with TLS and node authentication. Each is the median over rounds after the first (which pays start-up
+costs), reported with the first round's time. ``torch_import_s``: a fresh ``python -c "import torch"`` (median
+of 3), timed in the same run, the unit a deployment round is measured in (``deployment_round_vs_torch_import``):
+Flower starts a ClientApp process per message, so a round costs at least one interpreter start and torch import
+per node. A SIGTERM or Ctrl-C ends the benchmark's SuperLink and SuperNodes with it.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import tomllib
@@ -41,6 +47,20 @@ runner = "vmap"
 """
 
 
+def torch_import_seconds(repeats: int = 3) -> float:
+    """Median wall-clock seconds of a fresh interpreter importing torch."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through LocalDeployment.__exit__, which ends its processes
+
+
 def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
     from ..config import dumps, validate
     from ..engine.driver import build_local
@@ -50,7 +70,12 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
 
     cfg = validate(tomllib.loads(CONFIG.format(n=clients, rounds=rounds)))
     text = dumps(cfg.raw)
-    res: dict[str, Any] = {"clients": clients, "rounds": rounds, "algorithm": "fedavg"}
+    import torch
+
+    signal.signal(signal.SIGTERM, _terminate)
+    res: dict[str, Any] = {"clients": clients, "rounds": rounds, "algorithm": "fedavg", "nodes": 2,
+                           "torch_threads": torch.get_num_threads()}
+    res["torch_import_s"] = torch_import_seconds()
     sim = build_local(cfg)
     st = sim.init_state()
     times = []
@@ -60,7 +85,7 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     res["vmap_round_s"] = statistics.median(times[1:])
     t0 = time.perf_counter()
-    s = simulate(text, clients)
+    s = simulate(text, clients, nodes=2)
     res["flower_simulation_total_s"] = time.perf_counter() - t0
     hs = s.summary["round_seconds"]
     res["flower_simulation_round_s"] = statistics.median(hs[1:])
@@ -81,6 +106,7 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
         res["flower_deployment_first_round_s"] = hd[0]
     res["simulation_over_vmap"] = res["flower_simulation_round_s"] / res["vmap_round_s"]
     res["deployment_over_vmap"] = res["flower_deployment_round_s"] / res["vmap_round_s"]
+    res["deployment_round_vs_torch_import"] = res["flower_deployment_round_s"] / res["torch_import_s"]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=1))

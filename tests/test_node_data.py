@@ -1,0 +1,132 @@
+"""Node-local data (``fedmtl.data.npz``): export and read back, and every malformed directory refused by name;
+the Flower server's refusal of nodes that cannot form one federation (``federation_of``)."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import numpy as np
+import pytest
+import torch
+
+from fedmtl.cli import main
+from fedmtl.config import validate
+from fedmtl.data.federated import DataError
+from fedmtl.data.npz import export, load_dir, parse_range
+
+CONFIG = """
+[data]
+name = "fedem_synthetic"
+num_clients = 6
+dim = 5
+n_test = 10
+max_samples = 60
+seed = 3
+
+[model]
+name = "linear"
+
+[algorithm]
+name = "fedavg"
+
+[run]
+rounds = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def data():
+    return validate(tomllib.loads(CONFIG)).build_data()
+
+
+def test_export_and_load_round_trip(data, tmp_path):
+    export(data, tmp_path / "a", [1, 4])
+    ids, back = load_dir(tmp_path / "a")
+    assert ids.tolist() == [1, 4] and back.num_classes == data.num_classes
+    for row, k in enumerate([1, 4]):
+        for split in ("train", "test"):
+            x, y = getattr(back.seen, split).client(row)
+            x0, y0 = getattr(data.seen, split).client(k)
+            assert torch.equal(x, x0) and torch.equal(y, y0)
+    info = json.loads((tmp_path / "a" / "dataset.json").read_text())
+    assert info["format"] == "fedmtl-npz/1" and info["num_classes"] == data.num_classes
+
+
+def test_cli_export_writes_the_requested_clients(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG)
+    assert main(["data", "export", str(cfg), "--out", str(tmp_path / "d"), "--clients", "2-4"]) == 0
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.npz")) == ["client_2.npz", "client_3.npz", "client_4.npz"]
+    assert main(["data", "export", str(cfg), "--out", str(tmp_path / "e"), "--clients", "4-9"]) == 2
+    assert main(["data", str(cfg)]) == 0
+    assert parse_range("0-2,5", 6) == [0, 1, 2, 5]
+
+
+def _dir(tmp_path, data, ids=(0, 1)):
+    d = tmp_path / "site"
+    export(data, d, list(ids))
+    return d
+
+
+def test_corrupt_and_malformed_directories_are_refused_by_name(data, tmp_path):
+    d = _dir(tmp_path, data)
+    (d / "client_1.npz").write_bytes(b"PK\x03\x04 not a zip at all")
+    with pytest.raises(DataError, match="client_1.npz"):
+        load_dir(d)
+    d = _dir(tmp_path / "b", data)
+    np.savez(d / "client_1.npz", x_train=np.zeros((3, 5), np.float32), y_train=np.zeros(3, np.int64))
+    with pytest.raises(DataError, match=r"client_1.npz: missing array 'x_test'"):
+        load_dir(d)
+    d = _dir(tmp_path / "c", data)
+    obj = np.empty(2, dtype=object)
+    obj[:] = [{"a": 1}, {"b": 2}]
+    np.savez(d / "client_1.npz", x_train=obj, y_train=np.zeros(2, np.int64), x_test=obj, y_test=np.zeros(2))
+    with pytest.raises(DataError, match="client_1.npz"):  # object arrays need pickle: refused, never loaded
+        load_dir(d)
+    d = _dir(tmp_path / "d", data)
+    np.savez(d / "client_1.npz", x_train=np.zeros((3, 7), np.float32), y_train=np.zeros(3, np.int64),
+             x_test=np.zeros((1, 7), np.float32), y_test=np.zeros(1, np.int64))
+    with pytest.raises(DataError, match=r"client_1.npz: feature shape \(7,\)"):
+        load_dir(d)
+    d = _dir(tmp_path / "e", data)
+    np.savez(d / "client_0.npz", x_train=np.zeros((3, 5), np.float32), y_train=np.array([0, 1, 99]),
+             x_test=np.zeros((0, 5), np.float32), y_test=np.zeros(0, np.int64))
+    with pytest.raises(DataError, match="labels go up to 99"):
+        load_dir(d)
+    d = _dir(tmp_path / "f", data)
+    (d / "dataset.json").write_text('{"format": "fedmtl-npz/1", "num_classes": 1}')
+    with pytest.raises(DataError, match="num_classes"):
+        load_dir(d)
+    (d / "dataset.json").unlink()
+    with pytest.raises(DataError, match="no dataset.json"):
+        load_dir(d)
+    d = _dir(tmp_path / "g", data)
+    (d / "client_one.npz").write_bytes(b"")
+    with pytest.raises(DataError, match="client_one.npz"):
+        load_dir(d)
+
+
+def _info(ids, counts, shape=(5,), classes=3, sha=None):
+    from fedmtl.flower.apps import _sha
+
+    return {"client_ids": ids, "train_counts": counts, "config_sha": sha or _sha("cfg"), "source": "data-dir",
+            "feature_shape": list(shape), "feature_dtype": "float32", "num_classes": classes, "meta": "{}"}
+
+
+def test_server_refuses_nodes_that_do_not_form_one_federation():
+    pytest.importorskip("flwr")
+    from fedmtl.flower.apps import NodeError, federation_of
+
+    fed, dtype, owner = federation_of({7: _info([0, 2], [5, 6]), 9: _info([1], [4])}, "cfg")
+    assert fed.train_counts.tolist() == [5, 4, 6] and owner == {0: 7, 1: 9, 2: 7} and dtype == torch.float32
+    with pytest.raises(NodeError, match=r"SuperNode 9 reports feature shape \[6\] but SuperNode 7 reports \[5\]"):
+        federation_of({7: _info([0], [5]), 9: _info([1], [4], shape=(6,))}, "cfg")
+    with pytest.raises(NodeError, match="number of classes"):
+        federation_of({7: _info([0], [5]), 9: _info([1], [4], classes=10)}, "cfg")
+    with pytest.raises(NodeError, match="both hold client 1"):
+        federation_of({7: _info([0, 1], [5, 5]), 9: _info([1], [4])}, "cfg")
+    with pytest.raises(NodeError, match=r"no node holds client\(s\) \[1\]"):
+        federation_of({7: _info([0], [5]), 9: _info([2], [4])}, "cfg")
+    with pytest.raises(NodeError, match="another experiment config"):
+        federation_of({7: _info([0], [5], sha="x")}, "cfg")
