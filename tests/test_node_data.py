@@ -130,3 +130,23 @@ def test_server_refuses_nodes_that_do_not_form_one_federation():
         federation_of({7: _info([0], [5]), 9: _info([2], [4])}, "cfg")
     with pytest.raises(NodeError, match="another experiment config"):
         federation_of({7: _info([0], [5], sha="x")}, "cfg")
+
+
+def test_deploy_guide_matches_the_code():
+    """DEPLOY.md's fedmtl commands parse, and the node-config keys it tells operators to set are the ones the
+    ClientApp reads."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from fedmtl.cli import build_parser
+
+    text = (Path(__file__).resolve().parents[1] / "DEPLOY.md").read_text()
+    commands = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("fedmtl ")]
+    assert len(commands) >= 3
+    for c in commands:
+        build_parser().parse_args(shlex.split(c)[1:])
+    apps = (Path(__file__).resolve().parents[1] / "src" / "fedmtl" / "flower" / "apps.py").read_text()
+    for key in set(re.findall(r"--node-config '([^']*)'", text)[0].split()):
+        name = key.split("=")[0]
+        assert f'"{name}"' in apps, name

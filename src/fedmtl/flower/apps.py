@@ -46,7 +46,7 @@ from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
 from ..model import Model
 from ..tree import Tree
-from .executor import FlowerClients, context_config, orders_of
+from .executor import FlowerClients, context_config, orders_of, send_and_receive
 from .records import from_record, record_to_tree, to_config, to_metrics, tree_to_record
 
 log = logging.getLogger("fedmtl")
@@ -402,7 +402,7 @@ def _discover(grid: Any, want: int | None, timeout: float) -> dict[int, dict[str
         time.sleep(0.5)
     msgs = [Message(RecordDict({}), dst_node_id=n, message_type="query") for n in nodes]
     out: dict[int, dict[str, Any]] = {}
-    for rep in grid.send_and_receive(msgs, timeout=timeout):
+    for rep in send_and_receive(grid, msgs, timeout):
         if rep.has_error():
             raise NodeError(f"SuperNode {rep.metadata.src_node_id} could not describe its clients: "
                             f"{rep.error.reason[:2000]}")

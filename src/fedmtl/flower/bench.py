@@ -91,9 +91,15 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
     res["flower_simulation_round_s"] = statistics.median(hs[1:])
     res["flower_simulation_first_round_s"] = hs[0]
     with tempfile.TemporaryDirectory() as tmp:
-        app = write_project(cfg, Path(tmp) / "app", clients)
+        from ..data.npz import export
+
+        app = write_project(cfg, Path(tmp) / "app", 2)
         half = clients // 2
-        with LocalDeployment(Path(tmp) / "dep", [list(range(half)), list(range(half, clients))]) as dep:
+        data = cfg.build_data()  # each node gets its own half as .npz files (node-local data, as sites hold it)
+        export(data, Path(tmp) / "site0", list(range(half)))
+        export(data, Path(tmp) / "site1", list(range(half, clients)))
+        del data
+        with LocalDeployment(Path(tmp) / "dep", data_dirs=[Path(tmp) / "site0", Path(tmp) / "site1"]) as dep:
             deadline = time.time() + 120
             while dep.online_nodes() < 2 and time.time() < deadline:
                 time.sleep(2)
