@@ -8,6 +8,8 @@
     [optim]      fields of fedmtl.optim.SGD
     [run]        fields of fedmtl.engine.round.RunConfig
     [systems]    fields of fedmtl.engine.systems.SystemsModel (stragglers, drops, network for the time estimate)
+    [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm)
+    [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness
 
 Unknown tables or keys, wrong value types and values outside a field's ``Literal[...]`` choices raise
 ``ConfigError`` naming the key and the file, before any data is built or any work is done.
@@ -36,8 +38,10 @@ from .engine.round import RunConfig
 from .engine.systems import SystemsModel
 from .optim import SGD
 from .registry import ALGORITHMS, DATASETS, MODELS
+from .robust.aggregators import RobustConfig
+from .robust.attacks import AttackConfig
 
-TABLES = ("data", "model", "algorithm", "optim", "run", "systems")
+TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack")
 
 
 class ConfigError(ValueError):
@@ -132,6 +136,8 @@ class ExperimentConfig:
     raw: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = "<config>"
     systems: SystemsModel = field(default_factory=SystemsModel)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
 
     def build_algorithm(self) -> Any:
         params = {k: v for k, v in self.algorithm.items() if k != "name"}
@@ -207,6 +213,8 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         optim = SGD(**_check_table(tables["optim"], SGD, f"{source}: [optim]"))
         run = RunConfig(**_check_table(tables["run"], RunConfig, f"{source}: [run]"))
         systems = SystemsModel(**_check_table(tables["systems"], SystemsModel, f"{source}: [systems]"))
+        robust = RobustConfig(**_check_table(tables["robust"], RobustConfig, f"{source}: [robust]"))
+        attack = AttackConfig(**_check_table(tables["attack"], AttackConfig, f"{source}: [attack]"))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -216,7 +224,13 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         "optim": dataclasses.asdict(optim), "run": dataclasses.asdict(run),
         "systems": dataclasses.asdict(systems),
     }
-    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems)
+    # [robust] and [attack] are recorded only when given, so that configs (and checkpoints) of runs without
+    # them keep their resolved form
+    if tables["robust"]:
+        resolved["robust"] = dataclasses.asdict(robust)
+    if tables["attack"]:
+        resolved["attack"] = dataclasses.asdict(attack)
+    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -48,6 +49,9 @@ class Context(NamedTuple):
     local_epochs: int = 1  # epochs in the batches that client_update receives
     rounds: int = 0  # rounds of the run (0: unknown)
     max_train: int = 0  # the largest training set of any seen client (per-example client state: MOCHA's duals)
+    # how the server combines stacked updates (K, ...) with weights (K,): the weighted mean, or a robust
+    # aggregator of the run's [robust] table (fedmtl.robust); aggregate() calls it wherever it averages
+    combine: Callable[[Tree, Tensor], Tree] = T.weighted_mean
 
 
 class GlobalModel(NamedTuple):
@@ -83,6 +87,7 @@ class Algorithm:
     adapt_epochs: ClassVar[int] = 1
     keeps_client_state: ClassVar[bool] = False
     syncs_clients: ClassVar[bool] = False
+    averages_updates: ClassVar[bool] = True  # aggregate() averages client updates (robust aggregators apply)
 
     def __post_init__(self) -> None:
         check_literals(self)
@@ -100,7 +105,7 @@ class Algorithm:
         server state by the weighted mean of the updates and keeps every other field."""
         if float(weights.sum()) <= 0:
             return server
-        return server._replace(params=T.weighted_mean(updates, weights))
+        return server._replace(params=ctx.combine(updates, weights))
 
     def sync(self, ctx: Context, server: Any, clients: Tree) -> tuple[Any, Tree]:
         """``syncs_clients`` methods: after aggregation, the stacked states of ALL clients (gossip)."""

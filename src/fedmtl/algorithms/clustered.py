@@ -109,7 +109,7 @@ class ClusteredFL(Algorithm):
                 continue
             w = weights[rows].to(torch.float64)
             mean = (flat[rows] * (w / w.sum()).unsqueeze(1)).sum(0)
-            new_models[c] = T.add(new_models[c], T.weighted_mean(T.take(updates, rows), weights[rows]))
+            new_models[c] = T.add(new_models[c], ctx.combine(T.take(updates, rows), weights[rows]))
             members = torch.nonzero(assign == c).flatten()
             can_split = (rnd > self.warmup_rounds and members.numel() >= self.min_cluster_size
                          and rows.numel() == members.numel() and len(new_models) < self.max_clusters)

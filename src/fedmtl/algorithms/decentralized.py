@@ -57,6 +57,7 @@ class _Gossip:
     graph_seed: int = 0
 
     syncs_clients: ClassVar[bool] = True
+    averages_updates: ClassVar[bool] = False
     keeps_client_state: ClassVar[bool] = True
 
     def gossip_server(self, ctx: Context, model: Params) -> Gossip:

@@ -87,7 +87,7 @@ class FedEM(Algorithm):
         total = float(weights.sum())
         if total <= 0:
             return server
-        new = T.weighted_mean(updates, weights)  # (M, ...) average over participants
+        new = ctx.combine(updates, weights)  # (M, ...) average over participants
         if self.server_average == "all_clients":
             share = total / ctx.total_train  # n_participants / n
             new = T.tmap(lambda a, old: share * a + (1.0 - share) * old, new, server.components)

@@ -26,6 +26,7 @@ class LocalModel(NamedTuple):
 @dataclass(frozen=True)
 class Local(Algorithm):
     name: ClassVar[str] = "local"
+    averages_updates: ClassVar[bool] = False
     keeps_client_state: ClassVar[bool] = True
 
     def payload(self, server: GlobalModel) -> Params:

@@ -78,6 +78,7 @@ def _primal_loss(loss: str, margin: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Mocha(Algorithm):
     name: ClassVar[str] = "mocha"
+    averages_updates: ClassVar[bool] = False
     keeps_client_state: ClassVar[bool] = True
     lam: float = 1e-3
     loss: Literal["hinge", "squared_hinge"] = "hinge"

@@ -86,6 +86,7 @@ def solve_omega(losses: Tensor, lam: float, iters: int = 100) -> Tensor:
 @dataclass(frozen=True)
 class OmniFedge(Algorithm):
     name: ClassVar[str] = "omnifedge"
+    averages_updates: ClassVar[bool] = False
     needs_adaptation: ClassVar[bool] = True
     lam: float = 1.0
     head_params: int = 2  # the last `head_params` parameter tensors are task-specific (weight, bias)

@@ -83,7 +83,7 @@ class PFedMe(Algorithm):
                   clients: Tensor) -> GlobalModel:
         if float(weights.sum()) <= 0:
             return server
-        mean = T.weighted_mean(updates, weights if self.weighted else (weights > 0).to(weights.dtype))
+        mean = ctx.combine(updates, weights if self.weighted else (weights > 0).to(weights.dtype))
         return GlobalModel(T.tmap(lambda w, m: (1 - self.beta) * w + self.beta * m, server.params, mean))
 
     def personalize(

@@ -29,6 +29,8 @@ from ..data.federated import DataError, FederatedData
 from ..model import Model
 from ..optim import SGD
 from ..report import plot_history, write_clients_csv, write_history_csv, write_json
+from ..robust.aggregators import RobustConfig
+from ..robust.attacks import AttackConfig, flip_labels
 from ..tree import Tree
 from . import checkpoint
 from .clients import Clients, LocalClients
@@ -71,10 +73,13 @@ class RunResult:
 
 
 def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc: RunConfig,
-                systems: SystemsModel | None = None, out_dir: Path | None = None) -> Engine:
+                systems: SystemsModel | None = None, out_dir: Path | None = None,
+                robust: RobustConfig | None = None, attack: AttackConfig | None = None) -> Engine:
     """An engine over ``LocalClients`` holding all of ``data`` (a simulation)."""
     if data.is_regression:
         raise DataError(f"{data.name}: real-valued targets; the round engine trains classifiers")
+    if attack is not None and attack.kind == "label_flip" and attack.active:
+        data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:2])
     device = torch.device(rc.device)
     clients = LocalClients(
@@ -82,7 +87,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc:
         rc.batch_size, rc.eval_chunk_elems, rc.client_store,
         None if out_dir is None else out_dir / "client_store", journal=out_dir is not None and rc.checkpoint_every > 0,
     )
-    return Engine(alg, model, opt, rc, clients, Federation.of(data), systems)
+    return Engine(alg, model, opt, rc, clients, Federation.of(data), systems, robust, attack)
 
 
 def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model: Model | None = None,
@@ -91,7 +96,8 @@ def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model:
     data = data if data is not None else cfg.build_data()
     if model is None:
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-    return make_engine(cfg.build_algorithm(), model, data, cfg.optim, cfg.run, cfg.systems, out_dir)
+    return make_engine(cfg.build_algorithm(), model, data, cfg.optim, cfg.run, cfg.systems, out_dir, cfg.robust,
+                       cfg.attack)
 
 
 def run_experiment(
@@ -181,6 +187,8 @@ def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: b
         "round_seconds": state.counters.get("round_seconds", []),
         "config": cfg.raw,
     }
+    if engine.attack.active:
+        summary["attackers"] = engine.attackers.tolist()
     if out_dir is not None:
         write_history_csv(out_dir / "metrics.csv", state.history)
         write_clients_csv(out_dir / "clients.csv", per_client)

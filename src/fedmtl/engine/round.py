@@ -25,6 +25,8 @@ from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, epoch_orders
 from ..model import Model
 from ..optim import SGD
+from ..robust.aggregators import RobustConfig, clip_updates, reference_of
+from ..robust.attacks import AttackConfig, corrupt
 from ..tree import Tree
 from .clients import Clients
 from .executors import ExecutorName
@@ -147,7 +149,8 @@ class Engine:
     """Runs ``algorithm`` on ``clients`` (``LocalClients`` in a simulation, ``FlowerClients`` over Flower)."""
 
     def __init__(self, algorithm: Algorithm, model: Model, opt: SGD, cfg: RunConfig, clients: Clients,
-                 federation: Federation, systems: SystemsModel | None = None):
+                 federation: Federation, systems: SystemsModel | None = None, robust: RobustConfig | None = None,
+                 attack: AttackConfig | None = None):
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"run.device = {cfg.device!r} but this machine has no CUDA device "
                              "(torch.cuda.is_available() is False); use run.device = 'cpu'")
@@ -159,11 +162,16 @@ class Engine:
         self.alg, self.model, self.opt, self.cfg = algorithm, model, opt, cfg
         self.clients, self.fed = clients, federation
         self.systems = systems or SystemsModel()
+        self.robust, self.attack = robust or RobustConfig(), attack or AttackConfig()
+        if self.robust.aggregator != "mean" and not algorithm.averages_updates:
+            raise ValueError(f"robust.aggregator = {self.robust.aggregator!r}: {algorithm.name} does not average "
+                             "client updates (each update is its own client's entry); only robust.clip_norm applies")
+        self.attackers = self.attack.attackers(federation.num_clients, cfg.seed)
         self.device = torch.device(cfg.device)
         model.module.to(self.device)
         self._n_params = sum(int(p.numel()) for p in model.module.parameters())
         self.ctx = Context(model, opt, federation.num_clients, float(federation.train_counts.sum()), cfg.local_epochs,
-                           cfg.rounds, int(federation.train_counts.max()))
+                           cfg.rounds, int(federation.train_counts.max()), self.robust.combiner())
         self.eval_ids = {g: self._eval_sample(g) for g in clients.groups}
 
     # ------------------------------------------------------------------------------------------ state
@@ -222,8 +230,21 @@ class Engine:
                 row["clients"] -= n_failed
                 log.warning("round %d: %d of %d clients failed to answer: %s", r, n_failed, len(ids),
                             ids[failed].tolist()[:20])
+            updates = out.updates
+            if self.attackers.numel() and self.attack.kind != "label_flip":
+                rows = torch.nonzero(torch.isin(ids, self.attackers) & valid).flatten()
+                if rows.numel():
+                    updates = corrupt(self.attack, updates, reference_of(updates, payload), rows, cfg.seed, r)
+                    # what an attacker sends is checked like the rest
+                    sent_ok = T.all_finite_rows(updates).cpu() if T.leaves(updates) else valid.clone()
+                    bad_sent = valid & ~sent_ok
+                    if bool(bad_sent.any()):
+                        excluded += int(bad_sent.sum())
+                        valid &= sent_ok
             weights = counts.to(torch.float64) * valid.to(torch.float64)
-            state.server = alg.aggregate(self.ctx, state.server, out.updates, weights.to(self.device), ids)
+            if self.robust.clip_norm > 0:
+                updates = clip_updates(updates, reference_of(updates, payload), weights, self.robust.clip_norm)
+            state.server = alg.aggregate(self.ctx, state.server, updates, weights.to(self.device), ids)
             ok = out.losses.detach().cpu()[valid]
             loss = float(ok.float().mean()) if ok.numel() else float("nan")
         if alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not

@@ -457,7 +457,9 @@ def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> RunResult:
     # the model skeleton from what the nodes report: the server never reads client data
     model = cfg.build_model(fed.feature_shape, fed.num_classes, fed.meta)
     clients = FlowerClients(grid, owner, alg, fed.feature_shape, dtype, opts.round_timeout)
-    engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems)
+    if cfg.attack.kind == "label_flip" and cfg.attack.active:
+        raise NodeError("attack.kind = 'label_flip' poisons the attackers' data, which only a simulation holds")
+    engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems, cfg.robust, cfg.attack)
     out = Path(opts.out) if opts.out else None
     resume = out is not None and (out / "checkpoint.pt").exists()
     if resume:
