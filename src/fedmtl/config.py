@@ -10,6 +10,7 @@
     [systems]    fields of fedmtl.engine.systems.SystemsModel (stragglers, drops, network for the time estimate)
     [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm)
     [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness
+    [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
 
 Unknown tables or keys, wrong value types and values outside a field's ``Literal[...]`` choices raise
 ``ConfigError`` naming the key and the file, before any data is built or any work is done.
@@ -37,11 +38,12 @@ from . import models as _models  # noqa: F401  (registers the built-in models)
 from .engine.round import RunConfig
 from .engine.systems import SystemsModel
 from .optim import SGD
+from .privacy import PrivacyConfig
 from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
 
-TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack")
+TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy")
 
 
 class ConfigError(ValueError):
@@ -138,6 +140,7 @@ class ExperimentConfig:
     systems: SystemsModel = field(default_factory=SystemsModel)
     robust: RobustConfig = field(default_factory=RobustConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def build_algorithm(self) -> Any:
         params = {k: v for k, v in self.algorithm.items() if k != "name"}
@@ -215,6 +218,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         systems = SystemsModel(**_check_table(tables["systems"], SystemsModel, f"{source}: [systems]"))
         robust = RobustConfig(**_check_table(tables["robust"], RobustConfig, f"{source}: [robust]"))
         attack = AttackConfig(**_check_table(tables["attack"], AttackConfig, f"{source}: [attack]"))
+        privacy = PrivacyConfig(**_check_table(tables["privacy"], PrivacyConfig, f"{source}: [privacy]"))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -224,13 +228,15 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         "optim": dataclasses.asdict(optim), "run": dataclasses.asdict(run),
         "systems": dataclasses.asdict(systems),
     }
-    # [robust] and [attack] are recorded only when given, so that configs (and checkpoints) of runs without
+    # [robust], [attack] and [privacy] are recorded only when given, so that configs (and checkpoints) of runs without
     # them keep their resolved form
     if tables["robust"]:
         resolved["robust"] = dataclasses.asdict(robust)
     if tables["attack"]:
         resolved["attack"] = dataclasses.asdict(attack)
-    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack)
+    if tables["privacy"]:
+        resolved["privacy"] = dataclasses.asdict(privacy)
+    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

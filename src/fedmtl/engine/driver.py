@@ -28,6 +28,7 @@ from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
 from ..model import Model
 from ..optim import SGD
+from ..privacy import PrivacyConfig
 from ..report import plot_history, write_clients_csv, write_history_csv, write_json
 from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig, flip_labels
@@ -74,7 +75,8 @@ class RunResult:
 
 def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc: RunConfig,
                 systems: SystemsModel | None = None, out_dir: Path | None = None,
-                robust: RobustConfig | None = None, attack: AttackConfig | None = None) -> Engine:
+                robust: RobustConfig | None = None, attack: AttackConfig | None = None,
+                privacy: PrivacyConfig | None = None) -> Engine:
     """An engine over ``LocalClients`` holding all of ``data`` (a simulation)."""
     if data.is_regression:
         raise DataError(f"{data.name}: real-valued targets; the round engine trains classifiers")
@@ -87,7 +89,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc:
         rc.batch_size, rc.eval_chunk_elems, rc.client_store,
         None if out_dir is None else out_dir / "client_store", journal=out_dir is not None and rc.checkpoint_every > 0,
     )
-    return Engine(alg, model, opt, rc, clients, Federation.of(data), systems, robust, attack)
+    return Engine(alg, model, opt, rc, clients, Federation.of(data), systems, robust, attack, privacy)
 
 
 def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model: Model | None = None,
@@ -97,7 +99,7 @@ def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model:
     if model is None:
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     return make_engine(cfg.build_algorithm(), model, data, cfg.optim, cfg.run, cfg.systems, out_dir, cfg.robust,
-                       cfg.attack)
+                       cfg.attack, cfg.privacy)
 
 
 def run_experiment(
@@ -189,6 +191,10 @@ def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: b
     }
     if engine.attack.active:
         summary["attackers"] = engine.attackers.tolist()
+    if engine.accountant is not None:
+        summary["epsilon"] = engine.accountant.epsilon_after(state.round)
+        summary["delta"] = engine.privacy.delta
+        summary["noise_multiplier"] = engine.noise_multiplier
     if out_dir is not None:
         write_history_csv(out_dir / "metrics.csv", state.history)
         write_clients_csv(out_dir / "clients.csv", per_client)

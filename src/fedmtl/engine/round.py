@@ -25,6 +25,7 @@ from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, epoch_orders
 from ..model import Model
 from ..optim import SGD
+from ..privacy import Accountant, PrivacyConfig, calibrate, dp_combine
 from ..robust.aggregators import RobustConfig, clip_updates, reference_of
 from ..robust.attacks import AttackConfig, corrupt
 from ..tree import Tree
@@ -99,6 +100,20 @@ def sample_without_replacement(rng: np.random.Generator, n: int, k: int) -> np.n
     return np.sort(chosen)
 
 
+def poisson_sample(cfg: RunConfig, num_clients: int, round_idx: int) -> Tensor:
+    """Poisson sampling: every client joins round ``round_idx`` independently with probability q (``clients_per_round
+    / N``, else ``sampling_rate``).  Drawn as a Binomial(N, q) count and a uniform subset of that size (the same
+    distribution, in O(count))."""
+    q = min(cfg.clients_per_round / num_clients, 1.0) if cfg.clients_per_round else cfg.sampling_rate
+    rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, round_idx, 1]))
+    k = int(rng.binomial(num_clients, q))
+    if k == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if k == num_clients:
+        return torch.arange(num_clients)
+    return torch.from_numpy(sample_without_replacement(rng, num_clients, k))
+
+
 def sample_clients(cfg: RunConfig, num_clients: int, round_idx: int) -> Tensor:
     """The clients of round ``round_idx`` (sorted ids): everyone, or a uniform sample without replacement of
     ``clients_per_round`` (else ``round(sampling_rate * num_clients)``) clients."""
@@ -150,7 +165,7 @@ class Engine:
 
     def __init__(self, algorithm: Algorithm, model: Model, opt: SGD, cfg: RunConfig, clients: Clients,
                  federation: Federation, systems: SystemsModel | None = None, robust: RobustConfig | None = None,
-                 attack: AttackConfig | None = None):
+                 attack: AttackConfig | None = None, privacy: PrivacyConfig | None = None):
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"run.device = {cfg.device!r} but this machine has no CUDA device "
                              "(torch.cuda.is_available() is False); use run.device = 'cpu'")
@@ -167,6 +182,20 @@ class Engine:
             raise ValueError(f"robust.aggregator = {self.robust.aggregator!r}: {algorithm.name} does not average "
                              "client updates (each update is its own client's entry); only robust.clip_norm applies")
         self.attackers = self.attack.attackers(federation.num_clients, cfg.seed)
+        self.privacy = privacy or PrivacyConfig()
+        self.accountant: Accountant | None = None
+        self.noise_multiplier = self.privacy.noise_multiplier
+        if self.privacy.enabled:
+            if not algorithm.averages_updates:
+                raise ValueError(f"[privacy]: {algorithm.name} does not average client updates; user-level DP "
+                                 "applies to methods whose server averages model updates")
+            n = federation.num_clients
+            k = min(cfg.clients_per_round or max(1, int(round(cfg.sampling_rate * n))), n)
+            if self.privacy.target_epsilon > 0:
+                self.noise_multiplier = calibrate(self.privacy, cfg.rounds, n, k, k / n)
+                log.info("privacy: noise multiplier %.4f spends epsilon %.3g at delta %.1e over %d rounds",
+                         self.noise_multiplier, self.privacy.target_epsilon, self.privacy.delta, cfg.rounds)
+            self.accountant = Accountant(self.privacy, self.noise_multiplier, n, k, k / n)
         self.device = torch.device(cfg.device)
         model.module.to(self.device)
         self._n_params = sum(int(p.numel()) for p in model.module.parameters())
@@ -196,9 +225,14 @@ class Engine:
         return torch.from_numpy(sample_without_replacement(rng, n, k))
 
     # ------------------------------------------------------------------------------------------ one round
+    def _sample(self, r: int) -> Tensor:
+        if self.privacy.enabled and self.privacy.sampling == "poisson":
+            return poisson_sample(self.cfg, self.fed.num_clients, r)
+        return sample_clients(self.cfg, self.fed.num_clients, r)
+
     def round(self, state: EngineState) -> dict[str, Any]:
         r, cfg, alg = state.round, self.cfg, self.alg
-        ids = sample_clients(cfg, self.fed.num_clients, r)
+        ids = self._sample(r)
         lr = self.opt.lr_at(r, cfg.rounds)
         payload = alg.payload(state.server)
         counts = self.fed.train_counts[ids]
@@ -207,6 +241,7 @@ class Engine:
         done = self.systems.steps(draw, budget)
         est = self._estimated_seconds(payload, draw, budget, done)
         state.counters["est_time_s"] = float(state.counters.get("est_time_s", 0.0)) + est
+        n_sampled = len(ids)
         n_dropped = int(draw.dropped.sum())
         if n_dropped:
             keep = ~draw.dropped
@@ -244,15 +279,35 @@ class Engine:
             weights = counts.to(torch.float64) * valid.to(torch.float64)
             if self.robust.clip_norm > 0:
                 updates = clip_updates(updates, reference_of(updates, payload), weights, self.robust.clip_norm)
-            state.server = alg.aggregate(self.ctx, state.server, updates, weights.to(self.device), ids)
+            ctx = self.ctx
+            if self.privacy.enabled:
+                ctx, updates = self._private(payload, updates, weights, r, n_sampled)
+            state.server = alg.aggregate(ctx, state.server, updates, weights.to(self.device), ids)
             ok = out.losses.detach().cpu()[valid]
             loss = float(ok.float().mean()) if ok.numel() else float("nan")
         if alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not
             state.server = self.clients.gossip(lambda s, c: alg.sync(self.ctx, s, c), state.server, r)
+        if self.accountant is not None:
+            row["epsilon"] = self.accountant.epsilon_after(r + 1)
         state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded
         state.counters["dropped_updates"] = int(state.counters.get("dropped_updates", 0)) + row["dropped"]
         state.round = r + 1
         return {**row, "excluded": excluded, "train_loss": loss, "est_time_s": state.counters["est_time_s"]}
+
+    def _private(self, payload: Tree, updates: Tree, weights: Tensor, r: int, n_sampled: int) -> tuple[Context, Tree]:
+        """User-level DP (``fedmtl.privacy``): clip every update's deviation from the payload to ``clip_norm`` and
+        combine by a noisy sum over a fixed denominator."""
+        ref = reference_of(updates, payload)
+        if ref is None:
+            raise ValueError(f"[privacy]: {self.alg.name}'s client updates are not model-shaped like its payload; "
+                             "user-level DP needs updates it can clip against the broadcast model")
+        p = self.privacy
+        updates = clip_updates(updates, ref, weights, p.clip_norm)
+        n = self.fed.num_clients
+        k = min(self.cfg.clients_per_round or max(1, int(round(self.cfg.sampling_rate * n))), n)
+        denominator = float(k) if p.sampling == "poisson" else float(max(n_sampled, 1))  # poisson: q N = k
+        gen = round_generator(self.cfg.seed, r, 5)
+        return self.ctx._replace(combine=dp_combine(ref, p.clip_norm, self.noise_multiplier, denominator, gen)), updates
 
     def _estimated_seconds(self, payload: Tree, draw: Any, budget: Any, done: Any) -> float:
         """Estimated wall-clock seconds of this round on the systems model's device network: the compute of
