@@ -31,6 +31,7 @@ def run(
     *,
     resume: bool = False,
     progress: bool = False,
+    overwrite: bool = False,
     **overrides: Any,
 ) -> RunResult:
     """Run one experiment and return its ``RunResult`` (summary, history, per-client metrics, final state).
@@ -39,7 +40,8 @@ def run(
     ``{"algorithm": {"name": "fedavg"}, "run": {"rounds": 2}}``.  ``data``: a ``FederatedData`` (then leave the
     ``[data]`` table out); ``model``: a ``Model`` (then leave ``[model]`` out).  ``out``: a run directory
     (``config.toml``, ``metrics.csv``, ``clients.csv``, ``summary.json``, checkpoints), or None to keep
-    everything in memory.  ``overrides``: ``table__key=value`` (or ``**{"table.key": value}``), as
+    everything in memory; a directory that holds a run needs ``resume=True`` (continue it) or ``overwrite=True``
+    (replace it).  ``overrides``: ``table__key=value`` (or ``**{"table.key": value}``), as
     ``--set table.key=value``; e.g. ``fedmtl.run("configs/synthetic/fedem.toml", run__rounds=5)``.
     """
     if data is not None and not isinstance(data, FederatedData):
@@ -64,7 +66,7 @@ def run(
     if data is not None:
         cfg.data["fingerprint"] = fingerprint(data)
         cfg.raw["data"] = dict(cfg.data)
-    return run_experiment(cfg, out, resume=resume, progress=progress, data=data, model=model)
+    return run_experiment(cfg, out, resume=resume, progress=progress, data=data, model=model, overwrite=overwrite)
 
 
 def fingerprint(data: FederatedData) -> str:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from .config import ConfigError
+from .engine.rundir import is_out_of_space
 from .registry import RegistryError, import_plugins, load_plugins
 
 
@@ -25,7 +27,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"run.device={args.device}")
     cfg = load(args.config, overrides)
     out = args.out or str(Path("runs") / Path(args.config).stem)
-    result = run_experiment(cfg, out, resume=args.resume, progress=not args.no_progress)
+    result = run_experiment(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     summary = result.summary
     final = summary["final"]
     keys = [k for k in ("seen_test_acc", "seen_test_acc_mean", "seen_test_acc_p10", "unseen_test_acc_mean",
@@ -145,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a config value")
     r.add_argument("--out", help="run directory (default runs/<config name>)")
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    r.add_argument("--overwrite", action="store_true", help="replace the results a run directory already holds")
     r.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
     r.add_argument("--no-progress", action="store_true")
     _plugins_arg(r)
@@ -223,14 +226,65 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
         import_plugins(getattr(args, "imports", []))
         return args.fn(args)
     except (ConfigError, RegistryError) as e:
         print(f"fedmtl: config error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:
+        return EXIT_INPUT
+    except ValueError as e:  # DataError, ModelError, CheckpointError, RunDirError, ...
         print(f"fedmtl: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print(f"fedmtl: interrupted{_resume_hint(args)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except _Terminated:
+        print(f"fedmtl: terminated (SIGTERM){_resume_hint(args)}", file=sys.stderr)
+        return EXIT_TERMINATED
+    except OSError as e:
+        what = "out of disk space" if is_out_of_space(e) else f"cannot write ({e.strerror or e})"
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"fedmtl: {what}{':' if where else ''}{where}{_resume_hint(args)}", file=sys.stderr)
+        return EXIT_OS
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+# Exit codes (README, "Command line"): 0 success; 1 an unexpected error (a bug: a traceback is printed);
+# 2 invalid input (config, data, model/data mismatch, run directory in use or holding results, unusable
+# checkpoint), one line naming the file and key; 3 the operating system refused a write (out of disk space,
+# permissions), one line naming the file and the checkpoint to resume from; 130 interrupted (Ctrl-C);
+# 143 terminated (SIGTERM).  After 3, 130 and 143 the last checkpoint is intact.
+EXIT_INPUT, EXIT_OS, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 130, 143
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """'; the last checkpoint is round R of DIR: resume with ...' for the run that was cut short."""
+    if getattr(args, "command", "") != "run":
+        return ""
+    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    ckpt = out / "checkpoint.pt"
+    if not ckpt.exists():
+        return f"; no checkpoint was written to {out}"
+    try:
+        from .engine.checkpoint import load
+
+        rnd = load(ckpt)["round"]
+    except Exception:  # noqa: BLE001 (a hint only)
+        return f"; see {ckpt}"
+    return f"; the last checkpoint is round {rnd} in {ckpt}: resume with fedmtl run {args.config} --out {out} --resume"
 
 
 if __name__ == "__main__":

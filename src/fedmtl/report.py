@@ -2,21 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
-from collections.abc import Sequence
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
+
+
+@contextlib.contextmanager
+def atomic(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a unique temporary file beside ``path``; on success fsync it and rename it over ``path`` (readers see
+    the old file or the new one, never a part); on failure (a full disk, Ctrl-C) delete it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **({"newline": ""} if "b" not in mode else {})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_history_csv(path: Path, history: list[dict[str, Any]]) -> None:
     keys: list[str] = []
     for row in history:
         keys += [k for k in row if k not in keys]
-    with open(path, "w", newline="") as f:
+    with atomic(path) as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         for row in history:
@@ -24,7 +45,7 @@ def write_history_csv(path: Path, history: list[dict[str, Any]]) -> None:
 
 
 def write_clients_csv(path: Path, per_client: dict[str, Any]) -> None:
-    with open(path, "w", newline="") as f:
+    with atomic(path) as f:
         w = csv.writer(f)
         w.writerow(["group", "client", "split", "n", "acc", "loss"])
         for g, splits in per_client.items():
@@ -46,9 +67,8 @@ def write_json(path: Path, obj: Any) -> None:
             return None
         return o
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(clean(obj), indent=2) + "\n")
-    tmp.replace(path)
+    with atomic(path) as f:
+        f.write(json.dumps(clean(obj), indent=2) + "\n")
 
 
 def plot_curves(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[float]]], ylabel: str,
@@ -68,7 +88,8 @@ def plot_curves(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[fl
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
 
 

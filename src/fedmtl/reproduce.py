@@ -12,7 +12,6 @@ Writes ``DIR/table.md``, ``DIR/results.json``, ``DIR/summary.json`` ({variant: {
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,11 +46,11 @@ def _configs(config_dir: Path) -> list[Path]:
 def _run(cfg: Any, run_dir: Path, data: Any) -> dict[str, Any]:
     """One run (continued if its directory holds a checkpoint of the same config): its summary, history and
     per-client metrics."""
+    has_ckpt = (run_dir / "checkpoint.pt").exists()
     try:
-        res = run_experiment(cfg, run_dir, resume=True, data=data)
+        res = run_experiment(cfg, run_dir, resume=has_ckpt, overwrite=not has_ckpt, data=data)
     except (ConfigError, CheckpointError):  # an older run with another config or format: start over
-        shutil.rmtree(run_dir)
-        res = run_experiment(cfg, run_dir, data=data)
+        res = run_experiment(cfg, run_dir, overwrite=True, data=data)
     return {**res.summary, "history": res.history, "per_client": res.per_client}
 
 

@@ -65,7 +65,8 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
     rows = []
     for combo, cfg in zip(combos, cfgs, strict=True):
         name = ",".join(f"{k}={v}" for k, v in combo).replace("/", "_")
-        summary = run_experiment(cfg, out / name, resume=True, progress=progress).summary
+        has_ckpt = (out / name / "checkpoint.pt").exists()  # a finished or interrupted earlier sweep
+        summary = run_experiment(cfg, out / name, resume=has_ckpt, overwrite=not has_ckpt, progress=progress).summary
         row: dict[str, Any] = {k: parse_override(f"{k}={v}")[2] for k, v in combo}
         row.update({k: v for k, v in summary["final"].items()})
         rows.append(row)

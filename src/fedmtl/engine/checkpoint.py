@@ -21,7 +21,7 @@ from .round import EngineState
 FORMAT = "fedmtl-checkpoint/2"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint that cannot be used (unreadable, tampered, or from another run)."""
 
 
@@ -55,6 +55,9 @@ def load(path: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except Exception as e:  # pickle refusal, truncation, corruption: all mean "not a usable checkpoint"
+        if "Weights only load failed" in str(e):
+            raise CheckpointError(f"{path}: not a fedmtl checkpoint: it holds objects other than tensors and plain "
+                                  "data, which are never unpickled") from None
         raise CheckpointError(f"{path}: not a readable fedmtl checkpoint ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:

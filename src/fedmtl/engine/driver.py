@@ -29,7 +29,7 @@ from ..data.federated import DataError, FederatedData
 from ..model import Model
 from ..optim import SGD
 from ..privacy import PrivacyConfig
-from ..report import plot_history, write_clients_csv, write_history_csv, write_json
+from ..report import atomic, plot_history, write_clients_csv, write_history_csv, write_json
 from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig, flip_labels
 from ..tree import Tree
@@ -38,6 +38,7 @@ from .clients import Clients, LocalClients
 from .evaluation import summarize
 from .executors import make_executor
 from .round import Engine, EngineState, Federation, RunConfig
+from .rundir import RunDirectory
 from .systems import SystemsModel
 
 log = logging.getLogger("fedmtl")
@@ -109,17 +110,17 @@ def run_experiment(
     progress: bool = True,
     data: FederatedData | None = None,
     model: Model | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
-    """Train and evaluate in this process; the summary is also written to ``out/summary.json``."""
+    """Train and evaluate in this process; the summary is also written to ``out/summary.json``.  The run
+    directory is locked for the run; one that holds results needs ``resume`` or ``overwrite``."""
     out_dir = Path(out) if out is not None else None
-    _check_run_dir(out_dir, resume)
-    return drive(build_local(cfg, data, model, out_dir), cfg, out_dir, resume, progress)
-
-
-def _check_run_dir(out_dir: Path | None, resume: bool) -> None:
-    if out_dir is not None and (out_dir / "checkpoint.pt").exists() and not resume:
-        raise ConfigError(f"{out_dir} already holds a run (checkpoint.pt); pass --resume to continue it "
-                          "or choose another --out")
+    if out_dir is None:
+        if resume:
+            raise ConfigError("resume needs a run directory (out)")
+        return drive(build_local(cfg, data, model, None), cfg, None, False, progress)
+    with RunDirectory(out_dir, resume, overwrite):
+        return drive(build_local(cfg, data, model, out_dir), cfg, out_dir, resume, progress)
 
 
 def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: bool, progress: bool) -> RunResult:
@@ -138,7 +139,8 @@ def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: b
         raise checkpoint.CheckpointError(f"{ckpt}: does not fit this run: {e}") from e
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.toml").write_text(dumps(cfg.raw))
+        with atomic(out_dir / "config.toml") as f:
+            f.write(dumps(cfg.raw))
     rcfg = cfg.run
     bar = None
     if progress:
