@@ -233,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         import_plugins(getattr(args, "imports", []))
         return args.fn(args)
     except (ConfigError, RegistryError) as e:
-        print(f"fedmtl: config error: {e}", file=sys.stderr)
+        print(f"fedmtl: config error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return EXIT_INPUT
     except ValueError as e:  # DataError, ModelError, CheckpointError, RunDirError, ...
-        print(f"fedmtl: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split("\n"))
+        source = getattr(args, "config", None)
+        if isinstance(source, str) and source not in msg:
+            msg = f"{source}: {msg}"  # the file whose settings led here
+        print(f"fedmtl: error: {msg}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
         print(f"fedmtl: interrupted{_resume_hint(args)}", file=sys.stderr)

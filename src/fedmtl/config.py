@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import os
 import tomllib
 import types
 import typing
@@ -48,6 +50,12 @@ TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "at
 
 class ConfigError(ValueError):
     """A configuration error; the message names the file and the key."""
+
+
+# Every number a config holds is finite and bounded: NaN, Inf and 1e300 are never a setting.  Sizes (clients,
+# dimensions, examples) have tighter, memory-based bounds (``check_sizes``).
+MAX_FLOAT = 1e30
+MAX_INT = 10**9
 
 
 def _type_name(tp: Any) -> str:
@@ -86,10 +94,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected float, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value) or abs(value) > MAX_FLOAT:
+            raise ConfigError(f"{where}: must be a finite number of magnitude <= {MAX_FLOAT:g}, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected int, got {type(value).__name__} {value!r}")
+        if abs(value) > MAX_INT:
+            raise ConfigError(f"{where}: {value} is beyond any sane size (|value| <= {MAX_INT:g})")
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -176,6 +188,49 @@ def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str
     return name, registry[name]
 
 
+def physical_memory() -> int:
+    """Bytes of RAM on this machine."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+# names the built-in dataset builders use for sizes: clients, training and test examples per client, features
+_CLIENTS, _TRAIN, _TEST, _DIM = ("num_clients", "m"), ("max_samples", "n_train", "max_train"), ("n_test",), ("dim", "d")
+
+
+def check_data_table(fn: Callable[..., Any], values: dict[str, Any], where: str) -> None:
+    """Ranges of a built-in dataset's ``[data]`` values before anything is built: counts and sizes are
+    non-negative, fractions in [0, 1), test sets non-empty, and the data fits in this machine's memory."""
+    if not getattr(fn, "__module__", "").startswith("fedmtl."):
+        return  # a plugin's builder validates its own arguments
+    params = {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
+    full = {**params, **values}
+    for key, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        if key.endswith("_frac"):
+            if not 0 <= v < 1:
+                raise ConfigError(f"{where}.{key} must be a fraction in [0, 1), got {v}")
+        elif v < 0:
+            raise ConfigError(f"{where}.{key} must be >= 0, got {v}")
+    for key in (*_CLIENTS, *_DIM, "n_test"):
+        if key in values and isinstance(values[key], int) and values[key] < 1:
+            raise ConfigError(f"{where}.{key} must be >= 1, got {values[key]}")
+
+    def first(keys: tuple[str, ...]) -> int | None:
+        return next((int(full[k]) for k in keys if isinstance(full.get(k), int)), None)
+
+    clients, train, test, dim = first(_CLIENTS), first(_TRAIN), first(_TEST) or 0, first(_DIM)
+    if clients is not None and train is not None and dim is not None:
+        need = clients * (train + test) * dim * 4
+        have = physical_memory()
+        if need > 0.8 * have:
+            raise ConfigError(f"{where}: {clients} clients x ({train} + {test}) examples x {dim} features need about "
+                              f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB of memory")
+
+
 PYTHON_DATA = "<python data>"
 PYTHON_MODEL = "<python model>"
 
@@ -202,6 +257,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         dname, dfn = _named(tables["data"], DATASETS, "data", source)
         data = {"name": dname, **_check_table({k: v for k, v in tables["data"].items() if k != "name"}, dfn,
                                              f"{source}: [data]")}
+        check_data_table(dfn, {k: v for k, v in data.items() if k != "name"}, f"{source}: [data]")
     if model_given:
         model: dict[str, Any] = {"name": PYTHON_MODEL}
     else:
@@ -245,6 +301,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"--set {text!r}: expected table.key=value")
     lhs, value = text.split("=", 1)
     table, key = lhs.strip().split(".", 1)
+    if max_nesting(value) > MAX_NESTING:
+        raise ConfigError(f"--set {lhs.strip()}: value nested deeper than {MAX_NESTING}")
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -272,11 +330,54 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """The tables of a TOML config file; a missing or malformed file is a ConfigError naming it."""
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config ({e})") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {len(text)} bytes; a config is at most {MAX_CONFIG_BYTES} bytes")
+    depth = max_nesting(text)
+    if depth > MAX_NESTING:
+        raise ConfigError(f"{path}: arrays or inline tables nested {depth} deep (at most {MAX_NESTING})")
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_NESTING = 32
+
+
+def max_nesting(text: str) -> int:
+    """The deepest nesting of ``[`` / ``{`` outside strings and comments (before parsing: tomllib recurses)."""
+    depth = best = 0
+    quote = ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\" and quote == '"':
+                i += 2
+                continue
+            if c == quote:
+                quote = ""
+        elif c in "\"'":
+            quote = c
+        elif c == "#":
+            j = text.find("\n", i)
+            i = len(text) if j < 0 else j
+            continue
+        elif c in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif c in "]}":
+            depth = max(depth - 1, 0)
+        i += 1
+    return best
 
 
 def dumps(raw: dict[str, dict[str, Any]]) -> str:

@@ -48,6 +48,8 @@ class Model:
     #: outside torch.func transforms, run the module itself (e.g. nn.LSTM's fused CPU kernel) instead
     #: of ``forward``; both must agree (tested)
     module_when_eager: bool = False
+    #: the features are integer token ids (an embedding's input): float features are refused, not truncated
+    token_input: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -92,6 +94,9 @@ class Model:
     def check_features(self, x: Tensor) -> None:
         """Run the model on a few examples ``x`` (n, *features) of the data and check the output shape; a
         model that does not fit the data fails here with a clear message, before any training."""
+        if self.token_input and (x.is_floating_point() or x.is_complex()):
+            raise ModelError(f"model {self.name!r} reads integer token ids, but the data's features are {x.dtype} "
+                             f"(shape {tuple(x.shape[1:])}); use a model for real-valued features (linear, mlp, cnn)")
         params = self.init(0)
         try:
             with torch.no_grad():

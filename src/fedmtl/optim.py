@@ -72,12 +72,15 @@ class SGD:
     lr_gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        # ranges: rates beyond these bounds diverge in one step on any model (every update non-finite)
+        if not 0 < self.lr <= 1e3:
+            raise ValueError(f"optim.lr must be in (0, 1000], got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"optim.momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay <= 1e3:
+            raise ValueError(f"optim.weight_decay must be in [0, 1000], got {self.weight_decay}")
+        if not 0 < self.lr_gamma <= 1:
+            raise ValueError(f"optim.lr_gamma must be in (0, 1], got {self.lr_gamma}")
         if any(not 0 < f < 1 for f in self.lr_milestones):
             raise ValueError(f"optim.lr_milestones are fractions in (0, 1), got {self.lr_milestones}")
 

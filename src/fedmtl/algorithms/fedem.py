@@ -57,6 +57,9 @@ class MixtureEval(NamedTuple):
     pi: Tensor
 
 
+MAX_COMPONENTS = 256
+
+
 @dataclass(frozen=True)
 class FedEM(Algorithm):
     name: ClassVar[str] = "fedem"
@@ -71,6 +74,9 @@ class FedEM(Algorithm):
         super().__post_init__()
         check_positive("num_components", self.num_components)
         check_positive("unseen_max_iter", self.unseen_max_iter)
+        if self.num_components > MAX_COMPONENTS:  # every client trains all M each round: M x the cost of FedAvg
+            raise ValueError(f"algorithm.num_components must be <= {MAX_COMPONENTS} (each round trains every "
+                             f"component on every sampled client), got {self.num_components}")
 
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, ctx: Context, params: Params, seed: int) -> Mixture:

@@ -74,6 +74,10 @@ class RunConfig:
             raise ValueError(f"run.client_store must be 'memory' or 'mmap', got {self.client_store!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"run.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if self.eval_chunk_elems < 1:
+            raise ValueError(f"run.eval_chunk_elems must be >= 1, got {self.eval_chunk_elems}")
+        if self.rounds > 10**7:
+            raise ValueError(f"run.rounds must be <= 10^7, got {self.rounds}")
         if self.eval_every < 1 or self.checkpoint_every < 0 or self.chunk_size < 0 or self.eval_clients < 0:
             raise ValueError("run.eval_every must be >= 1; checkpoint_every, chunk_size and eval_clients >= 0")
         if self.threads < 0:
@@ -150,6 +154,13 @@ class Federation(NamedTuple):
         return c
 
 
+DIVERGED_AFTER = 3  # consecutive rounds in which every update is non-finite
+
+
+class TrainingDiverged(ValueError):
+    """Every client update was non-finite for ``DIVERGED_AFTER`` rounds in a row."""
+
+
 @dataclass
 class EngineState:
     """Everything of a run besides the clients' own states: what a checkpoint holds with the store's rows."""
@@ -199,9 +210,27 @@ class Engine:
         self.device = torch.device(cfg.device)
         model.module.to(self.device)
         self._n_params = sum(int(p.numel()) for p in model.module.parameters())
+        self._check_memory(federation)
         self.ctx = Context(model, opt, federation.num_clients, float(federation.train_counts.sum()), cfg.local_epochs,
                            cfg.rounds, int(federation.train_counts.max()), self.robust.combiner())
         self.eval_ids = {g: self._eval_sample(g) for g in clients.groups}
+
+    def _check_memory(self, federation: Federation) -> None:
+        """Refuse, before allocating anything, a run whose models alone need more memory than the machine has:
+        M models (FedEM's components) on the server, and per client of one batched call its copy, gradients
+        and momentum."""
+        from ..config import physical_memory
+
+        n = federation.num_clients
+        m = int(getattr(self.alg, "num_components", 1) or 1)
+        k = min(self.cfg.clients_per_round or max(1, int(round(self.cfg.sampling_rate * n))), n)
+        width = min(k, self.cfg.chunk_size or k)
+        need = 4.0 * self._n_params * m * (3 * width + 4)
+        have = physical_memory()
+        if need > 0.8 * have:
+            raise ValueError(f"{m} model(s) of {self._n_params} parameters for {width} clients per batched call need "
+                             f"about {need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
+                             "(fewer components, a smaller model, or run.chunk_size)")
 
     # ------------------------------------------------------------------------------------------ state
     def init_state(self, resume: dict[str, Any] | None = None) -> EngineState:
@@ -287,6 +316,14 @@ class Engine:
             loss = float(ok.float().mean()) if ok.numel() else float("nan")
         if alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not
             state.server = self.clients.gossip(lambda s, c: alg.sync(self.ctx, s, c), state.server, r)
+        if excluded and row["clients"] - excluded <= 0:  # nobody's update could be used
+            state.counters["all_excluded_streak"] = int(state.counters.get("all_excluded_streak", 0)) + 1
+            if state.counters["all_excluded_streak"] >= DIVERGED_AFTER:
+                raise TrainingDiverged(f"every client update was NaN/Inf in rounds {r + 2 - DIVERGED_AFTER}-{r + 1}: "
+                                       f"training diverged (optim.lr = {self.opt.lr:g} too large?); nothing is "
+                                       "reported as a result")
+        else:
+            state.counters["all_excluded_streak"] = 0
         if self.accountant is not None:
             row["epsilon"] = self.accountant.epsilon_after(r + 1)
         state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded

@@ -60,4 +60,4 @@ def char_lstm(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, ob
               embed: int = 8, hidden: int = 256, layers: int = 2) -> Model:
     module = CharLSTM(num_classes, embed, hidden, layers)
     return Model(module, "multiclass", num_classes, name="lstm", forward=lambda p, x: lstm_forward(p, x, layers),
-                 module_when_eager=True, prefer_loop_on_cpu=True)
+                 module_when_eager=True, prefer_loop_on_cpu=True, token_input=True)
