@@ -5,7 +5,6 @@ import gzip
 import io
 import json
 import os
-import pickle
 import struct
 import tarfile
 import zipfile
@@ -21,6 +20,11 @@ from fedmtl.data.tabular import gleam, har, vehicle
 from fedmtl.data.text import VOCAB, encode, load_roles, shakespeare, windows
 from fedmtl.data.vision import cifar, emnist, femnist, idx_federation, read_idx
 
+
+@pytest.fixture(autouse=True)
+def _small_copies(monkeypatch):
+    """The files made here are small copies in the real formats, not the published ones: skip their MD5."""
+    monkeypatch.setenv("FEDMTL_VERIFY_MD5", "0")
 
 def write_idx(path: Path, arr: np.ndarray, gz: bool = True) -> Path:
     code = {np.uint8: 0x08}[arr.dtype.type]
@@ -148,27 +152,50 @@ def test_femnist_leaf_json(tmp_path):
         femnist(data_dir=str(tmp_path))
 
 
-def _cifar_tar(path: Path, n: int = 12, truncate: bool = False) -> None:
+def _cifar_tar(path: Path, n: int = 12, truncate: bool = False, name: str = "cifar10") -> np.ndarray:
+    """A small archive in the real binary format; returns the first batch's labels."""
     rng = np.random.default_rng(0)
+    folder, members, classes = (("cifar-10-batches-bin", [f"data_batch_{i}.bin" for i in range(1, 6)] +
+                                 ["test_batch.bin"], 10) if name == "cifar10" else
+                                ("cifar-100-binary", ["train.bin", "test.bin"], 100))
+    first = None
     with tarfile.open(path, "w:gz") as tar:
-        for m in ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch"]:
-            blob = pickle.dumps({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                                 b"labels": rng.integers(0, 10, n).tolist()})
-            info = tarfile.TarInfo(f"cifar-10-batches-py/{m}")
+        for m in members:
+            labels = rng.integers(0, classes, n).astype(np.uint8)
+            first = labels if first is None else first
+            head = labels[:, None] if name == "cifar10" else np.stack([labels // 5, labels], 1)  # coarse, fine
+            blob = np.concatenate([head, rng.integers(0, 256, (n, 3072), dtype=np.uint8)], 1).tobytes()
+            info = tarfile.TarInfo(f"{folder}/{m}")
             info.size = len(blob)
             tar.addfile(info, io.BytesIO(blob))
     if truncate:
         path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    return first
 
 
-def test_cifar10_pickles(tmp_path):
-    _cifar_tar(tmp_path / "cifar-10-python.tar.gz")
+def test_cifar_binary_archives(tmp_path, monkeypatch):
+    from fedmtl.data.vision import load_cifar
+
+    monkeypatch.setenv("FEDMTL_VERIFY_MD5", "0")  # a small file made here, not the published archive
+    labels = _cifar_tar(tmp_path / "cifar-10-binary.tar.gz")
     d = cifar("cifar10", num_clients=4, partition="iid", data_dir=str(tmp_path), download=False)
     assert d.feature_shape == (3, 32, 32) and sum(int(s.counts.sum()) for s in d.seen.splits().values()) == 72
+    x, y = load_cifar("cifar10", str(tmp_path), download=False)
+    assert x.shape == (72, 3, 32, 32) and np.array_equal(y[:12], labels)
+    fine = _cifar_tar(tmp_path / "cifar-100-binary.tar.gz", name="cifar100")
+    _, y100 = load_cifar("cifar100", str(tmp_path), download=False)
+    assert np.array_equal(y100[:12], fine) and y100.max() < 100  # the fine label, not the coarse one
     (tmp_path / "t").mkdir()
-    _cifar_tar(tmp_path / "t" / "cifar-10-python.tar.gz", truncate=True)
+    _cifar_tar(tmp_path / "t" / "cifar-10-binary.tar.gz", truncate=True)
     with pytest.raises(DataError, match="not a valid cifar10"):
         cifar("cifar10", data_dir=str(tmp_path / "t"), download=False)
+
+
+def test_local_copies_are_checked_against_the_known_md5(tmp_path, monkeypatch):
+    monkeypatch.delenv("FEDMTL_VERIFY_MD5", raising=False)
+    _cifar_tar(tmp_path / "cifar-10-binary.tar.gz")
+    with pytest.raises(DataError, match="differs from the known c32a1d4ab5d03f1284b67883e8d87530"):
+        cifar("cifar10", data_dir=str(tmp_path), download=False)
 
 
 def test_har_zip(tmp_path):

@@ -65,15 +65,51 @@ def download(remote: Remote, dest_dir: Path, timeout: float = 60.0) -> Path:
     raise DataError(f"could not download {remote.filename}: " + "; ".join(errors))
 
 
+def packaged_md5(path: Path) -> str | None:
+    """The MD5 a Debian package recorded for ``path`` (``/var/lib/dpkg/info/<package>.md5sums``), if any.
+    Debian's dataset packages recompress the original files, so the publisher's MD5 does not apply to them."""
+    info = Path("/var/lib/dpkg/info")
+    if not info.is_dir():
+        return None
+    rel = str(path.resolve()).lstrip("/")
+    for lst in info.glob("*.md5sums"):
+        if "dataset" not in lst.name:
+            continue
+        try:
+            for line in lst.read_text().splitlines():
+                digest, _, name = line.partition("  ")
+                if name.strip() == rel:
+                    return digest.strip()
+        except OSError:
+            continue
+    return None
+
+
+def verify_local(path: Path, remote: Remote) -> None:
+    """Refuse a local copy whose MD5 differs from the known one (the publisher's, or the installing package's).
+    ``FEDMTL_VERIFY_MD5=0`` skips the check (a copy you made yourself, e.g. a test's small file)."""
+    if os.environ.get("FEDMTL_VERIFY_MD5", "1") == "0":
+        return
+    want = packaged_md5(path) or remote.md5
+    if not want:
+        return
+    got = md5sum(path)
+    if got != want:
+        raise DataError(f"{path}: MD5 {got} differs from the known {want}: a corrupt or modified copy. Delete it "
+                        "to download it afresh, or set FEDMTL_VERIFY_MD5=0 to use a copy you trust")
+
+
 def locate(
     remote: Remote, name: str, data_dir: str | Path = "", system_dirs: tuple[str, ...] = (), allow_download: bool = True
 ) -> Path:
-    """Path of ``remote.filename``: user dir, system dirs, cache, else download into the cache."""
+    """Path of ``remote.filename``: user dir, system dirs, cache, else download into the cache.  A local copy is
+    checked against its known MD5 (``verify_local``) before it is used."""
     candidates = [Path(data_dir)] if data_dir else []
     candidates += [Path(d) for d in system_dirs] + [cache_dir() / name]
     for d in candidates:
         p = d / remote.filename
         if p.is_file():
+            verify_local(p, remote)
             return p
     if not allow_download:
         raise DataError(f"{remote.filename} not found in {[str(c) for c in candidates]} and downloading is off")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import pickle
 import struct
 import tarfile
 import zipfile
@@ -254,20 +253,36 @@ def femnist(
 
 # ---------------------------------------------------------------------------------------------- CIFAR
 
+# The binary versions of the archives (raw records, no pickle: the python versions are pickled dicts, which
+# fedmtl never loads from a file).  Record = label byte(s) + 3072 pixel bytes (R, G, B planes of 32 x 32).
 CIFAR = {
-    "cifar10": (Remote("cifar-10-python.tar.gz", ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
-                       "c58f30108f718f92721af3b95e74349a"), "cifar-10-batches-py",
-                ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch"],
-                b"labels", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": (Remote("cifar-100-python.tar.gz", ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
-                        "eb9058c3a382ffc7106e4002c42a8d85"), "cifar-100-python", ["train", "test"],
-                 b"fine_labels", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "cifar10": (Remote("cifar-10-binary.tar.gz", ("https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",),
+                       "c32a1d4ab5d03f1284b67883e8d87530"), "cifar-10-batches-bin",
+                [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"], 1, 0,
+                10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    # CIFAR-100 records carry the coarse label then the fine label; the fine one (100 classes) is used
+    "cifar100": (Remote("cifar-100-binary.tar.gz", ("https://www.cs.toronto.edu/~kriz/cifar-100-binary.tar.gz",),
+                        "03b5dce01913d631647c71ecec9e9cb8"), "cifar-100-binary", ["train.bin", "test.bin"], 2, 1,
+                 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 
 
+def read_cifar_records(raw: bytes, label_bytes: int, label_at: int, classes: int, what: str
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 3, 32, 32) uint8 and labels of a CIFAR binary batch file's bytes."""
+    size = label_bytes + 3072
+    if len(raw) == 0 or len(raw) % size:
+        raise DataError(f"{what}: {len(raw)} bytes is not a whole number of {size}-byte CIFAR records (truncated?)")
+    rec = np.frombuffer(raw, dtype=np.uint8).reshape(-1, size)
+    y = rec[:, label_at].astype(np.int64)
+    if int(y.max()) >= classes:
+        raise DataError(f"{what}: label {int(y.max())} out of range for {classes} classes")
+    return rec[:, label_bytes:].reshape(-1, 3, 32, 32).copy(), y
+
+
 def load_cifar(name: str, data_dir: str = "", download: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """All 60,000 images (uint8 (N, 3, 32, 32)) and labels of CIFAR-10/100 from the python tarball."""
-    remote, folder, members, key, _, _, _ = CIFAR[name]
+    """All 60,000 images (uint8 (N, 3, 32, 32)) and labels of CIFAR-10/100 from the binary tarball."""
+    remote, folder, members, label_bytes, label_at, classes, _, _ = CIFAR[name]
     path = locate(remote, name, data_dir, (), download)
     xs, ys = [], []
     try:
@@ -276,13 +291,10 @@ def load_cifar(name: str, data_dir: str = "", download: bool = True) -> tuple[np
                 f = tar.extractfile(f"{folder}/{m}")
                 if f is None:
                     raise DataError(f"{path}: member {folder}/{m} missing")
-                d = pickle.load(f, encoding="bytes")  # noqa: S301  (the official CIFAR format)
-                x = np.asarray(d[b"data"], dtype=np.uint8)
-                if x.ndim != 2 or x.shape[1] != 3072:
-                    raise DataError(f"{path}: {m} data has shape {x.shape}, expected (N, 3072)")
-                xs.append(x.reshape(-1, 3, 32, 32))
-                ys.append(np.asarray(d[key], dtype=np.int64))
-    except (tarfile.TarError, EOFError, OSError, KeyError, pickle.UnpicklingError) as e:
+                x, y = read_cifar_records(f.read(), label_bytes, label_at, classes, f"{path}: {m}")
+                xs.append(x)
+                ys.append(y)
+    except (tarfile.TarError, EOFError, OSError, KeyError) as e:
         raise DataError(f"{path}: not a valid {name} archive ({e})") from None
     return np.concatenate(xs), np.concatenate(ys)
 
@@ -296,7 +308,7 @@ def cifar(
     if name not in CIFAR:
         raise ValueError(f"unknown CIFAR dataset {name!r}; use cifar10 or cifar100")
     x, y = load_cifar(name, data_dir, download)
-    _, _, _, _, classes, mean, std = CIFAR[name]
+    *_, classes, mean, std = CIFAR[name]
     return _image_federation(name, x, y, classes, mean, std, num_clients, partition, alpha, num_groups,
                              shards_per_client, 0.5, fraction, test_frac, val_frac, unseen_frac, seed)
 
