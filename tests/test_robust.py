@@ -160,3 +160,21 @@ def test_robust_and_attack_tables_are_validated():
         cfg = validate(tomllib.loads(CONFIG.format(alg="local", extra="") + '\n[robust]\naggregator = "median"\n'))
         run_experiment(cfg, progress=False)
     assert RobustConfig().is_plain
+
+
+@pytest.mark.slow
+def test_reproduce_robustness_writes_its_tables(tmp_path):
+    from fedmtl.robust.reproduce import run
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "tiny.toml").write_text(CONFIG.format(alg="fedavg", extra="").replace("num_clients = 30",
+                                                                                                "num_clients = 10"))
+    res = run(tmp_path / "out", quick=True, datasets=("tiny",), config_dir=tmp_path / "cfg")
+    acc = res["tiny"]["accuracy"]
+    assert set(acc) == {"clean", *(f"scale/30%/{a}" for a in ("mean", "median", "trimmed_mean", "krum",
+                                                              "multi_krum"))}
+    assert all(0 <= v <= 100 for row in acc.values() for v in row.values())
+    eps = [p["epsilon"] for p in res["tiny"]["fedavg_privacy"]]
+    assert len(eps) == 2 and all(e > 0 for e in eps)
+    for f in ("robustness.md", "robustness.json", "privacy.png", "summary.json"):
+        assert (tmp_path / "out" / f).exists()

@@ -267,7 +267,16 @@ def networked(out: Path, quick: bool = False) -> dict[str, Any]:
     return run(out, quick=quick)
 
 
+def robustness(out: Path, quick: bool = False) -> dict[str, Any]:
+    """FedAvg, FedEM and Ditto under attacks with each robust aggregator, and privacy-utility curves
+    (``fedmtl.robust.reproduce``)."""
+    from .robust.reproduce import run
+
+    return run(out, quick=quick)
+
+
 REPRODUCTIONS: dict[str, Callable[..., Any]] = {
+    "robustness": robustness,
     "mocha": mocha,
     "networked": networked,
     "fedem-synthetic": fedem_synthetic,
