@@ -49,6 +49,8 @@ def test_export_and_load_round_trip(data, tmp_path):
             x, y = getattr(back.seen, split).client(row)
             x0, y0 = getattr(data.seen, split).client(k)
             assert torch.equal(x, x0) and torch.equal(y, y0)
+    _, train_only = load_dir(tmp_path / "a", train_only=True)  # what a node reads for a train message
+    assert torch.equal(train_only.seen.train.x, back.seen.train.x) and train_only.seen.test.x.shape[0] == 0
     info = json.loads((tmp_path / "a" / "dataset.json").read_text())
     assert info["format"] == "fedmtl-npz/1" and info["num_classes"] == data.num_classes
 

@@ -117,10 +117,17 @@ def _read_info(path: Path) -> dict[str, Any]:
     return info
 
 
-def _read_client(f: Path) -> dict[str, np.ndarray]:
+def _read_client(f: Path, train_only: bool = False) -> dict[str, np.ndarray]:
     try:
         with np.load(f, allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
+            names = [n for n in z.files if not train_only or n in ("x_train", "y_train")]
+            arrays = {name: z[name] for name in names}
+            if train_only:  # the test split's shape only (an npz member is read on access)
+                for need in ("x_test", "y_test"):
+                    if need not in z.files:
+                        raise DataError(f"{f}: missing array {need!r} (has {sorted(z.files)})")
+                arrays["x_test"] = np.zeros((0, *arrays["x_train"].shape[1:]), arrays["x_train"].dtype)
+                arrays["y_test"] = np.zeros(0, np.int64)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise DataError(f"{f}: not a readable .npz file ({type(e).__name__}: {str(e)[:200]})") from None
     for need in ("x_train", "y_train", "x_test", "y_test"):
@@ -134,10 +141,10 @@ def _read_client(f: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def load_dir(path: str | Path) -> tuple[Tensor, FederatedData]:
+def load_dir(path: str | Path, train_only: bool = False) -> tuple[Tensor, FederatedData]:
     """The clients of a data directory: their ids (sorted, long) and their data (seen clients in id order).
     Every problem (missing or corrupt file, wrong keys, shapes, dtypes, labels) is a ``DataError`` naming
-    the file."""
+    the file.  ``train_only``: read the training split only (test splits empty, no validation split)."""
     path = Path(path)
     if not path.is_dir():
         raise DataError(f"data-dir {path}: no such directory")
@@ -155,7 +162,7 @@ def load_dir(path: str | Path) -> tuple[Tensor, FederatedData]:
     per: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "test": [], "val": []}
     has_val = None
     for k in ids:
-        a = _read_client(files[k])
+        a = _read_client(files[k], train_only)
         if has_val is None:
             has_val = "x_val" in a
         elif has_val != ("x_val" in a):

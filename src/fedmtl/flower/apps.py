@@ -77,7 +77,7 @@ class _Node:
     clients: dict[tuple[Any, ...], tuple[LocalClients, Tree]] = field(default_factory=dict)
 
 
-_NODES: dict[tuple[str, str], _Node] = {}
+_NODES: dict[tuple[tuple[str, str], bool], _Node] = {}
 
 
 def _partitions(spec: str) -> list[int]:
@@ -88,17 +88,20 @@ def _partitions(spec: str) -> list[int]:
     return sorted(set(out))
 
 
-def node_of(context: Context, cfg_text: str) -> _Node:
-    """The node's data, model and algorithm, built once per process, config and node config."""
+def node_of(context: Context, cfg_text: str, full: bool = True) -> _Node:
+    """The node's data, model and algorithm, built once per process, config and node config.  ``full=False``
+    (training, gossip, queries) may skip reading the test and validation splits of a ``data-dir``: Flower
+    starts a process per message, so each message reads only what it needs."""
     nc = dict(context.node_config)
     key = (_sha(cfg_text), json.dumps({k: str(v) for k, v in sorted(nc.items())}))
-    if key in _NODES:
-        return _NODES[key]
+    for k in ((key, True),) if full else ((key, True), (key, False)):
+        if k in _NODES:
+            return _NODES[k]
     cfg = config_from_text(cfg_text)
     if "data-dir" in nc:
         from ..data.npz import load_dir
 
-        ids, data = load_dir(str(nc["data-dir"]))
+        ids, data = load_dir(str(nc["data-dir"]), train_only=not full)
         source = "data-dir"
     else:
         full = cfg.build_data()
@@ -122,7 +125,7 @@ def node_of(context: Context, cfg_text: str) -> _Node:
         data, source = full.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     model.check_features(data.seen.train.x[:2])
-    node = _NODES[key] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
+    node = _NODES[key, full or source == "config"] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
     return node
 
 
@@ -254,7 +257,7 @@ def _asked(node: _Node, conf: dict[str, Any]) -> Tensor:
 def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
     """What the server may know of this node: its clients' ids and training-set sizes, the feature shape and
     dtype, the classes and the dataset's public metadata; never an example."""
-    node = node_of(context, cfg_text)
+    node = node_of(context, cfg_text, full=False)
     d = node.data
     info = to_config({
         "client_ids": node.ids.tolist(), "train_counts": d.seen.train.counts.tolist(),
@@ -268,7 +271,7 @@ def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
 def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
     """Train this node's sampled clients (one message per node per round) with the local executor; reply their
     updates stacked in the order asked, their losses and which of them are finite."""
-    node = node_of(context, cfg_text)
+    node = node_of(context, cfg_text, full=False)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     ids, r = _asked(node, conf), int(conf["round"])
     _maybe_fail(ids.tolist(), r)
@@ -308,7 +311,7 @@ def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
 
 def handle_pull(msg: Message, context: Context, cfg_text: str) -> Message:
     """Server-relayed gossip, step 1: this node's clients' states (all of them), for the server to forward."""
-    node = node_of(context, cfg_text)
+    node = node_of(context, cfg_text, full=False)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     lc, _ = _local_clients(node, conf)
     _restore(node, lc, context, cfg_text, int(conf["round"]) + 1)
@@ -320,7 +323,7 @@ def handle_mix(msg: Message, context: Context, cfg_text: str) -> Message:
     """Server-relayed gossip, step 2: mix this node's clients with the neighbours' states the server forwarded
     (``alg.sync`` over a population whose other rows are zeros: row i of a gossip step reads only i's
     neighbours, so this node's rows equal a simulation's).  Replies the sum of its clients' new states."""
-    node = node_of(context, cfg_text)
+    node = node_of(context, cfg_text, full=False)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     lc, server0 = _local_clients(node, conf)
     r = int(conf["round"])
