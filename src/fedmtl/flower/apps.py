@@ -104,8 +104,8 @@ def node_of(context: Context, cfg_text: str, full: bool = True) -> _Node:
         ids, data = load_dir(str(nc["data-dir"]), train_only=not full)
         source = "data-dir"
     else:
-        full = cfg.build_data()
-        n = full.seen.num_clients
+        whole = cfg.build_data()
+        n = whole.seen.num_clients
         if "partition-ids" in nc:
             ks = _partitions(str(nc["partition-ids"]))
         elif "partition-id" in nc:
@@ -122,7 +122,7 @@ def node_of(context: Context, cfg_text: str, full: bool = True) -> _Node:
         if any(not 0 <= k < n for k in ks):
             raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {n} seen clients")
         ids = torch.tensor(ks, dtype=torch.long)
-        data, source = full.subset(ids), "config"
+        data, source = whole.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     model.check_features(data.seen.train.x[:2])
     node = _NODES[key, full or source == "config"] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
