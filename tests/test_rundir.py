@@ -148,15 +148,23 @@ def test_ctrl_c_and_sigterm_name_the_checkpoint_to_resume_from(tmp_path, sig, co
     cfg.write_text(TINY.format(rounds=100000, every=1).replace("max_samples = 60", "max_samples = 600"))
     out = tmp_path / "o"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # SIGINT at its default: a shell starts background jobs (CI, nohup) with SIGINT ignored, and Python then
+    # keeps ignoring it, as a user who ran fedmtl that way asked
     p = subprocess.Popen([sys.executable, "-m", "fedmtl.cli", "run", str(cfg), "--out", str(out), "--no-progress"],
-                         stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + 120
-    while not (out / "checkpoint.pt").exists():
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.2)
-    time.sleep(1.0)
-    p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
+                         stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 120
+        while not (out / "checkpoint.pt").exists():
+            assert time.time() < deadline and p.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     assert p.returncode == code, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "resume with fedmtl run" in lines[0] and "--resume" in lines[0], err
