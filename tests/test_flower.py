@@ -154,6 +154,39 @@ def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
 
 
 @pytest.mark.slow
+def test_robust_aggregation_attacks_and_privacy_over_flower_equal_the_simulator(tmp_path):
+    """[robust], [attack] and [privacy] act in the engine on the server: over Flower they give the simulator's
+    result (DP noise included: it is drawn from the run's seed)."""
+    import tomllib
+
+    from fedmtl.flower.simulation import simulate
+
+    raw = CONFIG.format(alg="fedem", extra="num_components = 2", k=0) + """
+[robust]
+aggregator = "median"
+clip_norm = 5.0
+
+[attack]
+kind = "sign_flip"
+fraction = 0.2
+strength = 3.0
+
+[privacy]
+clip_norm = 2.0
+noise_multiplier = 0.3
+sampling = "fixed"
+"""
+    text = dumps(validate(tomllib.loads(raw)).raw)
+    res = simulate(text, out=tmp_path / "run", nodes=2)
+    st, final = _in_process(text)
+    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
+        assert torch.allclose(a.double(), b.double(), atol=1e-5)
+    for key, v in final.items():
+        assert abs(res.final[key] - v) < 1e-5, key
+    assert len(res.summary["attackers"]) == 1 and 0 < res.summary["epsilon"] < float("inf")
+
+
+@pytest.mark.slow
 def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypatch):
     import tomllib
 
