@@ -16,9 +16,10 @@ import numpy as np
 
 
 @contextlib.contextmanager
-def atomic(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[Any]]:
     """Open a unique temporary file beside ``path``; on success fsync it and rename it over ``path`` (readers see
-    the old file or the new one, never a part); on failure (a full disk, Ctrl-C) delete it."""
+    the old file or the new one, never a part); on failure (a full disk, Ctrl-C) delete it.  ``private``: the
+    file stays 0600 (mkstemp's mode) from its first byte, for keys."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -26,7 +27,8 @@ def atomic(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        if not private:
+            os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -21,9 +21,7 @@ Layout of a data directory::
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..report import atomic
 from .federated import DataError, FederatedData
 
 FORMAT = "fedmtl-npz/1"
@@ -67,17 +66,6 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
-def _write_atomic(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def export(data: FederatedData, out: str | Path, clients: list[int]) -> Path:
     """Write the seen clients ``clients`` of ``data`` to ``out`` (one ``client_<k>.npz`` each, plus
     ``dataset.json``); files are written atomically."""
@@ -88,13 +76,15 @@ def export(data: FederatedData, out: str | Path, clients: list[int]) -> Path:
     if bad:
         raise DataError(f"clients {bad[:5]} out of range: the federation has {n} seen clients")
     info = {"format": FORMAT, "name": data.name, "num_classes": data.num_classes, "meta": _jsonable(data.meta)}
-    _write_atomic(out / "dataset.json", lambda fh: fh.write(json.dumps(info, indent=1).encode()))
+    with atomic(out / "dataset.json") as fh:
+        fh.write(json.dumps(info, indent=1))
     for k in clients:
         arrays = {}
         for split, s in data.seen.splits().items():
             x, y = s.client(k)
             arrays[f"x_{split}"], arrays[f"y_{split}"] = x.numpy(), y.numpy()
-        _write_atomic(out / f"client_{k}.npz", lambda fh, a=arrays: np.savez(fh, **a))
+        with atomic(out / f"client_{k}.npz", "wb") as fh:
+            np.savez(fh, **arrays)
     return out
 
 

@@ -118,11 +118,15 @@ def poisson_sample(cfg: RunConfig, num_clients: int, round_idx: int) -> Tensor:
     return torch.from_numpy(sample_without_replacement(rng, num_clients, k))
 
 
+def clients_per_round(cfg: RunConfig, num_clients: int) -> int:
+    """K, the clients a round samples: ``clients_per_round``, else ``round(sampling_rate * N)`` (at least 1)."""
+    return min(cfg.clients_per_round or max(1, int(round(cfg.sampling_rate * num_clients))), num_clients)
+
+
 def sample_clients(cfg: RunConfig, num_clients: int, round_idx: int) -> Tensor:
     """The clients of round ``round_idx`` (sorted ids): everyone, or a uniform sample without replacement of
     ``clients_per_round`` (else ``round(sampling_rate * num_clients)``) clients."""
-    k = cfg.clients_per_round or max(1, int(round(cfg.sampling_rate * num_clients)))
-    k = min(k, num_clients)
+    k = clients_per_round(cfg, num_clients)
     if k == num_clients:
         return torch.arange(num_clients)
     rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, round_idx, 1]))
@@ -201,7 +205,7 @@ class Engine:
                 raise ValueError(f"[privacy]: {algorithm.name} does not average client updates; user-level DP "
                                  "applies to methods whose server averages model updates")
             n = federation.num_clients
-            k = min(cfg.clients_per_round or max(1, int(round(cfg.sampling_rate * n))), n)
+            k = clients_per_round(cfg, n)
             if self.privacy.target_epsilon > 0:
                 self.noise_multiplier = calibrate(self.privacy, cfg.rounds, n, k, k / n)
                 log.info("privacy: noise multiplier %.4f spends epsilon %.3g at delta %.1e over %d rounds",
@@ -223,7 +227,7 @@ class Engine:
 
         n = federation.num_clients
         m = int(getattr(self.alg, "num_components", 1) or 1)
-        k = min(self.cfg.clients_per_round or max(1, int(round(self.cfg.sampling_rate * n))), n)
+        k = clients_per_round(self.cfg, n)
         width = min(k, self.cfg.chunk_size or k)
         need = 4.0 * self._n_params * m * (3 * width + 4)
         have = physical_memory()
@@ -341,7 +345,7 @@ class Engine:
         p = self.privacy
         updates = clip_updates(updates, ref, weights, p.clip_norm)
         n = self.fed.num_clients
-        k = min(self.cfg.clients_per_round or max(1, int(round(self.cfg.sampling_rate * n))), n)
+        k = clients_per_round(self.cfg, n)
         denominator = float(k) if p.sampling == "poisson" else float(max(n_sampled, 1))  # poisson: q N = k
         gen = round_generator(self.cfg.seed, r, 5)
         return self.ctx._replace(combine=dp_combine(ref, p.clip_norm, self.noise_multiplier, denominator, gen)), updates

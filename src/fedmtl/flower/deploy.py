@@ -28,18 +28,10 @@ def _name(cn: str) -> x509.Name:
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
     """Write ``data`` atomically; a private key 0600 from its first byte (never world-readable, not even briefly)."""
-    import tempfile
+    from ..report import atomic
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp: 0600
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        if not private:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic(path, "wb", private=private) as fh:
+        fh.write(data)
 
 
 def _private_dir(d: Path) -> Path:
