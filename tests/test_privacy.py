@@ -14,7 +14,7 @@ from fedmtl import tree as T
 from fedmtl.config import ConfigError, validate
 from fedmtl.data.federated import FederatedData
 from fedmtl.engine.driver import run_experiment
-from fedmtl.privacy import PrivacyConfig, dp_combine, epsilon
+from fedmtl.privacy import Accountant, PrivacyConfig, dp_combine, epsilon
 
 pytest.importorskip("dp_accounting")
 
@@ -34,6 +34,25 @@ def test_epsilon_equals_the_library_for_a_known_setting():
     # more noise, fewer rounds: less epsilon; the RDP bound is above the tighter PLD one
     assert epsilon(cfg, 2.0, 1000, 10000, 100, 0.01) < epsilon(cfg, 1.1, 1000, 10000, 100, 0.01)
     assert epsilon(cfg_pld, 1.1, 1000, 10000, 100, 0.01) < epsilon(cfg, 1.1, 1000, 10000, 100, 0.01)
+
+
+def test_round_by_round_accountant_equals_the_library_and_stays_quiet(caplog):
+    """The run's accountant (one round's RDP curve, scaled) equals the library composing r rounds, for both
+    sampling schemes; the library's fractional-order convergence warnings are filtered out."""
+    import logging
+
+    for sampling, n, k, q in (("poisson", 100, 20, 0.2), ("fixed", 100, 20, 0.2)):
+        cfg = PrivacyConfig(clip_norm=1.0, noise_multiplier=2.0, sampling=sampling)
+        acc = Accountant(cfg, 2.0, n, k, q)
+        with caplog.at_level(logging.WARNING, logger="absl"):
+            got = [acc.epsilon_after(r) for r in (1, 7, 50, 3)]
+        want = [epsilon(cfg, 2.0, r, n, k, q) for r in (1, 7, 50, 3)]
+        assert got == pytest.approx(want, rel=1e-9)
+        assert got[0] < got[3] < got[1] < got[2]
+    assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
+    pld_cfg = PrivacyConfig(clip_norm=1.0, noise_multiplier=1.0, accountant="pld")
+    assert Accountant(pld_cfg, 1.0, 100, 20, 0.2).epsilon_after(10) == pytest.approx(
+        epsilon(pld_cfg, 1.0, 10, 100, 20, 0.2), rel=1e-9)
 
 
 def test_noise_has_the_stated_scale():
