@@ -18,6 +18,7 @@ from .algorithms.base import Algorithm, ClientId, Context, GlobalModel
 from .api import run
 from .data.federated import DataError, FederatedData
 from .engine.driver import RunResult
+from .engine.seeds import SeedsResult
 from .model import Model, ModelError
 from .optim import SGD, Batches, local_sgd, masked_steps
 from .registry import register_algorithm, register_dataset, register_model
@@ -26,6 +27,6 @@ __version__ = "0.2.0"
 
 __all__ = [
     "SGD", "Algorithm", "Batches", "ClientId", "Context", "DataError", "FederatedData", "GlobalModel", "Model",
-    "ModelError", "RunResult", "__version__", "local_sgd", "masked_steps", "register_algorithm", "register_dataset",
-    "register_model", "run",
+    "ModelError", "RunResult", "SeedsResult", "__version__", "local_sgd", "masked_steps", "register_algorithm",
+    "register_dataset", "register_model", "run",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 from .config import PYTHON_DATA, PYTHON_MODEL, ConfigError, apply_overrides, read_toml, validate
 from .data.federated import DataError, FederatedData
 from .engine.driver import RunResult, run_experiment
+from .engine.seeds import SeedsResult, run_seeds
 from .model import Model
 
 
@@ -32,8 +33,9 @@ def run(
     resume: bool = False,
     progress: bool = False,
     overwrite: bool = False,
+    seeds: list[int] | tuple[int, ...] | None = None,
     **overrides: Any,
-) -> RunResult:
+) -> RunResult | SeedsResult:
     """Run one experiment and return its ``RunResult`` (summary, history, per-client metrics, final state).
 
     ``config_or_path``: a TOML file, or a dict with the same tables, e.g.
@@ -43,6 +45,10 @@ def run(
     everything in memory; a directory that holds a run needs ``resume=True`` (continue it) or ``overwrite=True``
     (replace it).  ``overrides``: ``table__key=value`` (or ``**{"table.key": value}``), as
     ``--set table.key=value``; e.g. ``fedmtl.run("configs/synthetic/fedem.toml", run__rounds=5)``.
+    ``seeds`` (or ``run.seeds`` in the config): run one independent replica per seed, batched together, and
+    return a ``SeedsResult`` (``.runs``: one ``RunResult`` per seed; ``.final[metric]``: mean, std, 95% interval);
+    with ``out``, each seed's run directory is ``out/seed-<S>``.  ``progress``: ``True`` prints progress (a bar
+    on a terminal, lines elsewhere).
     """
     if data is not None and not isinstance(data, FederatedData):
         raise DataError(f"data must be a fedmtl.FederatedData (see FederatedData.from_arrays), "
@@ -62,10 +68,14 @@ def run(
     for table, given, marker in (("data", data, PYTHON_DATA), ("model", model, PYTHON_MODEL)):
         if given is not None and isinstance(raw.get(table), dict) and raw[table].get("name") == marker:
             raw.pop(table)  # a config.toml written by an earlier Python run
+    if seeds is not None:
+        raw.setdefault("run", {})["seeds"] = list(seeds)
     cfg = validate(raw, source, data_given=data is not None, model_given=model is not None)
     if data is not None:
         cfg.data["fingerprint"] = fingerprint(data)
         cfg.raw["data"] = dict(cfg.data)
+    if cfg.run.seeds:
+        return run_seeds(cfg, out=out, resume=resume, progress=progress, data=data, model=model, overwrite=overwrite)
     return run_experiment(cfg, out, resume=resume, progress=progress, data=data, model=model, overwrite=overwrite)
 
 

@@ -25,25 +25,57 @@ def _cmd_run(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     if args.device:
         overrides.append(f"run.device={args.device}")
+    if args.seeds:
+        overrides.append(f"run.seeds=[{parse_seeds(args.seeds)}]")
     cfg = load(args.config, overrides)
     out = args.out or str(Path("runs") / Path(args.config).stem)
-    result = run_experiment(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    keys = ("seen_test_acc_mean", "seen_test_acc_p10", "seen_test_acc_bottom10_mean", "unseen_test_acc_mean",
+            "participation_gap")
+    if cfg.run.seeds:
+        from .engine.seeds import run_seeds
+
+        res = run_seeds(cfg, out=out, resume=args.resume, overwrite=args.overwrite)
+        print(f"{cfg.algorithm['name']} on {cfg.data['name']}, {cfg.run.rounds} rounds, seeds {list(cfg.run.seeds)} "
+              f"-> {out}  (%, mean +- std over seeds [95% interval])")
+        for k in keys:
+            st = res.final.get(k)
+            if st and st["mean"] is not None:
+                ci = f"[{100 * st['ci95_low']:.2f}, {100 * st['ci95_high']:.2f}]" if st["ci95_low"] is not None else ""
+                print(f"  {k:28s} {100 * st['mean']:7.2f} +- {100 * st['std']:5.2f}  {ci}")
+        return 0
+    result = run_experiment(cfg, out, resume=args.resume, overwrite=args.overwrite)
     summary = result.summary
     final = summary["final"]
-    keys = [k for k in ("seen_test_acc", "seen_test_acc_mean", "seen_test_acc_p10", "unseen_test_acc_mean",
-                        "participation_gap") if k in final]
-    print(f"{cfg.algorithm['name']} on {cfg.data['name']}, {summary['rounds']} rounds -> {out}")
+    print(f"{cfg.algorithm['name']} on {cfg.data['name']}, {summary['rounds']} rounds -> {out}  (%)")
     for k in keys:
-        scale = 100.0
-        print(f"  {k:28s} {scale * final[k]:7.2f}")
+        if k in final:
+            print(f"  {k:28s} {100 * final[k]:7.2f}")
     return 0
+
+
+def parse_seeds(text: str) -> str:
+    """``--seeds 1,2,3`` or ``--seeds 1-5`` -> the TOML list body "1, 2, 3"."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1)
+                out += list(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: expected integers such as 1,2,3 or 1-5") from None
+    if not out:
+        raise ConfigError(f"--seeds {text!r}: no seeds")
+    return ", ".join(str(s) for s in out)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import run_sweep
 
     out = args.out or str(Path("runs") / f"sweep-{Path(args.config).stem}")
-    run_sweep(args.config, args.set, out, progress=not args.no_progress)
+    run_sweep(args.config, args.set, out)
     print(f"written: {out}/sweep.json, sweep.csv, sweep.png")
     return 0
 
@@ -139,7 +171,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedmtl", description="Personalized and federated multi-task learning")
-    p.add_argument("-v", "--verbose", action="store_true")
+    _output_args(p, False)
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run one experiment from a TOML config")
@@ -149,16 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     r.add_argument("--overwrite", action="store_true", help="replace the results a run directory already holds")
     r.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--seeds", help="several seeds, e.g. 1,2,3 or 1-5: independent replicas run as one batched "
+                   "computation; per-seed folders plus mean, std and 95%% interval (same as --set run.seeds=[...])")
     _plugins_arg(r)
+    _output_args(r)
     r.set_defaults(fn=_cmd_run)
 
     sw = sub.add_parser("sweep", help="run a config for several values of one or more keys")
     sw.add_argument("config")
     sw.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=V1,V2,...")
     sw.add_argument("--out")
-    sw.add_argument("--no-progress", action="store_true")
     _plugins_arg(sw)
+    _output_args(sw)
     sw.set_defaults(fn=_cmd_sweep)
 
     d = sub.add_parser("data", help="print a config's dataset statistics, or 'export' it as per-client .npz files "
@@ -177,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
     m.add_argument("--quick", action="store_true", help="20 rounds, a smoke run")
+    _output_args(m)
     m.set_defaults(fn=_cmd_main)
 
     rp = sub.add_parser("reproduce", help="reproduce a paper's experiment (tables, plots)")
@@ -185,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("name", choices=sorted(REPRODUCTIONS))
     rp.add_argument("--out", required=True)
     rp.add_argument("--quick", action="store_true", help="a short smoke version")
+    _output_args(rp)
     rp.set_defaults(fn=_cmd_reproduce)
 
     fl = sub.add_parser("flower", help="run over Flower: 'simulate' (simulation engine) or 'app' (write a project)")
@@ -197,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     fl.add_argument("--out", help="simulate: run directory; app: project directory (default flower-app)")
     _plugins_arg(fl)
+    _output_args(fl)
     fl.set_defaults(fn=_cmd_flower)
 
     from .bench import BENCHMARKS
@@ -216,6 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _output_args(p: argparse.ArgumentParser, sub: bool = True) -> None:
+    """-v / -q / --no-progress, before or after the command (``fedmtl -q run X`` = ``fedmtl run X -q``)."""
+    kw: dict[str, object] = {"default": argparse.SUPPRESS} if sub else {"default": False}
+    p.add_argument("-v", "--verbose", action="store_true", help="more detail: a line for every round, INFO logs",
+                   **kw)  # type: ignore[arg-type]
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing but results and errors",
+                   **kw)  # type: ignore[arg-type]
+    p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar, also on a "
+                   "terminal (outside a terminal lines are the default)", **kw)  # type: ignore[arg-type]
+
+
 def _plugins_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import a module that registers algorithms, models or datasets (repeatable)")
@@ -224,7 +272,11 @@ def _plugins_arg(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     load_plugins()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
+                        format="%(levelname)s %(message)s")
+    from .progress import set_default
+
+    set_default("off" if args.quiet else "lines" if args.no_progress else "auto", verbose=args.verbose)
     try:
         previous = signal.signal(signal.SIGTERM, _terminated)
     except ValueError:  # not the main thread: leave signals alone

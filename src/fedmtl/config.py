@@ -11,6 +11,7 @@
     [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm)
     [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness
     [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
+    [log]        fields of fedmtl.tblog.LogConfig (tensorboard = true: TensorBoard event files in the run directory)
 
 Unknown tables or keys, wrong value types and values outside a field's ``Literal[...]`` choices raise
 ``ConfigError`` naming the key and the file, before any data is built or any work is done.
@@ -44,8 +45,9 @@ from .privacy import PrivacyConfig
 from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
+from .tblog import LogConfig
 
-TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy")
+TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log")
 
 
 class ConfigError(ValueError):
@@ -153,6 +155,16 @@ class ExperimentConfig:
     robust: RobustConfig = field(default_factory=RobustConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def with_seed(self, seed: int) -> ExperimentConfig:
+        """This config as the single-seed run ``seed`` (``run.seed = seed``, no ``run.seeds``): one replica of
+        a run with several seeds, exactly the config a separate run with that seed has."""
+        raw = {t: dict(v) for t, v in self.raw.items()}
+        raw["run"]["seed"] = seed
+        raw["run"].pop("seeds", None)
+        run = dataclasses.replace(self.run, seed=seed, seeds=())
+        return dataclasses.replace(self, run=run, raw=raw)
 
     def build_algorithm(self) -> Any:
         params = {k: v for k, v in self.algorithm.items() if k != "name"}
@@ -275,6 +287,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         robust = RobustConfig(**_check_table(tables["robust"], RobustConfig, f"{source}: [robust]"))
         attack = AttackConfig(**_check_table(tables["attack"], AttackConfig, f"{source}: [attack]"))
         privacy = PrivacyConfig(**_check_table(tables["privacy"], PrivacyConfig, f"{source}: [privacy]"))
+        logc = LogConfig(**_check_table(tables["log"], LogConfig, f"{source}: [log]"))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -292,7 +305,11 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["attack"] = dataclasses.asdict(attack)
     if tables["privacy"]:
         resolved["privacy"] = dataclasses.asdict(privacy)
-    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy)
+    if tables["log"]:
+        resolved["log"] = dataclasses.asdict(logc)
+    if not run.seeds:  # recorded only when given (as [robust]): single-seed configs keep their resolved form
+        resolved["run"].pop("seeds")
+    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -95,6 +95,30 @@ def plot_curves(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[fl
     plt.close(fig)
 
 
+def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float]]], ylabel: str,
+               title: str, xlabel: str = "round") -> None:
+    """Curves (x, mean, std) each drawn as a line with a shaded mean +- std band, written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (x, m, s) in bands.items():
+        xa, ma, sa = (np.asarray(v, dtype=np.float64) for v in (x, m, s))
+        (line,) = ax.plot(xa, ma, marker="o" if len(xa) < 30 else None, ms=3, label=label)
+        ax.fill_between(xa, ma - sa, ma + sa, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
+    plt.close(fig)
+
+
 def plot_history(path: Path, history: list[dict[str, Any]], title: str) -> None:
     curves = {}
     for key, label in (("seen_test_acc_mean", "test (seen, mean)"), ("seen_test_acc_p10", "test (seen, 10th pct)"),

@@ -20,6 +20,7 @@ from typing import Any
 from .config import ConfigError, load
 from .engine.checkpoint import CheckpointError
 from .engine.driver import run_experiment
+from .engine.round import TrainingDiverged
 from .report import markdown_table, plot_curves, write_json
 
 #: Marfoq et al. (NeurIPS 2021), Table 1, Synthetic: average / bottom decile test accuracy (%).
@@ -173,8 +174,11 @@ def main_job(out: Path, quick: bool = False) -> None:
     fmnist_table(out, quick)
 
 
-def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides: list[str]) -> dict[str, Any]:
-    """Run one base config with per-method overrides (label -> ``--set`` list); {label: summary}."""
+def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides: list[str],
+                allow_diverged: bool = False) -> dict[str, Any]:
+    """Run one base config with per-method overrides (label -> ``--set`` list); {label: summary}.
+    ``allow_diverged``: a run whose training diverges (``TrainingDiverged``: every update NaN/Inf for 3 rounds,
+    e.g. under an attack no aggregator stops) is a result, ``{"diverged": True}`` with NaN accuracies."""
     results: dict[str, Any] = {}
     data, data_key = None, None
     for label, sets in methods.items():
@@ -183,7 +187,16 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
         if key != data_key:
             data, data_key = cfg.build_data(), key
         t0 = time.perf_counter()
-        results[label] = _run(cfg, out / "runs" / label, data)
+        try:
+            results[label] = _run(cfg, out / "runs" / label, data)
+        except TrainingDiverged as e:
+            if not allow_diverged:
+                raise
+            nan = float("nan")
+            results[label] = {"diverged": True, "reason": str(e), "history": [],
+                              "final": {"seen_test_acc_mean": nan, "seen_test_acc_p10": nan}}
+            print(f"{label:14s} diverged ({time.perf_counter() - t0:.0f} s)", flush=True)
+            continue
         f = results[label]["final"]
         print(f"{label:14s} avg {100 * f['seen_test_acc_mean']:5.1f}  p10 {100 * f['seen_test_acc_p10']:5.1f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -120,6 +120,11 @@ class LocalClients:
         states = T.to(self.store.read(rows), self.device)
         batches = TrainBatches(self.data.seen.train, rows, orders, self.batch_size, self.device)
         updates, new_states, losses = self.executor.train(self._update, payload, states, batches, lr)
+        return self.accept(rows, updates, new_states, losses, round_idx)
+
+    def accept(self, rows: Tensor, updates: Tree, new_states: Tree, losses: Tensor, round_idx: int) -> TrainOut:
+        """Check the results of clients ``rows`` and keep the new states of those whose results are finite."""
+        assert self.store is not None
         ok = torch.isfinite(losses)
         if T.leaves(updates):
             ok &= T.all_finite_rows(updates)
@@ -194,3 +199,40 @@ class LocalClients:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def concat_orders(orders: list[Orders]) -> Orders:
+    """The batch orders of several client lists as one list's (their clients one after the other)."""
+    offsets = [0]
+    for o in orders:
+        offsets.append(offsets[-1] + int(o.starts[-1]))
+    starts = torch.cat([orders[0].starts[:1]] + [o.starts[1:] + off for o, off in zip(orders, offsets, strict=False)])
+    limits = [o.limit for o in orders]
+    limit = None if any(x is None for x in limits) else torch.cat(limits)  # type: ignore[arg-type]
+    return Orders(torch.cat([o.local for o in orders], dim=1), starts, limit)
+
+
+def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[Tensor], orders: list[Orders],
+                   lr: float, round_idx: int) -> list[TrainOut]:
+    """One round of several replicas of a run (``fedmtl.engine.seeds``) as one batched computation: replica i's
+    clients ``ids[i]`` train from ``payloads[i]`` in ``orders[i]`` with their states in ``members[i]``'s store.
+    The replicas share the data, the algorithm and the executor (``members[0]``'s); every client's result is what
+    ``members[i].train`` alone gives it."""
+    first = members[0]
+    if any(m.data is not first.data for m in members):
+        raise ValueError("train_together: the replicas must share one FederatedData")
+    rows = [m.rows_of(i) for m, i in zip(members, ids, strict=True)]
+    states = [T.to(m.store.read(r), m.device) for m, r in zip(members, rows, strict=True)]  # type: ignore[union-attr]
+    sizes = [len(r) for r in rows]
+    replica = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(sizes)).to(first.device)
+    payload = T.take(T.stack(payloads), replica)  # each client's own replica's payload
+    stacked = T.tmap(lambda *xs: torch.cat(xs), *states) if T.leaves(states[0]) else states[0]
+    all_rows = torch.cat(rows)
+    batches = TrainBatches(first.data.seen.train, all_rows, concat_orders(orders), first.batch_size, first.device)
+    updates, new_states, losses = first.executor.train(first._update, payload, stacked, batches, lr, payload_rows=True)
+    outs, at = [], 0
+    for m, r, k in zip(members, rows, sizes, strict=True):
+        seg = torch.arange(at, at + k, device=losses.device)
+        outs.append(m.accept(r, T.take(updates, seg), T.take(new_states, seg), losses[at:at + k], round_idx))
+        at += k
+    return outs

@@ -29,12 +29,13 @@ from ..data.federated import DataError, FederatedData
 from ..model import Model
 from ..optim import SGD
 from ..privacy import PrivacyConfig
+from ..progress import Progress
 from ..report import atomic, plot_history, write_clients_csv, write_history_csv, write_json
 from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig, flip_labels
 from ..tree import Tree
 from . import checkpoint
-from .clients import Clients, LocalClients
+from .clients import Clients, LocalClients, train_together
 from .evaluation import summarize
 from .executors import make_executor
 from .round import Engine, EngineState, Federation, RunConfig
@@ -107,85 +108,172 @@ def run_experiment(
     cfg: ExperimentConfig,
     out: str | Path | None = None,
     resume: bool = False,
-    progress: bool = True,
+    progress: bool | str = True,
     data: FederatedData | None = None,
     model: Model | None = None,
     overwrite: bool = False,
 ) -> RunResult:
     """Train and evaluate in this process; the summary is also written to ``out/summary.json``.  The run
-    directory is locked for the run; one that holds results needs ``resume`` or ``overwrite``."""
+    directory is locked for the run; one that holds results needs ``resume`` or ``overwrite``.  (A config with
+    ``run.seeds`` is run by ``fedmtl.engine.seeds.run_seeds``.)"""
+    if cfg.run.seeds:
+        raise ConfigError(f"{cfg.source}: run.seeds = {list(cfg.run.seeds)}: several seeds are run by run_seeds "
+                          "(fedmtl run --seeds, fedmtl.run(..., seeds=...))")
     out_dir = Path(out) if out is not None else None
-    if out_dir is None:
-        if resume:
-            raise ConfigError("resume needs a run directory (out)")
-        return drive(build_local(cfg, data, model, None), cfg, None, False, progress)
-    with RunDirectory(out_dir, resume, overwrite):
-        return drive(build_local(cfg, data, model, out_dir), cfg, out_dir, resume, progress)
+    if out_dir is None and resume:
+        raise ConfigError("resume needs a run directory (out)")
+    prog = Progress(progress)
+    if data is None:
+        data = build_data(cfg, prog)
+    try:
+        if out_dir is None:
+            return drive(build_local(cfg, data, model, None), cfg, None, False, prog)
+        with RunDirectory(out_dir, resume, overwrite):
+            return drive(build_local(cfg, data, model, out_dir), cfg, out_dir, resume, prog)
+    finally:
+        prog.close()
 
 
-def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: bool, progress: bool) -> RunResult:
+def build_data(cfg: ExperimentConfig, prog: Progress) -> FederatedData:
+    """The config's data, reported as a phase (clients, examples, seconds)."""
+    with prog.phase(f"building data {cfg.data['name']}") as info:
+        data = cfg.build_data()
+        info["clients"] = data.seen.num_clients + (0 if data.unseen is None else data.unseen.num_clients)
+        info["training examples"] = int(data.seen.train.counts.sum())
+    return data
+
+
+@dataclass
+class Replica:
+    """One run that ``drive_many`` advances: its engine, config, run directory and state."""
+
+    engine: Engine
+    cfg: ExperimentConfig
+    out_dir: Path | None
+    label: str = ""
+    state: EngineState | None = None
+    per_client: dict[str, Any] | None = None
+    t_train: float = 0.0
+    board: Any = None  # a TensorBoard writer ([log] tensorboard = true)
+
+    @property
+    def ckpt(self) -> Path | None:
+        return None if self.out_dir is None else self.out_dir / "checkpoint.pt"
+
+    @property
+    def done(self) -> bool:
+        assert self.state is not None
+        return self.state.round >= self.cfg.run.rounds
+
+
+def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: bool,
+          progress: Progress | bool | str = True) -> RunResult:
     """The run loop around ``Engine.round``: evaluate, checkpoint, write the run directory."""
-    ckpt = out_dir / "checkpoint.pt" if out_dir is not None else None
+    return drive_many([Replica(engine, cfg, out_dir, cfg.algorithm["name"])], resume, progress)[0]
+
+
+def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool | str = True) -> list[RunResult]:
+    """Advance several runs (the replicas of a run with several seeds) round by round together: the replicas at
+    the same round train their clients in one batched computation (``clients.train_together``) where they are
+    all simulated in this process, each on its own otherwise; then each is evaluated, checkpointed and written
+    as a run of its own.  Each replica's result equals what ``drive`` gives it alone."""
+    prog = progress if isinstance(progress, Progress) else Progress(progress)
+    try:
+        for rep in replicas:
+            _open(rep, resume, prog)
+        while not all(rep.done for rep in replicas):
+            r = min(rep.state.round for rep in replicas if not rep.done)  # type: ignore[union-attr]
+            group = [rep for rep in replicas if not rep.done and rep.state.round == r]  # type: ignore[union-attr]
+            t0 = time.perf_counter()
+            rows = _rounds(group)
+            dt = (time.perf_counter() - t0) / len(group)  # a batched round's time, shared evenly
+            for rep, row in zip(group, rows, strict=True):
+                _after_round(rep, row, dt, prog)
+        return [_finish(rep) for rep in replicas]
+    finally:
+        prog.close()
+        for rep in replicas:
+            rep.engine.clients.close()
+            if rep.board is not None:
+                rep.board.close()
+
+
+def _open(rep: Replica, resume: bool, prog: Progress) -> None:
+    cfg, ckpt, engine = rep.cfg, rep.ckpt, rep.engine
     saved = None
     if resume and ckpt is not None and ckpt.exists():
         saved = checkpoint.load(ckpt)
         checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds)
-        log.info("resuming %s from round %d", out_dir, saved["round"])
+        log.info("resuming %s from round %d", rep.out_dir, saved["round"])
     try:
-        state = engine.init_state(saved)
+        rep.state = engine.init_state(saved)
     except (ValueError, KeyError) as e:
         if saved is None:
             raise
         raise checkpoint.CheckpointError(f"{ckpt}: does not fit this run: {e}") from e
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with atomic(out_dir / "config.toml") as f:
+    if rep.out_dir is not None:
+        rep.out_dir.mkdir(parents=True, exist_ok=True)
+        with atomic(rep.out_dir / "config.toml") as f:
             f.write(dumps(cfg.raw))
-    rcfg = cfg.run
-    bar = None
-    if progress:
-        from tqdm import tqdm
+        if cfg.log.tensorboard:
+            from ..tblog import Board
 
-        bar = tqdm(total=rcfg.rounds, initial=state.round, desc=cfg.algorithm["name"], leave=False, disable=None)
-    t_train = 0.0
-    per_client: dict[str, Any] | None = None
-    try:
-        while state.round < rcfg.rounds:
-            t0 = time.perf_counter()
-            row = engine.round(state)
-            dt = time.perf_counter() - t0
-            t_train += dt
-            state.counters["train_seconds"] = state.counters.get("train_seconds", 0.0) + dt
-            state.counters.setdefault("round_seconds", []).append(dt)  # wall clock: kept out of metrics.csv
-            if state.round % rcfg.eval_every == 0 or state.round == rcfg.rounds:
-                per_client = engine.evaluate(state)
-                row.update(summarize(per_client))
-            state.history.append(row)
-            if bar is not None:
-                post = {"loss": f"{row['train_loss']:.4f}"}
-                if "seen_test_acc_mean" in row:
-                    post["acc"] = f"{100 * row['seen_test_acc_mean']:.2f}"
-                bar.set_postfix(post)
-                bar.update(1)
-            if ckpt is not None and rcfg.checkpoint_every and (
-                state.round % rcfg.checkpoint_every == 0 or state.round == rcfg.rounds
-            ):
-                _checkpoint(ckpt, state, cfg, engine)
-        if bar is not None:
-            bar.close()
-        if per_client is None:  # resumed a finished run
-            per_client = engine.evaluate(state)
-    finally:
-        engine.clients.close()
+            rep.board = Board(rep.out_dir / "tensorboard")
+    prog.start(str(id(rep)), rep.label, cfg.run.rounds, rep.state.round)
+
+
+def _rounds(group: list[Replica]) -> list[dict[str, Any]]:
+    """One round of every replica of ``group`` (all at the same round)."""
+    if len(group) == 1 or not all(isinstance(rep.engine.clients, LocalClients) for rep in group):
+        return [rep.engine.round(rep.state) for rep in group]  # type: ignore[arg-type]
+    plans = [rep.engine.plan(rep.state) for rep in group]  # type: ignore[arg-type]
+    active = [i for i, p in enumerate(plans) if p.ids.numel()]
+    outs: list[Any] = [None] * len(group)
+    if active:
+        trained = train_together([group[i].engine.clients for i in active],  # type: ignore[misc]
+                                 [plans[i].payload for i in active], [plans[i].ids for i in active],
+                                 [plans[i].orders for i in active],  # type: ignore[misc]
+                                 plans[active[0]].lr, plans[active[0]].round)
+        for i, o in zip(active, trained, strict=True):
+            outs[i] = o
+    return [rep.engine.finish(rep.state, p, o) for rep, p, o in zip(group, plans, outs, strict=True)]  # type: ignore[arg-type]
+
+
+def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress) -> None:
+    state, rcfg, engine = rep.state, rep.cfg.run, rep.engine
+    assert state is not None
+    rep.t_train += dt
+    state.counters["train_seconds"] = state.counters.get("train_seconds", 0.0) + dt
+    state.counters.setdefault("round_seconds", []).append(dt)  # wall clock: kept out of metrics.csv
+    if state.round % rcfg.eval_every == 0 or state.round == rcfg.rounds:
+        rep.per_client = engine.evaluate(state)
+        row.update(summarize(rep.per_client))
+    state.history.append(row)
+    prog.round(str(id(rep)), rep.label, rcfg.rounds, row, dt)
+    if rep.board is not None:
+        rep.board.round(row, rep.per_client if "seen_test_acc_mean" in row else None)
+    if rep.ckpt is not None and rcfg.checkpoint_every and (
+        state.round % rcfg.checkpoint_every == 0 or state.round == rcfg.rounds
+    ):
+        _checkpoint(rep.ckpt, state, rep.cfg, engine)
+
+
+def _finish(rep: Replica) -> RunResult:
+    state, cfg, engine, out_dir = rep.state, rep.cfg, rep.engine, rep.out_dir
+    assert state is not None
+    if rep.per_client is None:  # resumed a finished run
+        rep.per_client = engine.evaluate(state)
+    per_client = rep.per_client
     final = summarize(per_client)
     summary = {
         "algorithm": cfg.algorithm["name"],
         "data": cfg.data["name"],
+        "seed": cfg.run.seed,
         "rounds": state.round,
         "final": final,
         "excluded_updates": state.counters.get("excluded_updates", 0),
         "dropped_updates": state.counters.get("dropped_updates", 0),
-        "train_seconds_this_process": t_train,
+        "train_seconds_this_process": rep.t_train,
         # over all rounds of the run, interrupted or not (the training time is kept in the checkpoint)
         "seconds_per_round": state.counters.get("train_seconds", 0.0) / state.round if state.round else None,
         "round_seconds": state.counters.get("round_seconds", []),

@@ -56,8 +56,11 @@ class Executor:
 
     name = "executor"
 
-    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float) -> Any:
-        """``fn(payload, state, batches, lr)`` for every client; ``states`` stacked (K, ...)."""
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+              payload_rows: bool = False) -> Any:
+        """``fn(payload, state, batches, lr)`` for every client; ``states`` stacked (K, ...).  ``payload_rows``:
+        the payload is stacked too, one row per client (replicas of a run with several seeds, each client
+        training from its own replica's model)."""
         raise NotImplementedError
 
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
@@ -70,7 +73,7 @@ class VmapExecutor(Executor):
 
     def __init__(self, chunk_size: int = 0, bucketing: Literal["steps", "none"] = "steps"):
         self.chunk_size, self.bucketing = chunk_size, bucketing
-        self._train_fns: dict[Callable[..., Any], Callable[..., Any]] = {}
+        self._train_fns: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
 
     def buckets(self, counts: Tensor, batch_size: int) -> list[Tensor]:
         """Positions (into the K clients) grouped into vmap calls."""
@@ -86,13 +89,17 @@ class VmapExecutor(Executor):
             groups += list(torch.split(pos, self.chunk_size or len(pos)))
         return groups
 
-    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float) -> Any:
-        vfn = self._train_fns.get(fn)
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+              payload_rows: bool = False) -> Any:
+        vfn = self._train_fns.get((fn, payload_rows))
         if vfn is None:
-            vfn = self._train_fns[fn] = vmap(fn, in_dims=(None, 0, 0, None), randomness="error")
+            vfn = self._train_fns[(fn, payload_rows)] = vmap(fn, in_dims=(0 if payload_rows else None, 0, 0, None),
+                                                             randomness="error")
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
-            outs.append(vfn(payload, T.take(states, pos.to(batches.device)), batches.padded(pos), lr))
+            p = pos.to(batches.device)
+            outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), batches.padded(pos),
+                            lr))
             where.append(pos)
         if len(outs) == 1:
             inverse = torch.argsort(where[0]).to(batches.device)
@@ -107,10 +114,11 @@ class VmapExecutor(Executor):
 class LoopExecutor(Executor):
     name = "loop"
 
-    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float) -> Any:
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+              payload_rows: bool = False) -> Any:
         result = None
         for i in range(len(batches.rows)):  # written straight into a preallocated stack
-            out = fn(payload, T.take(states, i), batches.ragged(i), lr)
+            out = fn(T.take(payload, i) if payload_rows else payload, T.take(states, i), batches.ragged(i), lr)
             if result is None:
                 result = T.tmap(lambda x: x.new_empty((len(batches.rows), *x.shape)), out)
             for dst, src in zip(T.leaves(result), T.leaves(out), strict=True):

@@ -22,14 +22,14 @@ from torch import Tensor
 
 from .. import tree as T
 from ..algorithms.base import Algorithm, Context
-from ..data.federated import FederatedData, epoch_orders
+from ..data.federated import FederatedData, Orders, epoch_orders
 from ..model import Model
 from ..optim import SGD
 from ..privacy import Accountant, PrivacyConfig, calibrate, dp_combine
 from ..robust.aggregators import RobustConfig, clip_updates, reference_of
 from ..robust.attacks import AttackConfig, corrupt
 from ..tree import Tree
-from .clients import Clients
+from .clients import Clients, TrainOut
 from .executors import ExecutorName
 from .systems import SystemsModel
 
@@ -56,6 +56,7 @@ class RunConfig:
     eval_clients: int = 0  # > 0: evaluate a fixed uniform sample of this many clients per group
     client_store: Literal["memory", "mmap"] = "memory"  # mmap: client states in files of the run directory
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    seeds: tuple[int, ...] = ()  # several seeds: independent replicas of the run (fedmtl.engine.seeds)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -82,6 +83,10 @@ class RunConfig:
             raise ValueError("run.eval_every must be >= 1; checkpoint_every, chunk_size and eval_clients >= 0")
         if self.threads < 0:
             raise ValueError(f"run.threads must be >= 0, got {self.threads}")
+        if len(set(self.seeds)) != len(self.seeds) or len(self.seeds) > 1000:
+            raise ValueError(f"run.seeds must be distinct (at most 1000), got {list(self.seeds)}")
+        if any(not 0 <= s < 2**63 for s in self.seeds) or not 0 <= self.seed < 2**63:
+            raise ValueError("run.seed and run.seeds must be integers in [0, 2^63)")
 
 
 def round_generator(seed: int, round_idx: int, stream: int = 0) -> torch.Generator:
@@ -163,6 +168,20 @@ DIVERGED_AFTER = 3  # consecutive rounds in which every update is non-finite
 
 class TrainingDiverged(ValueError):
     """Every client update was non-finite for ``DIVERGED_AFTER`` rounds in a row."""
+
+
+class RoundPlan(NamedTuple):
+    """A round as ``Engine.plan`` lays it out, before any client runs."""
+
+    round: int
+    ids: Tensor  # (K,) the clients that train (sampled, not dropped), sorted
+    counts: Tensor  # (K,) their training examples
+    orders: Orders | None  # their batch orders (None when nobody trains)
+    lr: float
+    payload: Tree
+    n_sampled: int
+    n_dropped: int
+    est_seconds: float
 
 
 @dataclass
@@ -264,6 +283,15 @@ class Engine:
         return sample_clients(self.cfg, self.fed.num_clients, r)
 
     def round(self, state: EngineState) -> dict[str, Any]:
+        """One round: ``plan`` it, train its clients, ``finish`` it."""
+        plan = self.plan(state)
+        out = None if plan.ids.numel() == 0 else self.clients.train(plan.payload, plan.ids, plan.orders, plan.lr,
+                                                                   plan.round)
+        return self.finish(state, plan, out)
+
+    def plan(self, state: EngineState) -> RoundPlan:
+        """What round ``state.round`` asks of the clients: the sample (less dropped clients), their batch orders
+        (straggler limits applied), the learning rate and the payload.  Pure in the state: nothing is changed."""
         r, cfg, alg = state.round, self.cfg, self.alg
         ids = self._sample(r)
         lr = self.opt.lr_at(r, cfg.rounds)
@@ -273,18 +301,25 @@ class Engine:
         draw = self.systems.draw(cfg.seed, r, ids.numpy())
         done = self.systems.steps(draw, budget)
         est = self._estimated_seconds(payload, draw, budget, done)
-        state.counters["est_time_s"] = float(state.counters.get("est_time_s", 0.0)) + est
         n_sampled = len(ids)
         n_dropped = int(draw.dropped.sum())
         if n_dropped:
             keep = ~draw.dropped
             ids, counts, done = ids[torch.from_numpy(keep)], counts[torch.from_numpy(keep)], done[keep]
-        row: dict[str, Any] = {"round": r + 1, "lr": lr, "clients": len(ids), "dropped": n_dropped}
-        excluded, loss = 0, float("nan")
+        orders = None
         if len(ids):
             orders = epoch_orders(counts, cfg.local_epochs, round_generator(cfg.seed, r, 2))
             orders = orders._replace(limit=torch.from_numpy(done))
-            out = self.clients.train(payload, ids, orders, lr, r)
+        return RoundPlan(r, ids, counts, orders, lr, payload, n_sampled, n_dropped, est)
+
+    def finish(self, state: EngineState, plan: RoundPlan, out: TrainOut | None) -> dict[str, Any]:
+        """Validate the clients' results ``out`` of ``plan``, aggregate them and advance ``state`` a round."""
+        r, cfg, alg = plan.round, self.cfg, self.alg
+        ids, counts, payload = plan.ids, plan.counts, plan.payload
+        state.counters["est_time_s"] = float(state.counters.get("est_time_s", 0.0)) + plan.est_seconds
+        row: dict[str, Any] = {"round": r + 1, "lr": plan.lr, "clients": len(ids), "dropped": plan.n_dropped}
+        excluded, loss = 0, float("nan")
+        if out is not None:
             failed = out.failed.cpu()
             valid = out.ok.cpu() & ~failed
             bad = ~out.ok.cpu() & ~failed
@@ -314,7 +349,7 @@ class Engine:
                 updates = clip_updates(updates, reference_of(updates, payload), weights, self.robust.clip_norm)
             ctx = self.ctx
             if self.privacy.enabled:
-                ctx, updates = self._private(payload, updates, weights, r, n_sampled)
+                ctx, updates = self._private(payload, updates, weights, r, plan.n_sampled)
             state.server = alg.aggregate(ctx, state.server, updates, weights.to(self.device), ids)
             ok = out.losses.detach().cpu()[valid]
             loss = float(ok.float().mean()) if ok.numel() else float("nan")

@@ -49,7 +49,9 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
     out.mkdir(parents=True, exist_ok=True)
     quick_ov = ["run.rounds=6", "run.eval_every=3", "run.checkpoint_every=3"] if quick else []
     result: dict[str, Any] = {}
-    md = ["# Robustness: final mean test accuracy (%) per method; clean run, then attack / attackers / aggregator\n"]
+    md = [f"# Robustness{' (quick: 6 rounds, scale attack only)' if quick else ''}: final mean test accuracy (%) per "
+          "method; clean run, then attack / attackers / aggregator; `–`: training diverged (every update NaN/Inf "
+          "for 3 rounds)\n"]
     curves: dict[str, tuple[list[float], list[float]]] = {}
     for ds in datasets:
         base = config_dir / f"{ds}.toml"
@@ -58,14 +60,16 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
         table: dict[str, dict[str, float]] = {}
         for method, msets in METHODS.items():
             labels = {f"{method}:{label}": [*msets, *sets] for label, sets in settings.items()}
-            res = run_methods(out / ds, base, labels, quick_ov)
+            res = run_methods(out / ds, base, labels, quick_ov, allow_diverged=True)
             for label, s in res.items():
-                table.setdefault(label.split(":", 1)[1], {})[method] = 100 * s["final"]["seen_test_acc_mean"]
+                acc = s["final"]["seen_test_acc_mean"]
+                table.setdefault(label.split(":", 1)[1], {})[method] = None if s.get("diverged") else 100 * acc
             noise = NOISE[:2] if quick else NOISE
             priv = {f"{method}:dp{z}": [*msets, "privacy.clip_norm=1.0", f"privacy.noise_multiplier={z}",
                                         "run.sampling_rate=0.2"] for z in noise}
-            pres = run_methods(out / ds, base, priv, quick_ov)
-            pts = sorted((float(s["epsilon"]), 100 * s["final"]["seen_test_acc_mean"]) for s in pres.values())
+            pres = run_methods(out / ds, base, priv, quick_ov, allow_diverged=True)
+            pts = sorted((float(s["epsilon"]), 100 * s["final"]["seen_test_acc_mean"]) for s in pres.values()
+                         if not s.get("diverged"))
             curves[f"{ds} {method}"] = ([p[0] for p in pts], [p[1] for p in pts])
             result.setdefault(ds, {})[f"{method}_privacy"] = [{"epsilon": e, "acc": a} for e, a in pts]
         result.setdefault(ds, {})["accuracy"] = table
@@ -74,15 +78,15 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
         for method in METHODS:
             for kind in (["scale"] if quick else list(ATTACKS)):
                 key = f"{kind}/30%"
-                best = max(v[method] for lbl, v in table.items() if lbl.startswith(key + "/"))
-                worst_gap[f"{method} {key}"] = clean[method] - best
+                ok = [v[method] for lbl, v in table.items() if lbl.startswith(key + "/") and v[method] is not None]
+                worst_gap[f"{method} {key}"] = clean[method] - max(ok) if ok else None
         result[ds]["clean_minus_best_robust"] = worst_gap
         md.append(f"\n## {ds}\n\n" + markdown_table(["setting", *METHODS], [[lbl, *(v[m] for m in METHODS)]
                                                                          for lbl, v in table.items()]))
         md.append("\nClean accuracy minus the best aggregator's accuracy under 30% attackers (points):\n\n"
                   + markdown_table(["method / attack", "gap"], [[k, v] for k, v in worst_gap.items()]))
     plot_curves(out / "privacy.png", curves, "final mean test accuracy (%)",
-                "privacy-utility: epsilon at delta = 1e-5 (RDP)", xlabel="epsilon")
+                f"privacy-utility{' (quick)' if quick else ''}: epsilon at delta = 1e-5 (RDP)", xlabel="epsilon")
     (out / "robustness.md").write_text("\n".join(md) + "\n")
     write_json(out / "robustness.json", result)
     write_json(out / "summary.json", result)

@@ -1,0 +1,158 @@
+"""Seeds as a batch dimension: ``fedmtl run CONFIG --seeds 1,2,3`` (``[run] seeds = [...]``,
+``fedmtl.run(..., seeds=[...])``).
+
+Each seed is an independent replica of the run: its own model initialization, client sampling, batch orders,
+systems draws, attackers and privacy noise, i.e. exactly the run ``fedmtl run CONFIG --set run.seed=S`` gives
+(the data, built once, is shared: ``[data] seed`` is the data's own seed).  The replicas advance round by round
+together and, in a simulation, their sampled clients train in the same batched executor calls
+(``engine.clients.train_together``): a vmap over all replicas' clients at once.
+
+Run directory::
+
+    seed-<S>/       a complete run directory per seed (config.toml with run.seed = S, metrics.csv, clients.csv,
+                    summary.json, checkpoint.pt, ...): each can be resumed or inspected alone
+    summary.json    per final metric: mean, std (ddof = 1), the 95% confidence interval of the mean (Student t)
+                    and the per-seed values; the seeds; the config
+    metrics.csv     per evaluated round: mean and std over seeds of every evaluation metric
+    accuracy.png    test accuracy over rounds, mean over seeds with a +-1 std band
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ConfigError, ExperimentConfig
+from ..data.federated import FederatedData
+from ..model import Model
+from ..progress import Progress
+from ..report import plot_bands, write_json
+from .driver import Replica, RunResult, build_data, build_local, drive_many
+from .rundir import RunDirectory
+
+
+@dataclass
+class SeedsResult:
+    """What ``fedmtl.run(..., seeds=...)`` returns: one ``RunResult`` per seed and their statistics.
+
+    ``summary["final"][metric]`` = ``{"mean", "std", "ci95_low", "ci95_high", "values"}``."""
+
+    runs: list[RunResult]
+    summary: dict[str, Any]
+    out: Path | None = None
+
+    @property
+    def final(self) -> dict[str, dict[str, Any]]:
+        return self.summary["final"]
+
+
+def seed_dir(out: Path, seed: int) -> Path:
+    return out / f"seed-{seed}"
+
+
+def stats(values: list[float]) -> dict[str, Any]:
+    """Mean, sample std and the two-sided 95% Student-t confidence interval of the mean of ``values``."""
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
+    if v.size == 0:
+        return {"mean": None, "std": None, "ci95_low": None, "ci95_high": None, "values": values}
+    mean = float(v.mean())
+    if v.size == 1:
+        return {"mean": mean, "std": 0.0, "ci95_low": None, "ci95_high": None, "values": values}
+    from scipy.stats import t
+
+    std = float(v.std(ddof=1))
+    half = float(t.ppf(0.975, v.size - 1)) * std / math.sqrt(v.size)
+    return {"mean": mean, "std": std, "ci95_low": mean - half, "ci95_high": mean + half, "values": values}
+
+
+def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None = None, out: str | Path | None = None,
+              resume: bool = False, progress: bool | str = True, data: FederatedData | None = None,
+              model: Model | None = None, overwrite: bool = False) -> SeedsResult:
+    """Run ``cfg`` once per seed (default: ``cfg.run.seeds``), the replicas batched together."""
+    seeds = list(seeds if seeds is not None else cfg.run.seeds)
+    if not seeds:
+        raise ConfigError(f"{cfg.source}: no seeds to run (run.seeds or --seeds)")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{cfg.source}: the seeds {seeds} are not distinct")
+    out_dir = Path(out) if out is not None else None
+    if out_dir is None and resume:
+        raise ConfigError("resume needs a run directory (out)")
+    prog = Progress(progress)
+    if data is None:
+        data = build_data(cfg, prog)
+    configs = [cfg.with_seed(s) for s in seeds]
+    name = cfg.algorithm["name"]
+    with contextlib.ExitStack() as stack:
+        if out_dir is not None:
+            # the top level holds only the statistics (rewritten at the end); each seed's folder is a run directory
+            stack.enter_context(RunDirectory(out_dir, resume=False, overwrite=resume or overwrite))
+        replicas = []
+        for s, c in zip(seeds, configs, strict=True):
+            d = None if out_dir is None else seed_dir(out_dir, s)
+            if d is not None:
+                stack.enter_context(RunDirectory(d, resume and (d / "checkpoint.pt").exists(), overwrite))
+            replicas.append(Replica(build_local(c, data, model, d), c, d, f"{name} seed {s}"))
+        runs = drive_many(replicas, resume, prog)
+        result = SeedsResult(runs, summarize_seeds(cfg, seeds, runs), out_dir)
+        if out_dir is not None:
+            write_seeds(out_dir, result, f"{name} on {cfg.data['name']}")
+    return result
+
+
+def summarize_seeds(cfg: ExperimentConfig, seeds: list[int], runs: list[RunResult]) -> dict[str, Any]:
+    keys = [k for k in runs[0].summary["final"] if all(k in r.summary["final"] for r in runs)]
+    final = {k: stats([float(r.summary["final"][k]) for r in runs]) for k in keys}
+    per_round = {k: stats([r.summary["seconds_per_round"] for r in runs])["mean"] for k in ("seconds_per_round",)}
+    summary: dict[str, Any] = {
+        "algorithm": cfg.algorithm["name"], "data": cfg.data["name"], "seeds": seeds,
+        "rounds": [r.summary["rounds"] for r in runs], "final": final, **per_round,
+        "runs": [f"seed-{s}" for s in seeds], "config": cfg.raw,
+    }
+    if all("epsilon" in r.summary for r in runs):
+        summary["epsilon"] = [r.summary["epsilon"] for r in runs]
+    return summary
+
+
+def history_stats(histories: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per evaluated round: mean and std over the runs of every evaluation metric (``*_mean`` / ``*_std``)."""
+    rounds: dict[int, list[dict[str, Any]]] = {}
+    for hist in histories:
+        for row in hist:
+            if any(k.startswith(("seen_", "unseen_")) for k in row):
+                rounds.setdefault(int(row["round"]), []).append(row)
+    out = []
+    for rnd in sorted(rounds):
+        rows = rounds[rnd]
+        entry: dict[str, Any] = {"round": rnd, "runs": len(rows)}
+        keys = [k for k in rows[0] if k.startswith(("seen_", "unseen_", "participation"))]
+        for k in keys:
+            s = stats([float(r[k]) for r in rows if isinstance(r.get(k), int | float)])
+            entry[f"{k}_mean"], entry[f"{k}_std"] = s["mean"], s["std"]
+        out.append(entry)
+    return out
+
+
+def write_seeds(out: Path, result: SeedsResult, title: str) -> None:
+    from ..report import write_history_csv
+
+    rows = history_stats([r.history for r in result.runs])
+    write_history_csv(out / "metrics.csv", rows)
+    write_json(out / "summary.json", result.summary)
+    bands = {}
+    for key, label in (("seen_test_acc_mean", "test (seen, mean)"), ("seen_test_acc_p10", "test (seen, 10th pct)"),
+                       ("unseen_test_acc_mean", "test (unseen, mean)")):
+        pts = [r for r in rows if r.get(f"{key}_mean") is not None]
+        if pts:
+            bands[label] = ([r["round"] for r in pts], [100 * r[f"{key}_mean"] for r in pts],
+                            [100 * (r[f"{key}_std"] or 0.0) for r in pts])
+    if bands:
+        n = len(result.runs)
+        plot_bands(out / "accuracy.png", bands, "accuracy (%)", f"{title}: mean over {n} seeds, band = +-1 std")
+
+
+__all__ = ["SeedsResult", "history_stats", "run_seeds", "seed_dir", "stats"]
