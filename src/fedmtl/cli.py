@@ -107,19 +107,29 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from .config import ALGORITHMS, DATASETS, MODELS
+    from .registry import describe, field_table
+    from .resources import bundled_configs
 
-    print("algorithms:")
+    if args.algorithm:
+        if args.algorithm not in ALGORITHMS:
+            raise ConfigError(f"--algorithm {args.algorithm!r}: not one of {sorted(ALGORITHMS)}")
+        cls = ALGORITHMS[args.algorithm]
+        print(f"{args.algorithm}: {describe(cls)}")
+        rows = field_table(cls)
+        if not rows:
+            print("  (no hyperparameters)")
+        width = max((len(r[0]) for r in rows), default=0)
+        for name, tp, default, doc in rows:
+            print(f"  {name:{width}s}  {tp} = {default}\n  {'':{width}s}  {doc}")
+        return 0
+    print("algorithms (fedmtl list --algorithm NAME for their hyperparameters):")
     for name, cls in sorted(ALGORITHMS.items()):
-        lines = (sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines()
-        doc = lines[0] if lines else ""
-        print(f"  {name:12s} {doc}")
+        print(f"  {name:12s} {describe(cls)}")
     print("datasets:  " + ", ".join(sorted(DATASETS)))
     print("models:    " + ", ".join(sorted(MODELS)))
-    configs = sorted(Path("configs").glob("**/*.toml")) if Path("configs").is_dir() else []
-    if configs:
-        print("configs:")
-        for c in configs:
-            print(f"  {c}")
+    print("configs (bundled; fedmtl run NAME works in any folder):")
+    for c in bundled_configs():
+        print(f"  {c}")
     return 0
 
 
@@ -204,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     _plugins_arg(d)
     d.set_defaults(fn=_cmd_data)
 
-    ls = sub.add_parser("list", help="list algorithms, datasets, models and configs")
+    ls = sub.add_parser("list", help="list algorithms, datasets, models and bundled configs")
+    ls.add_argument("--algorithm", metavar="NAME", help="each hyperparameter of one algorithm: type, default, doc")
     _plugins_arg(ls)
     ls.set_defaults(fn=_cmd_list)
 
@@ -248,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--clients", type=int, default=100, help="flower: clients of the FedAvg workload")
     b.add_argument("--sizes", default="1000,10000,100000", help="networked: graph sizes (nodes)")
     b.add_argument("--cvxpy-max", type=int, default=10000, help="networked: largest graph CVXPY solves")
+    b.add_argument("--repeats", type=int, default=2, help="seeds: measurements of each command (median)")
     b.add_argument("--populations", default="1000,10000,100000,1000000", help="scale: federation sizes")
     b.set_defaults(fn=_cmd_bench)
     return p
@@ -300,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     except _Terminated:
         print(f"fedmtl: terminated (SIGTERM){_resume_hint(args)}", file=sys.stderr)
         return EXIT_TERMINATED
+    except BrokenPipeError:  # the reader went away (fedmtl list | head): nothing more to say
+        sys.stderr.close()
+        return 0
     except OSError as e:
         what = "out of disk space" if is_out_of_space(e) else f"cannot write ({e.strerror or e})"
         where = f" {e.filename}" if getattr(e, "filename", None) else ""

@@ -344,12 +344,15 @@ def load(path: str | Path, overrides: list[str] | None = None, data_given: bool 
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """The tables of a TOML config file; a missing or malformed file is a ConfigError naming it."""
-    path = Path(path)
+    """The tables of a TOML config file (a path, or the name of a bundled config: ``synthetic/fedem``); a missing
+    or malformed file is a ConfigError naming it."""
+    from .resources import resolve_config
+
+    path = resolve_config(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
+        raise ConfigError(f"{path}: no such config file (nor a bundled config of that name: fedmtl list)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the config ({e})") from None
     if len(text) > MAX_CONFIG_BYTES:

@@ -137,3 +137,60 @@ def load_plugins() -> list[str]:
             continue
         names.append(ep.name)
     return names
+
+
+def describe(cls: type) -> str:
+    """What an algorithm is, in whole sentences: the first paragraph of its own class docstring, else of its
+    module's docstring."""
+    import sys
+
+    own = cls.__dict__.get("__doc__") or ""
+    if own.startswith(cls.__name__ + "("):  # the signature dataclasses put where no docstring is written
+        own = ""
+    text = (own or sys.modules[cls.__module__].__doc__ or "").strip()
+    return " ".join(text.split("\n\n")[0].split())
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``#:`` comments written directly above a dataclass's fields (over its MRO; a subclass's doc wins)."""
+    import inspect
+    import re
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        pending: list[str] = []
+        for ln in lines:
+            s = ln.strip()
+            if s.startswith("#:"):
+                pending.append(s[2:].strip())
+                continue
+            m = re.match(r"^(\w+)\s*:", s)
+            if m and pending:
+                docs[m.group(1)] = " ".join(pending)
+            pending = []
+    return docs
+
+
+def field_table(cls: type) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, doc) of every hyperparameter (init field) of an algorithm dataclass."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints.get(f.name, f.type)
+        literal = typing.get_origin(tp) is typing.Literal
+        name = (" | ".join(repr(a) for a in typing.get_args(tp)) if literal
+                else getattr(tp, "__name__", None) or str(tp).replace("typing.", ""))
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        rows.append((f.name, name, repr(default) if isinstance(default, str) else str(default).lower()
+                     if isinstance(default, bool) else str(default), docs.get(f.name, "")))
+    return rows

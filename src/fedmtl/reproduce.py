@@ -22,6 +22,7 @@ from .engine.checkpoint import CheckpointError
 from .engine.driver import run_experiment
 from .engine.round import TrainingDiverged
 from .report import markdown_table, plot_curves, write_json
+from .resources import config_path, configs_root
 
 #: Marfoq et al. (NeurIPS 2021), Table 1, Synthetic: average / bottom decile test accuracy (%).
 PAPER_SYNTHETIC: dict[str, tuple[float, float]] = {
@@ -80,8 +81,9 @@ def run_suite(out: Path, config_dir: Path, variant: str, overrides: list[str], u
     return results
 
 
-def fedem_synthetic(out: Path, quick: bool = False, config_dir: Path = Path("configs/synthetic"),
+def fedem_synthetic(out: Path, quick: bool = False, config_dir: Path | None = None,
                     unseen: bool = True) -> dict[str, Any]:
+    config_dir = config_dir or configs_root() / "synthetic"
     out.mkdir(parents=True, exist_ok=True)
     overrides = ["run.rounds=20", "run.eval_every=5", "run.checkpoint_every=10"] if quick else ["run.eval_every=10"]
     t_start = time.perf_counter()
@@ -140,9 +142,10 @@ def fedem_synthetic(out: Path, quick: bool = False, config_dir: Path = Path("con
     return summary
 
 
-def fmnist_table(out: Path, quick: bool = False, config_dir: Path = Path("configs/fmnist")) -> dict[str, Any] | None:
+def fmnist_table(out: Path, quick: bool = False, config_dir: Path | None = None) -> dict[str, Any] | None:
     """Local / FedAvg / FedAvg+ / FedEM on Fashion-MNIST (FedEM-style label-group split) when the data is
     installed; writes ``OUT/fmnist.md`` and ``OUT/fmnist.json``.  Returns None without the data."""
+    config_dir = config_dir or configs_root() / "fmnist"
     from .data.federated import DataError
 
     overrides = ["run.rounds=5", "run.eval_every=5"] if quick else []
@@ -226,7 +229,7 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
     permuted labels); writes ``DIR/personalization.md``, ``.json`` and ``summary.json``."""
     out.mkdir(parents=True, exist_ok=True)
     ov = ["run.rounds=10", "run.eval_every=5"] if quick else []
-    res = run_methods(out, Path("configs/personalization/permuted.toml"), PERSONALIZATION_METHODS, ov)
+    res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov)
     fedavg = 100 * res["fedavg"]["final"]["seen_test_acc_mean"]
     rows = {n: {"avg": 100 * s["final"]["seen_test_acc_mean"], "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
                 "vs_fedavg": 100 * s["final"]["seen_test_acc_mean"] - fedavg} for n, s in res.items()}
@@ -250,7 +253,7 @@ def omnifedge_fmnist(out: Path, quick: bool = False) -> dict[str, Any]:
         "fedavg": ["algorithm.name=fedavg"],
         "local": ["algorithm.name=local"],
     }
-    res = run_methods(out, Path("configs/omnifedge/fmnist.toml"), methods, ov)
+    res = run_methods(out, config_path("omnifedge/fmnist"), methods, ov)
     curves = {}
     for n, s in res.items():
         hist = [r for r in s["history"] if "seen_test_acc_mean" in r]

@@ -34,8 +34,11 @@ class APFLState(NamedTuple):
 class APFL(Algorithm):
     name: ClassVar[str] = "apfl"
     keeps_client_state: ClassVar[bool] = True
+    #: initial mixing weight a of the personal model in h = a v + (1 - a) w, in [0, 1]
     alpha: float = 0.5
+    #: learn each client's mixing weight a by projected gradient steps (the paper's adaptive APFL)
     adapt_alpha: bool = True
+    #: step size of the mixing-weight update
     alpha_lr: float = 0.01
 
     def __post_init__(self) -> None:

@@ -66,10 +66,15 @@ def bipartition(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
 class ClusteredFL(Algorithm):
     name: ClassVar[str] = "clustered"
     needs_adaptation: ClassVar[bool] = True  # unseen clients choose a cluster on their training data
+    #: split test: a cluster's mean update norm below this means it is near a stationary point
     eps1: float = 0.4
+    #: split test: some client's update norm above this means the cluster still disagrees
     eps2: float = 1.6
+    #: no split before this round (the reference demo's guard)
     warmup_rounds: int = 20
+    #: a cluster is split only if it has more clients than this
     min_cluster_size: int = 3
+    #: upper bound on the number of clusters (stacked server models)
     max_clusters: int = 16
 
     def __post_init__(self) -> None:

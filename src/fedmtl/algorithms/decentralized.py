@@ -50,10 +50,15 @@ class PeerMixture(NamedTuple):
 class _Gossip:
     """Graph fields shared by the decentralized algorithms."""
 
+    #: communication graph: complete, ring, erdos_renyi or file (adjacency_file)
     topology: Literal["complete", "ring", "erdos_renyi", "file"] = "erdos_renyi"
+    #: edge probability of the Erdos-Renyi graph
     edge_prob: float = 0.5
+    #: doubly-stochastic mixing weights: metropolis (Metropolis-Hastings) or max_degree
     mixing: Literal["metropolis", "max_degree"] = "metropolis"
+    #: topology = 'file': a text file of edges 'i j', one per line
     adjacency_file: str = ""
+    #: seed of the random graph
     graph_seed: int = 0
 
     syncs_clients: ClassVar[bool] = True
@@ -89,6 +94,7 @@ class _Gossip:
 
 @dataclass(frozen=True)
 class DFedEM(_Gossip, FedEM):
+    """D-FedEM: FedEM's local EM steps, then gossip averaging of the M components with the neighbours."""
     name: ClassVar[str] = "dfedem"
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> Gossip:  # type: ignore[override]

@@ -33,6 +33,7 @@ class Ditto(Algorithm):
     name: ClassVar[str] = "ditto"
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
+    #: lambda, the pull of each personal model v towards the global model (0 = local training)
     lam: float = 0.1
 
     def __post_init__(self) -> None:

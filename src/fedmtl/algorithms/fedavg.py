@@ -24,6 +24,8 @@ from .base import Algorithm, Context, check_positive
 
 @dataclass(frozen=True)
 class FedAvg(Algorithm):
+    """FedAvg: local SGD from the global model, the server averages the returned models weighted by samples."""
+
     name: ClassVar[str] = "fedavg"
 
     def client_update(
@@ -38,6 +40,7 @@ class FedProx(FedAvg):
     """FedAvg with the proximal term (mu / 2) ||w - w_global||^2 in every local objective."""
 
     name: ClassVar[str] = "fedprox"
+    #: FedProx's proximal weight mu (0 = FedAvg)
     mu: float = 0.01
 
     def __post_init__(self) -> None:
@@ -64,7 +67,9 @@ class FedAvgFT(FedAvg):
 
     name: ClassVar[str] = "fedavg+"
     needs_adaptation: ClassVar[bool] = True
+    #: FedAvg+: epochs of local fine-tuning before each evaluation
     finetune_epochs: int = 1
+    #: FedAvg+: fine-tuning learning rate (0 = the round's learning rate)
     finetune_lr: float = 0.0
 
     def __post_init__(self) -> None:

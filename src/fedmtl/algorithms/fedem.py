@@ -65,9 +65,14 @@ class FedEM(Algorithm):
     name: ClassVar[str] = "fedem"
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
     keeps_client_state: ClassVar[bool] = True
+    #: M, the number of shared component models (at most 256)
     num_components: int = 3
-    server_average: Literal["participants", "all_clients"] = "participants"  # paper | reference code
+    #: participants: average over the sampled clients (the paper); all_clients: the reference code (n-weighted mix
+    #: with the old model)
+    server_average: Literal["participants", "all_clients"] = "participants"
+    #: unseen clients: EM for pi stops when pi moves less than this (L1)
     unseen_tol: float = 1e-6
+    #: unseen clients: at most this many EM iterations for pi
     unseen_max_iter: int = 200
 
     def __post_init__(self) -> None:

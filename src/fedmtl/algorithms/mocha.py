@@ -80,17 +80,28 @@ class Mocha(Algorithm):
     name: ClassVar[str] = "mocha"
     averages_updates: ClassVar[bool] = False
     keeps_client_state: ClassVar[bool] = True
+    #: lambda, the weight of the task-relationship regularizer
     lam: float = 1e-3
+    #: hinge or squared_hinge (the SDCA dual form of each)
     loss: Literal["hinge", "squared_hinge"] = "hinge"
+    #: Omega's form: identity (independent tasks), mean (shared mean), task_covariance (learned), cluster
     regularizer: Literal["identity", "mean", "task_covariance", "cluster"] = "task_covariance"
-    eta: float = 0.1  # mean: the ridge eta; cluster: eta of the relaxation
-    clusters: int = 2  # cluster: k
-    omega_every: int = 100  # W-step rounds per Omega-step
-    local_frac: float = 0.5  # SDCA steps per round = local_frac * n_t
+    #: mean: the ridge eta; cluster: the relaxation's eta
+    eta: float = 0.1
+    #: cluster: the number of task clusters k
+    clusters: int = 2
+    #: W-step rounds between two Omega steps
+    omega_every: int = 100
+    #: SDCA coordinate steps per round, as a fraction of the node's examples
+    local_frac: float = 0.5
+    #: the aggregation parameter gamma of the dual update (1 = adding)
     gamma: float = 1.0
+    #: sigma' of the local subproblems: global (one for all tasks) or per_task
     sigma_mode: Literal["global", "per_task"] = "global"
+    #: W += gamma Sigma dB / lam, the reference MATLAB code's stale update (the paper: W = Sigma B / lam)
     reference_w_update: bool = False
-    chunk: int = 64  # SDCA steps per Gram-matrix chunk (speed only)
+    #: SDCA steps per Gram-matrix chunk (speed only, results unchanged)
+    chunk: int = 64
 
     def __post_init__(self) -> None:
         super().__post_init__()

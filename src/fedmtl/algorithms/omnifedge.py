@@ -88,8 +88,10 @@ class OmniFedge(Algorithm):
     name: ClassVar[str] = "omnifedge"
     averages_updates: ClassVar[bool] = False
     needs_adaptation: ClassVar[bool] = True
+    #: lambda of the omega subproblem (the log-barrier weight)
     lam: float = 1.0
-    head_params: int = 2  # the last `head_params` parameter tensors are task-specific (weight, bias)
+    #: how many trailing parameter tensors form each node's task-specific head
+    head_params: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -36,11 +36,17 @@ from .base import Algorithm, Context, GlobalModel, check_positive
 class PerFedAvg(Algorithm):
     name: ClassVar[str] = "perfedavg"
     needs_adaptation: ClassVar[bool] = True
+    #: alpha, the step of the inner (personalization) gradient step
     alpha: float = 0.01
+    #: beta, the outer (meta) step size
     beta: float = 0.001
-    variant: Literal["fo", "hf"] = "fo"  # first order | Hessian-free
+    #: fo (first-order) or hf (Hessian-free: finite-difference Hessian-vector product)
+    variant: Literal["fo", "hf"] = "fo"
+    #: hf: the finite-difference step delta
     delta: float = 1e-3
+    #: tau, local meta-steps per round
     local_steps: int = 10
+    #: SGD steps of rate alpha on the client's training data before evaluation
     eval_steps: int = 1
 
     def __post_init__(self) -> None:

@@ -42,10 +42,15 @@ class PFedMe(Algorithm):
     name: ClassVar[str] = "pfedme"
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
+    #: lambda, the Moreau-envelope regularization weight
     lam: float = 15.0
+    #: step size of the inner steps that compute theta
     personal_lr: float = 0.01
+    #: K, gradient steps per batch on the personalized subproblem
     inner_steps: int = 5
+    #: the server's mixing of the new average into the global model (1 = replace)
     beta: float = 1.0
+    #: weight the server average by sample counts (the official code) instead of uniformly (the paper)
     weighted: bool = False
 
     def __post_init__(self) -> None:

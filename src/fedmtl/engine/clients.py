@@ -148,39 +148,7 @@ class LocalClients:
         """Per-client scores of clients ``ids`` of ``group`` ("seen": federation-wide ids; "unseen": indices
         into the unseen clients) on each of their splits, predicting with ``alg.personalize``.  ``adapt``:
         the adaptation orders of ``ids`` (for algorithms that adapt, and for unseen clients)."""
-        assert self.store is not None and self.ctx is not None
-        alg, ctx, seen = self.alg, self.ctx, group == "seen"
-        grp = self.data.group(group)
-        rows = self.rows_of(ids) if seen else ids.to(torch.long).cpu()
-        splits = grp.splits()
-        cmax = torch.stack([s.counts[rows] for s in splits.values()]).max(0).values
-        per_ex = int(np.prod(self.data.feature_shape)) or 1
-        res = {k: (torch.zeros(len(rows), dtype=torch.float64), torch.zeros(len(rows), dtype=torch.float64))
-               for k in splits}
-
-        def personalize(p: Tree, s: Tree, b: Any) -> Tree:
-            return alg.personalize(ctx, p, s, b, lr, seen)
-
-        def predict(_: Any, es: Tree, x: Tensor) -> Tensor:
-            return alg.predict_log_proba(ctx, es, x)
-
-        for pos in chunks(cmax, per_ex, self.eval_chunk_elems):
-            r = rows[pos]
-            states = self.store.read(r) if seen else alg.init_clients(ctx, server, ids[pos])
-            states = T.to(states, self.device)
-            b = None if adapt is None else T.to(round_batches(grp.train, rows, adapt, pos, self.batch_size),
-                                                 self.device)
-            if not T.leaves(states) and b is None:  # one state for every client: a global model
-                eval_states = T.broadcast(personalize(payload, states, None), len(pos))
-            else:
-                eval_states = self.executor.map(personalize, payload, states, b)
-            for name, split in splits.items():
-                x, y, mask = (t.to(self.device) for t in padded(split, r))
-                logp = self.executor.map(predict, None, eval_states, x)
-                c, l = scores(logp, y, mask)
-                res[name][0][pos] = c.double().cpu()
-                res[name][1][pos] = l.double().cpu()
-        return {name: per_client(c, l, splits[name].counts[rows], ids) for name, (c, l) in res.items()}
+        return evaluate_together([self], group, [payload], [server], ids, [adapt], lr)[0]
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -236,3 +204,49 @@ def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[
         outs.append(m.accept(r, T.take(updates, seg), T.take(new_states, seg), losses[at:at + k], round_idx))
         at += k
     return outs
+
+
+def evaluate_together(members: list[LocalClients], group: str, payloads: list[Tree], servers: list[Tree], ids: Tensor,
+                      adapts: list[Orders | None], lr: float) -> list[dict[str, Any]]:
+    """``LocalClients.evaluate`` of the same clients ``ids`` for several replicas of a run (their own stores,
+    payloads and adaptation orders, one shared dataset): each chunk of evaluation data is gathered (padded) once
+    and every replica predicts on it.  (A vmap over the replicas inside the vmap over clients was measured 2x
+    slower than this loop: torch's batching rule copies the shared inputs once per replica.)"""
+    first = members[0]
+    assert all(m.store is not None and m.ctx is not None for m in members), "start() first"
+    alg, ctx, seen = first.alg, first.ctx, group == "seen"
+    assert ctx is not None
+    grp = first.data.group(group)
+    rows = first.rows_of(ids) if seen else ids.to(torch.long).cpu()
+    splits = grp.splits()
+    cmax = torch.stack([s.counts[rows] for s in splits.values()]).max(0).values
+    per_ex = int(np.prod(first.data.feature_shape)) or 1
+    res = [{k: (torch.zeros(len(rows), dtype=torch.float64), torch.zeros(len(rows), dtype=torch.float64))
+            for k in splits} for _ in members]
+    executor = first.executor
+
+    def personalize(p: Tree, s: Tree, b: Any) -> Tree:
+        return alg.personalize(ctx, p, s, b, lr, seen)
+
+    def predict(_: Any, es: Tree, x: Tensor) -> Tensor:
+        return alg.predict_log_proba(ctx, es, x)
+
+    for pos in chunks(cmax, per_ex, first.eval_chunk_elems):
+        r = rows[pos]
+        eval_states = []
+        for m, payload, server, adapt in zip(members, payloads, servers, adapts, strict=True):
+            states = m.store.read(r) if seen else alg.init_clients(ctx, server, ids[pos])  # type: ignore[union-attr]
+            states = T.to(states, m.device)
+            b = None if adapt is None else T.to(round_batches(grp.train, rows, adapt, pos, m.batch_size), m.device)
+            if not T.leaves(states) and b is None:  # one state for every client: a global model
+                eval_states.append(T.broadcast(personalize(payload, states, None), len(pos)))
+            else:
+                eval_states.append(executor.map(personalize, payload, states, b))
+        for name, split in splits.items():
+            x, y, mask = (t.to(first.device) for t in padded(split, r))
+            per_rep = [executor.map(predict, None, es, x) for es in eval_states]
+            for i, lp in enumerate(per_rep):
+                c, l = scores(lp, y, mask)
+                res[i][name][0][pos] = c.double().cpu()
+                res[i][name][1][pos] = l.double().cpu()
+    return [{name: per_client(c, l, splits[name].counts[rows], ids) for name, (c, l) in ri.items()} for ri in res]

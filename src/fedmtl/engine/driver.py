@@ -35,7 +35,7 @@ from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig, flip_labels
 from ..tree import Tree
 from . import checkpoint
-from .clients import Clients, LocalClients, train_together
+from .clients import Clients, LocalClients, evaluate_together, train_together
 from .evaluation import summarize
 from .executors import make_executor
 from .round import Engine, EngineState, Federation, RunConfig
@@ -161,6 +161,11 @@ class Replica:
         return None if self.out_dir is None else self.out_dir / "checkpoint.pt"
 
     @property
+    def eval_due(self) -> bool:
+        assert self.state is not None
+        return self.state.round % self.cfg.run.eval_every == 0 or self.state.round == self.cfg.run.rounds
+
+    @property
     def done(self) -> bool:
         assert self.state is not None
         return self.state.round >= self.cfg.run.rounds
@@ -187,8 +192,11 @@ def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool 
             t0 = time.perf_counter()
             rows = _rounds(group)
             dt = (time.perf_counter() - t0) / len(group)  # a batched round's time, shared evenly
+            due = [rep for rep in group if rep.eval_due]
+            for rep, per_client in zip(due, _evaluate(due), strict=True):
+                rep.per_client = per_client
             for rep, row in zip(group, rows, strict=True):
-                _after_round(rep, row, dt, prog)
+                _after_round(rep, row, dt, prog, rep in due)
         return [_finish(rep) for rep in replicas]
     finally:
         prog.close()
@@ -239,14 +247,32 @@ def _rounds(group: list[Replica]) -> list[dict[str, Any]]:
     return [rep.engine.finish(rep.state, p, o) for rep, p, o in zip(group, plans, outs, strict=True)]  # type: ignore[arg-type]
 
 
-def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress) -> None:
+def _evaluate(reps: list[Replica]) -> list[dict[str, Any]]:
+    """``Engine.evaluate`` of each replica; replicas simulated here that evaluate the same clients are evaluated
+    together (``clients.evaluate_together``: the evaluation data read once for all of them)."""
+    if len(reps) <= 1 or not all(isinstance(rep.engine.clients, LocalClients) for rep in reps) or any(
+            not all(torch.equal(rep.engine.eval_ids[g], reps[0].engine.eval_ids[g]) for g in rep.engine.eval_ids)
+            for rep in reps):
+        return [rep.engine.evaluate(rep.state) for rep in reps]  # type: ignore[arg-type]
+    out: list[dict[str, Any]] = [{} for _ in reps]
+    for group in reps[0].engine.clients.groups:
+        plans = [rep.engine.eval_plan(rep.state, group) for rep in reps]  # type: ignore[arg-type]
+        res = evaluate_together([rep.engine.clients for rep in reps], group,  # type: ignore[misc]
+                                [p[0] for p in plans], [p[1] for p in plans], plans[0][2], [p[3] for p in plans],
+                                plans[0][4])
+        for o, r in zip(out, res, strict=True):
+            o[group] = r
+    return out
+
+
+def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, evaluated: bool) -> None:
     state, rcfg, engine = rep.state, rep.cfg.run, rep.engine
     assert state is not None
     rep.t_train += dt
     state.counters["train_seconds"] = state.counters.get("train_seconds", 0.0) + dt
     state.counters.setdefault("round_seconds", []).append(dt)  # wall clock: kept out of metrics.csv
-    if state.round % rcfg.eval_every == 0 or state.round == rcfg.rounds:
-        rep.per_client = engine.evaluate(state)
+    if evaluated:
+        assert rep.per_client is not None
         row.update(summarize(rep.per_client))
     state.history.append(row)
     prog.round(str(id(rep)), rep.label, rcfg.rounds, row, dt)

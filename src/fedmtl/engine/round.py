@@ -401,16 +401,19 @@ class Engine:
         Returns ``{group: {split: {"acc": (C,), "loss": (C,), "n": (C,), "client": (C,)}}}`` (numpy arrays).
         """
         out: dict[str, Any] = {}
-        lr = self.opt.lr_at(max(state.round - 1, 0), self.cfg.rounds)
-        payload = self.alg.payload(state.server)
         for group in groups:
-            if group not in self.clients.groups:
-                continue
-            ids = self.eval_ids[group]
-            seen = group == "seen"
-            adapt = None
-            if self.alg.needs_adaptation or not seen:
-                g = torch.Generator().manual_seed(int(self.cfg.seed) * 7919 + state.round * 104729 + (not seen))
-                adapt = epoch_orders(self.fed.counts(group)[ids], self.alg.adapt_epochs, g)
-            out[group] = self.clients.evaluate(group, payload, state.server, ids, adapt, lr)
+            if group in self.clients.groups:
+                out[group] = self.clients.evaluate(group, *self.eval_plan(state, group))
         return out
+
+    def eval_plan(self, state: EngineState, group: str) -> tuple[Tree, Tree, Tensor, Orders | None, float]:
+        """What evaluating ``group`` at ``state`` asks of the clients: (payload, server, client ids, adaptation
+        orders, learning rate)."""
+        lr = self.opt.lr_at(max(state.round - 1, 0), self.cfg.rounds)
+        ids = self.eval_ids[group]
+        seen = group == "seen"
+        adapt = None
+        if self.alg.needs_adaptation or not seen:
+            g = torch.Generator().manual_seed(int(self.cfg.seed) * 7919 + state.round * 104729 + (not seen))
+            adapt = epoch_orders(self.fed.counts(group)[ids], self.alg.adapt_epochs, g)
+        return self.alg.payload(state.server), state.server, ids, adapt, lr

@@ -42,10 +42,12 @@ def _settings(num_clients: int, quick: bool) -> dict[str, list[str]]:
 
 
 def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic", "fmnist"),
-        config_dir: Path = Path("configs/robust")) -> dict[str, Any]:
+        config_dir: Path | None = None) -> dict[str, Any]:
     from ..config import load
     from ..reproduce import run_methods
+    from ..resources import configs_root
 
+    config_dir = config_dir or configs_root() / "robust"
     out.mkdir(parents=True, exist_ok=True)
     quick_ov = ["run.rounds=6", "run.eval_every=3", "run.checkpoint_every=3"] if quick else []
     result: dict[str, Any] = {}
