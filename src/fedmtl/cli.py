@@ -1,4 +1,4 @@
-"""Command-line interface: ``fedmtl run | sweep | data | list | main | reproduce | flower | bench``.
+"""Command-line interface: ``fedmtl run | sweep | compare | data | list | main | reproduce | flower | bench``.
 
 Plugins (algorithms, models, datasets registered with ``fedmtl.register_*``) are loaded from the entry-point
 group ``fedmtl.plugins`` at start and from ``--import MODULE`` (repeatable) on the commands that read a config.
@@ -75,7 +75,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import run_sweep
 
     out = args.out or str(Path("runs") / f"sweep-{Path(args.config).stem}")
-    run_sweep(args.config, args.set, out)
+    sets = list(args.set) + ([f"run.seeds=[{parse_seeds(args.seeds)}]"] if args.seeds else [])
+    run_sweep(args.config, sets, out)
     print(f"written: {out}/sweep.json, sweep.csv, sweep.png")
     return 0
 
@@ -130,6 +131,14 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("configs (bundled; fedmtl run NAME works in any folder):")
     for c in bundled_configs():
         print(f"  {c}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare
+
+    compare(args.runs, args.out, args.metric)
+    print(f"written: {args.out}/compare.md, compare.json, curves.png, clients.png")
     return 0
 
 
@@ -201,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("config")
     sw.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=V1,V2,...")
     sw.add_argument("--out")
+    sw.add_argument("--seeds", help="run every setting with each of these seeds (e.g. 1-3); the plot shows bands")
     _plugins_arg(sw)
     _output_args(sw)
     sw.set_defaults(fn=_cmd_sweep)
@@ -213,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     _plugins_arg(d)
     d.set_defaults(fn=_cmd_data)
+
+    cp = sub.add_parser("compare", help="runs side by side: a Markdown table (mean +- std over seeds), curves with "
+                                       "seed bands, per-client accuracy distributions")
+    cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (fedmtl run, with or without --seeds)")
+    cp.add_argument("--metric", default="seen_test_acc_mean", help="the metric to sort by and to plot per round")
+    cp.add_argument("--out", required=True)
+    _output_args(cp)
+    cp.set_defaults(fn=_cmd_compare)
 
     ls = sub.add_parser("list", help="list algorithms, datasets, models and bundled configs")
     ls.add_argument("--algorithm", metavar="NAME", help="each hyperparameter of one algorithm: type, default, doc")

@@ -307,8 +307,11 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["privacy"] = dataclasses.asdict(privacy)
     if tables["log"]:
         resolved["log"] = dataclasses.asdict(logc)
-    if not run.seeds:  # recorded only when given (as [robust]): single-seed configs keep their resolved form
+    # recorded only when given (as [robust]): configs without them keep their resolved form (and checkpoints match)
+    if not run.seeds:
         resolved["run"].pop("seeds")
+    if not optim.lr_milestone_rounds:
+        resolved["optim"].pop("lr_milestone_rounds")
     return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc)
 
 

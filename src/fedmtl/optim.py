@@ -63,13 +63,17 @@ def live_steps(batches: Batches) -> Tensor:
 
 @dataclass(frozen=True)
 class SGD:
-    """SGD hyper-parameters; ``lr_milestones`` are fractions of the run's rounds."""
+    """SGD hyper-parameters.  The learning rate is multiplied by ``lr_gamma`` at each milestone: given as
+    fractions of the run's rounds (``lr_milestones``, which move with ``run.rounds``) or as rounds
+    (``lr_milestone_rounds = [100, 150]``: the rate decays after round 100 and after round 150, whatever
+    ``run.rounds``); ``milestone_rounds`` resolves them (``summary.json`` records ``lr_decay_from_rounds``)."""
 
     lr: float = 0.1
     momentum: float = 0.0
     weight_decay: float = 0.0
     lr_milestones: tuple[float, ...] = ()
     lr_gamma: float = 0.1
+    lr_milestone_rounds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # ranges: rates beyond these bounds diverge in one step on any model (every update non-finite)
@@ -83,14 +87,27 @@ class SGD:
             raise ValueError(f"optim.lr_gamma must be in (0, 1], got {self.lr_gamma}")
         if any(not 0 < f < 1 for f in self.lr_milestones):
             raise ValueError(f"optim.lr_milestones are fractions in (0, 1), got {self.lr_milestones}")
+        if any(r < 1 for r in self.lr_milestone_rounds):
+            raise ValueError(f"optim.lr_milestone_rounds are rounds >= 1, got {self.lr_milestone_rounds}")
+        if self.lr_milestones and self.lr_milestone_rounds:
+            raise ValueError("give optim.lr_milestones (fractions of the rounds) or optim.lr_milestone_rounds "
+                             "(rounds), not both")
+
+    def milestone_rounds(self, num_rounds: int) -> list[int]:
+        """The rounds after which the rate decays (equivalently: the 0-based index of the first round at the
+        decayed rate)."""
+        if self.lr_milestone_rounds:
+            return sorted(self.lr_milestone_rounds)
+        return sorted(int(f * num_rounds) for f in self.lr_milestones)
 
     def lr_at(self, round_idx: int, num_rounds: int) -> float:
         """Learning rate of round ``round_idx`` (0-based), as ``MultiStepLR`` stepped per round.
 
         Milestone fraction f decays the rate from round ``int(f * num_rounds)`` on (rounds 100 and 150
-        for f = 0.5, 0.75 and 200 rounds, as in the FedEM reference experiments).
+        for f = 0.5, 0.75 and 200 rounds, as in the FedEM reference experiments); milestone round m from
+        round m on (0-based), so ``lr_milestone_rounds = [100, 150]`` is the same schedule at 200 rounds.
         """
-        passed = sum(round_idx >= int(f * num_rounds) for f in self.lr_milestones)
+        passed = sum(round_idx >= m for m in self.milestone_rounds(num_rounds))
         return self.lr * self.lr_gamma**passed
 
 

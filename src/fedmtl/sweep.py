@@ -4,7 +4,9 @@ Every ``--set`` whose value lists several comma-separated values (commas inside 
 split) is swept; several swept keys run their cartesian product.  Each setting is a full run in
 ``DIR/<key>=<value>/``; ``DIR/sweep.json`` and ``DIR/sweep.csv`` hold the final metrics and
 ``DIR/sweep.png`` plots test accuracy (mean and 10th percentile over clients) against the first swept
-key, as in Figure 1 of Marfoq et al. (2021).
+key, as in Figure 1 of Marfoq et al. (2021): strings on a categorical axis, numbers spanning two decades or
+more on a log axis (symlog with 0), and with ``--seeds`` / ``run.seeds`` every setting runs every seed and
+the plot shows the seeds' mean with a +-1 std band.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .config import ConfigError, load, parse_override
 from .engine.driver import run_experiment
-from .report import plot_curves, write_json
+from .report import atomic, write_json
 
 
 def split_top_level(text: str) -> list[str]:
@@ -57,7 +61,8 @@ def plan(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
     return fixed, swept
 
 
-def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bool = True) -> list[dict[str, Any]]:
+def run_sweep(config: str | Path, sets: list[str], out: str | Path,
+              progress: bool | str = True) -> list[dict[str, Any]]:
     out = Path(out)
     fixed, swept = plan(sets)
     combos = list(itertools.product(*[[(k, v) for v in vals] for k, vals in swept]))
@@ -65,31 +70,84 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
     rows = []
     for combo, cfg in zip(combos, cfgs, strict=True):
         name = ",".join(f"{k}={v}" for k, v in combo).replace("/", "_")
-        has_ckpt = (out / name / "checkpoint.pt").exists()  # a finished or interrupted earlier sweep
-        summary = run_experiment(cfg, out / name, resume=has_ckpt, overwrite=not has_ckpt, progress=progress).summary
         row: dict[str, Any] = {k: parse_override(f"{k}={v}")[2] for k, v in combo}
-        row.update({k: v for k, v in summary["final"].items()})
+        if cfg.run.seeds:  # every setting with every seed: the seeds' mean, and their std for the bands
+            from .engine.seeds import run_seeds
+
+            # seeds with a checkpoint continue (an earlier, interrupted sweep), the others start over
+            res = run_seeds(cfg, out=out / name, resume=True, overwrite=True, progress=progress)
+            row.update({k: st["mean"] for k, st in res.final.items()})
+            row.update({f"{k}_std": st["std"] for k, st in res.final.items()})
+            final = {k: st["mean"] for k, st in res.final.items()}
+        else:
+            has_ckpt = (out / name / "checkpoint.pt").exists()  # a finished or interrupted earlier sweep
+            final = run_experiment(cfg, out / name, resume=has_ckpt, overwrite=not has_ckpt,
+                                   progress=progress).summary["final"]
+            row.update(final)
         rows.append(row)
-        print(name, " ".join(f"{k}={100 * summary['final'][k]:.2f}"
-                             for k in ("seen_test_acc_mean", "seen_test_acc_p10") if k in summary["final"]))
+        print(name, " ".join(f"{k}={100 * final[k]:.2f}" for k in ("seen_test_acc_mean", "seen_test_acc_p10")
+                             if isinstance(final.get(k), float)))
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep.json", {"swept": [k for k, _ in swept], "fixed": fixed, "results": rows})
-    keys = list(rows[0].keys())
-    with open(out / "sweep.csv", "w", newline="") as f:
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with atomic(out / "sweep.csv") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    first = swept[0][0]
-    others = [k for k, _ in swept[1:]]
-    curves: dict[str, tuple[list[float], list[float]]] = {}
+    plot_sweep(out / "sweep.png", rows, [k for k, _ in swept])
+    return rows
+
+
+def axis_kind(values: list[Any]) -> str:
+    """How a swept key's values sit on an axis: "category" (any non-number), "log" (positive numbers spanning
+    two decades or more), "symlog" (such numbers plus zero), else "linear"."""
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return "category"
+    pos = [float(v) for v in values if v > 0]
+    if len(pos) >= 2 and max(pos) / min(pos) >= 100 and all(v >= 0 for v in values):
+        return "log" if len(pos) == len(values) else "symlog"
+    return "linear"
+
+
+def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str]) -> None:
+    """Test accuracy (mean and 10th percentile over clients) against the first swept key, one line per setting
+    of the others; a band of +-1 std where the sweep ran several seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first, others = swept[0], swept[1:]
+    values = list(dict.fromkeys(r[first] for r in rows))
+    kind = axis_kind(values)
+    pos = {v: i for i, v in enumerate(values)}
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for metric, label in (("seen_test_acc_mean", "test acc (mean)"), ("seen_test_acc_p10", "test acc (10th pct)")):
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in rows:
             groups.setdefault(",".join(f"{k}={r[k]}" for k in others), []).append(r)
         for gname, grows in groups.items():
-            xs = [r[first] for r in grows]
-            if not all(isinstance(x, int | float) for x in xs):
-                xs = list(range(len(grows)))
-            curves[f"{label} {gname}".strip()] = (xs, [100 * r.get(metric, float("nan")) for r in grows])
-    plot_curves(out / "sweep.png", curves, "accuracy (%)", f"sweep of {first}", xlabel=first)
-    return rows
+            xs = [pos[r[first]] if kind == "category" else float(r[first]) for r in grows]
+            ys = np.array([100 * r.get(metric, float("nan")) for r in grows])
+            (line,) = ax.plot(xs, ys, marker="o", ms=4, label=f"{label} {gname}".strip())
+            if all(r.get(f"{metric}_std") is not None for r in grows):
+                sd = np.array([100 * r[f"{metric}_std"] for r in grows])
+                ax.fill_between(xs, ys - sd, ys + sd, color=line.get_color(), alpha=0.2, linewidth=0)
+    if kind == "category":
+        ax.set_xticks(range(len(values)), [str(v) for v in values])
+    elif kind == "log":
+        ax.set_xscale("log")
+    elif kind == "symlog":
+        ax.set_xscale("symlog", linthresh=min(float(v) for v in values if v > 0))
+    ax.set_xlabel(first)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"sweep of {first}" + (" (band: +-1 std over seeds)" if any("seen_test_acc_mean_std" in r
+                                                                            for r in rows) else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
+    plt.close(fig)

@@ -227,6 +227,10 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
             from ..tblog import Board
 
             rep.board = Board(rep.out_dir / "tensorboard")
+    milestones = cfg.optim.milestone_rounds(cfg.run.rounds)
+    if milestones:
+        prog.line(f"{rep.label}: learning rate {cfg.optim.lr:g}, x{cfg.optim.lr_gamma:g} from round(s) "
+                  f"{', '.join(str(m + 1) for m in milestones)} of {cfg.run.rounds}")
     prog.start(str(id(rep)), rep.label, cfg.run.rounds, rep.state.round)
 
 
@@ -303,6 +307,8 @@ def _finish(rep: Replica) -> RunResult:
         # over all rounds of the run, interrupted or not (the training time is kept in the checkpoint)
         "seconds_per_round": state.counters.get("train_seconds", 0.0) / state.round if state.round else None,
         "round_seconds": state.counters.get("round_seconds", []),
+        # the rounds (1-based) from which the learning rate is decayed, fractions resolved
+        "lr_decay_from_rounds": [m + 1 for m in cfg.optim.milestone_rounds(cfg.run.rounds)],
         "config": cfg.raw,
     }
     if engine.attack.active:

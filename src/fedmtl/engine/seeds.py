@@ -73,7 +73,8 @@ def stats(values: list[float]) -> dict[str, Any]:
 def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None = None, out: str | Path | None = None,
               resume: bool = False, progress: bool | str = True, data: FederatedData | None = None,
               model: Model | None = None, overwrite: bool = False) -> SeedsResult:
-    """Run ``cfg`` once per seed (default: ``cfg.run.seeds``), the replicas batched together."""
+    """Run ``cfg`` once per seed (default: ``cfg.run.seeds``), the replicas batched together.  ``resume``: the
+    seeds whose folder holds a checkpoint continue from it; ``overwrite``: the other seeds' results are replaced."""
     seeds = list(seeds if seeds is not None else cfg.run.seeds)
     if not seeds:
         raise ConfigError(f"{cfg.source}: no seeds to run (run.seeds or --seeds)")
@@ -94,8 +95,9 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
         replicas = []
         for s, c in zip(seeds, configs, strict=True):
             d = None if out_dir is None else seed_dir(out_dir, s)
-            if d is not None:
-                stack.enter_context(RunDirectory(d, resume and (d / "checkpoint.pt").exists(), overwrite))
+            if d is not None:  # resume the seeds that have a checkpoint; overwrite (if asked) the others
+                cont = resume and (d / "checkpoint.pt").exists()
+                stack.enter_context(RunDirectory(d, cont, overwrite and not cont))
             replicas.append(Replica(build_local(c, data, model, d), c, d, f"{name} seed {s}"))
         runs = drive_many(replicas, resume, prog)
         result = SeedsResult(runs, summarize_seeds(cfg, seeds, runs), out_dir)
