@@ -143,16 +143,20 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_main(args: argparse.Namespace) -> int:
+    from .report import quick_mode
     from .reproduce import main_job
 
-    main_job(Path(args.out), quick=args.quick)
+    with quick_mode(args.quick):
+        main_job(Path(args.out), quick=args.quick)
     return 0
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from .report import quick_mode
     from .reproduce import REPRODUCTIONS
 
-    REPRODUCTIONS[args.name](Path(args.out), quick=args.quick)
+    with quick_mode(args.quick):
+        REPRODUCTIONS[args.name](Path(args.out), quick=args.quick)
     return 0
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .config import ConfigError
 from .engine.seeds import history_stats, stats
-from .report import atomic, plot_bands, write_json
+from .report import atomic, plot_bands, save_figure, write_json
 
 METRICS = [("seen_test_acc_mean", "avg"), ("seen_test_acc_p10", "p10 (bottom decile)"),
            ("seen_test_acc_bottom10_mean", "worst 10% mean"), ("unseen_test_acc_mean", "unseen avg"),
@@ -171,9 +171,7 @@ def _plot_clients(path: Path, dists: dict[str, np.ndarray]) -> None:
     ax.set_title("accuracy across clients (box: quartiles, whiskers 1.5 IQR, triangle: mean)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    with atomic(path, "wb") as f:
-        fig.savefig(f, dpi=120, format="png")
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 __all__ = ["compare"]

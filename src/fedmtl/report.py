@@ -35,6 +35,53 @@ def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[An
         raise
 
 
+_QUICK = {"on": False}
+
+
+@contextlib.contextmanager
+def quick_mode(on: bool = True) -> Iterator[None]:
+    """Within: every table (``write_table``) and figure (``save_figure``) is marked as a quick smoke run, so a
+    ``--quick`` result can never pass for a real one."""
+    before = _QUICK["on"]
+    _QUICK["on"] = on
+    try:
+        yield
+    finally:
+        _QUICK["on"] = before
+
+
+def is_quick() -> bool:
+    return _QUICK["on"]
+
+
+def write_table(path: Path, text: str) -> None:
+    """Write a Markdown report atomically; in quick mode its first heading says "(QUICK run ...)"."""
+    if _QUICK["on"]:
+        note = "(QUICK run: a shortened smoke test, not the result)"
+        lines = text.split("\n")
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("#")), None)
+        if at is None:
+            lines.insert(0, f"# {note}\n")
+        else:
+            lines[at] = f"{lines[at]} {note}"
+        text = "\n".join(lines)
+    with atomic(Path(path)) as f:
+        f.write(text)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
+    """Save a matplotlib figure as PNG atomically and close it; in quick mode every axes title starts "QUICK:"."""
+    import matplotlib.pyplot as plt
+
+    if _QUICK["on"]:
+        for ax in fig.get_axes():
+            ax.set_title("QUICK: " + ax.get_title(), fontsize=9)
+        fig.tight_layout()
+    with atomic(Path(path), "wb") as f:
+        fig.savefig(f, dpi=dpi, format="png")
+    plt.close(fig)
+
+
 def write_history_csv(path: Path, history: list[dict[str, Any]]) -> None:
     keys: list[str] = []
     for row in history:
@@ -90,9 +137,7 @@ def plot_curves(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[fl
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic(path, "wb") as f:
-        fig.savefig(f, dpi=120, format="png")
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float]]], ylabel: str,
@@ -114,9 +159,7 @@ def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[floa
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic(path, "wb") as f:
-        fig.savefig(f, dpi=120, format="png")
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_history(path: Path, history: list[dict[str, Any]], title: str) -> None:

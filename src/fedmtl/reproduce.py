@@ -21,7 +21,7 @@ from .config import ConfigError, load
 from .engine.checkpoint import CheckpointError
 from .engine.driver import run_experiment
 from .engine.round import TrainingDiverged
-from .report import markdown_table, plot_curves, write_json
+from .report import markdown_table, plot_curves, write_json, write_table
 from .resources import config_path, configs_root
 
 #: Marfoq et al. (NeurIPS 2021), Table 1, Synthetic: average / bottom decile test accuracy (%).
@@ -131,7 +131,7 @@ def fedem_synthetic(out: Path, quick: bool = False, config_dir: Path | None = No
         md.append(markdown_table(["method", "avg", "p10", "worst10", "unseen", "paper avg", "paper bottom",
                                   "time/round"], body))
     text = "\n".join(md)
-    (out / "table.md").write_text(text)
+    write_table(out / "table.md", text)
     write_json(out / "summary.json", summary)
     write_json(out / "results.json", {"results": full, "paper": PAPER_SYNTHETIC,
                                       "total_seconds": time.perf_counter() - t_start, "quick": quick})
@@ -164,7 +164,7 @@ def fmnist_table(out: Path, quick: bool = False, config_dir: Path | None = None)
           + markdown_table(["method", "avg", "p10", "weighted", "rounds", "time/round"],
                            [[n, r["avg"], r["bottom_decile"], r["weighted"], r["rounds"],
                              f"{1000 * r['seconds_per_round']:.0f} ms"] for n, r in rows.items()]))
-    (out / "fmnist.md").write_text(md)
+    write_table(out / "fmnist.md", md)
     write_json(out / "fmnist.json", {"results": rows, "seconds": time.perf_counter() - t0})
     print(md)
     return rows
@@ -236,7 +236,7 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
     md = ("# Label-permuted client groups (40 clients, 4 groups, 10 classes): test accuracy (%), final round\n\n"
           + markdown_table(["method", "avg", "p10", "minus FedAvg"],
                            [[n, r["avg"], r["bottom_decile"], r["vs_fedavg"]] for n, r in rows.items()]))
-    (out / "personalization.md").write_text(md)
+    write_table(out / "personalization.md", md)
     write_json(out / "summary.json", rows)
     print(md)
     return rows
@@ -263,7 +263,7 @@ def omnifedge_fmnist(out: Path, quick: bool = False) -> dict[str, Any]:
     rows = {n: {"avg": 100 * s["final"]["seen_test_acc_mean"], "rounds": s["rounds"]} for n, s in res.items()}
     md = ("# Omni-Fedge setting: 5 Fashion-MNIST nodes, test accuracy (%) after the last round\n\n"
           + markdown_table(["method", "avg", "rounds"], [[n, r["avg"], r["rounds"]] for n, r in rows.items()]))
-    (out / "omnifedge.md").write_text(md)
+    write_table(out / "omnifedge.md", md)
     write_json(out / "summary.json", rows)
     print(md)
     return rows

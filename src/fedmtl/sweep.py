@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import ConfigError, load, parse_override
 from .engine.driver import run_experiment
-from .report import atomic, write_json
+from .report import atomic, save_figure, write_json
 
 
 def split_top_level(text: str) -> list[str]:
@@ -148,6 +148,4 @@ def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str]) -> None
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic(path, "wb") as f:
-        fig.savefig(f, dpi=120, format="png")
-    plt.close(fig)
+    save_figure(fig, path)

@@ -33,6 +33,7 @@ from ..data.federated import DataError
 from ..data.synthetic import related_task_arrays as synthetic_tasks
 from ..data.vision import fmnist_pair_arrays as fmnist_tasks
 from ..engine.systems import SystemsModel, TimeModel
+from ..report import save_figure, write_table
 from .mocha import MochaConfig, solve
 from .omega import TaskCovariance, identity
 from .problem import MTLData, error_rate
@@ -279,8 +280,7 @@ def plot(opt: dict[str, Any], d: int, path: Path) -> None:
     for a in list(axes[0]) + list(axes[1][:2]):
         a.set_xlabel("estimated time (reference units)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
@@ -334,7 +334,7 @@ def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     for name, r in summary["table1_detail"].items():
         lines.append(f"| {name} | {r['global']:.2f} ({r['global_se']:.2f}) | {r['local']:.2f} ({r['local_se']:.2f}) "
                      f"| {r['mtl']:.2f} ({r['mtl_se']:.2f}) |")
-    (out / "table1.md").write_text("\n".join(lines) + "\n")
+    write_table(out / "table1.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps({"time_to_subopt_1e-3": targets, "drops": summary["drops"],
                       "full_method_drops": summary["full_method_drops"]}, indent=1))

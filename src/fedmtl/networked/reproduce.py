@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..graph import Graph, sbm
+from ..report import save_figure
 from .gtv import GTVConfig, NodeData, solve
 
 W_TRUE = np.array([[2.0, 2.0], [-2.0, 2.0]])
@@ -112,8 +113,7 @@ def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     ax.set_title("Two-cluster SBM: estimation error vs lambda")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "lambda.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "lambda.png", dpi=110)
 
     # ---- error vs connectivity
     ratios = np.array([0.002, 0.01, 0.05, 0.2, 0.5, 1.0]) if not quick else np.array([0.002, 0.05, 0.5])
@@ -134,8 +134,7 @@ def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     ax.set_title("Statistical error vs connectivity")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "connectivity.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "connectivity.png", dpi=110)
 
     # ---- clustering recovered
     g, data, wbar, xs, ys = sbm_problem(seed=seed)
@@ -159,8 +158,7 @@ def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     ax.set_title("Learned node weights (GTV TV)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "clusters.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "clusters.png", dpi=110)
 
     # ---- robustness: iterations to reach the failure-free solution, and the error after a short budget
     probs = [0.0, 0.1, 0.3, 0.5]
@@ -195,8 +193,7 @@ def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     ax.set_title("Robustness of primal-dual message passing")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "robustness.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "robustness.png", dpi=110)
 
     # ---- node classification (logistic loss)
     from sklearn.linear_model import LogisticRegression

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..report import markdown_table, plot_curves, write_json
+from ..report import markdown_table, plot_curves, write_json, write_table
 
 METHODS = {"fedavg": ["algorithm.name=fedavg"],
            "fedem": ["algorithm.name=fedem", "algorithm.num_components=3"],
@@ -89,7 +89,7 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
                   + markdown_table(["method / attack", "gap"], [[k, v] for k, v in worst_gap.items()]))
     plot_curves(out / "privacy.png", curves, "final mean test accuracy (%)",
                 f"privacy-utility{' (quick)' if quick else ''}: epsilon at delta = 1e-5 (RDP)", xlabel="epsilon")
-    (out / "robustness.md").write_text("\n".join(md) + "\n")
+    write_table(out / "robustness.md", "\n".join(md) + "\n")
     write_json(out / "robustness.json", result)
     write_json(out / "summary.json", result)
     print("\n".join(md))

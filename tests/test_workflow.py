@@ -1,0 +1,233 @@
+"""The research workflow: several seeds in one batched run, logs without a terminal, TensorBoard, ``fedmtl
+compare``, sweeps' axes, ``fedmtl list --algorithm``, bundled configs from any folder, quick marks and learning
+rate milestones in rounds."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedmtl.cli import main
+from fedmtl.config import ConfigError, load
+from fedmtl.engine.driver import run_experiment
+from fedmtl.engine.seeds import run_seeds, stats
+from fedmtl.optim import SGD
+
+SMALL = ["data.num_clients=24", "run.rounds=6", "run.eval_every=3", "run.checkpoint_every=3", "run.threads=1"]
+
+
+def _cfg(name: str = "synthetic/fedem", extra: tuple[str, ...] = ()) -> object:
+    return load(name, [*SMALL, *extra])
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("synthetic/fedem", ("run.sampling_rate=0.5",)),  # partial participation: every replica samples its own
+    ("synthetic/ditto", ("run.runner=loop",)),  # the loop executor
+    ("synthetic/fedavg", ("data.unseen_frac=0.25", "systems.drop_prob=0.2")),  # unseen clients, dropped clients
+])
+def test_seeds_equal_separate_runs(name, extra):
+    """Each replica of a batched several-seeds run is exactly the run with that seed alone."""
+    cfg = _cfg(name, extra)
+    data = cfg.build_data()
+    res = run_seeds(cfg, [3, 11, 5], data=data, progress=False)
+    assert len(res.runs) == 3
+    finals = []
+    for seed, batched in zip([3, 11, 5], res.runs, strict=True):
+        alone = run_experiment(cfg.with_seed(seed), None, data=data, progress=False)
+        assert batched.summary["seed"] == seed
+        assert len(batched.history) == len(alone.history) == 6
+        for a, b in zip(batched.history, alone.history, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                if isinstance(a[k], float):
+                    assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7, nan_ok=True), (seed, a["round"], k)
+        assert batched.final == pytest.approx(alone.final, rel=1e-6, abs=1e-7)
+        finals.append(alone.final["seen_test_acc_mean"])
+    # replicas differ (their own init, sampling and batch order), and the statistics are of them
+    assert len({round(f, 9) for f in finals}) == 3
+    st = res.final["seen_test_acc_mean"]
+    assert st["mean"] == pytest.approx(np.mean(finals))
+    assert st["std"] == pytest.approx(np.std(finals, ddof=1))
+    from scipy.stats import t
+
+    half = t.ppf(0.975, 2) * np.std(finals, ddof=1) / math.sqrt(3)
+    assert st["ci95_low"] == pytest.approx(np.mean(finals) - half)
+    assert st["ci95_high"] == pytest.approx(np.mean(finals) + half)
+
+
+def test_stats_of_one_and_of_none():
+    assert stats([0.5]) == {"mean": 0.5, "std": 0.0, "ci95_low": None, "ci95_high": None, "values": [0.5]}
+    assert stats([float("nan")])["mean"] is None
+
+
+def test_run_seeds_cli_writes_per_seed_folders_and_resumes(tmp_path, capsys):
+    out = tmp_path / "fedem"
+    sets = [a for s in SMALL for a in ("--set", s)]
+    assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(out), "-q", *sets]) == 0
+    text = capsys.readouterr().out
+    assert "seeds [1, 2, 3]" in text and "+-" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == [1, 2, 3] and summary["runs"] == ["seed-1", "seed-2", "seed-3"]
+    for s in (1, 2, 3):
+        run = json.loads((out / f"seed-{s}" / "summary.json").read_text())
+        assert run["seed"] == s and run["config"]["run"]["seed"] == s and "seeds" not in run["config"]["run"]
+        assert (out / f"seed-{s}" / "checkpoint.pt").exists()
+    vals = [json.loads((out / f"seed-{s}" / "summary.json").read_text())["final"]["seen_test_acc_mean"]
+            for s in (1, 2, 3)]
+    assert summary["final"]["seen_test_acc_mean"]["values"] == vals
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("round,runs,") and "seen_test_acc_mean_std" in rows[0] and len(rows) == 3
+    assert (out / "accuracy.png").stat().st_size > 1000
+    # a second run into the same folder is refused; --resume continues (finished: evaluates again, same numbers)
+    assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(out), "-q", *sets]) == 2
+    assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(out), "-q", "--resume", *sets]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["final"]["seen_test_acc_mean"]["values"] == vals
+    assert main(["run", "synthetic/fedem", "--seeds", "1,x", "--out", str(tmp_path / "bad"), *sets]) == 2
+
+
+def test_fedmtl_run_with_seeds_from_python():
+    import fedmtl
+
+    res = fedmtl.run("synthetic/fedavg", seeds=[1, 2], data__num_clients=24, run__rounds=4, run__eval_every=2,
+                     run__threads=1)
+    assert isinstance(res, fedmtl.SeedsResult) and [r.summary["seed"] for r in res.runs] == [1, 2]
+    with pytest.raises(ConfigError, match="distinct"):
+        fedmtl.run("synthetic/fedavg", seeds=[1, 1])
+
+
+def test_logging_without_a_terminal_prints_plain_lines(tmp_path):
+    """Under nohup or a scheduler (no TTY): a line for building the data and one per evaluated round, flushed."""
+    sets = [a for s in SMALL for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "fedmtl", "run", "synthetic/fedavg", "--out", str(tmp_path / "r"), *sets]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    data = [ln for ln in lines if ln.startswith("building data fedem_synthetic:")]
+    assert len(data) == 1 and "24 clients" in data[0] and "training examples" in data[0] and data[0].endswith(" s")
+    rounds = [ln for ln in lines if " round " in ln]
+    assert [ln.split()[2] for ln in rounds] == ["3/6", "6/6"]
+    for ln in rounds:
+        assert "loss " in ln and "acc " in ln and "%" in ln and ln.endswith("s/round")
+    assert "\r" not in p.stderr  # no progress-bar redraws in a log
+    # -v: a line for every round; -q: nothing on stderr
+    pv = subprocess.run([*cmd, "-v", "--overwrite"], capture_output=True, text=True, env=_env(), cwd=tmp_path,
+                        timeout=300)
+    assert [ln.split()[2] for ln in pv.stderr.splitlines() if " round " in ln] == [f"{r}/6" for r in range(1, 7)]
+    pq = subprocess.run([*cmd, "-q", "--overwrite"], capture_output=True, text=True, env=_env(), cwd=tmp_path,
+                        timeout=300)
+    assert pq.returncode == 0 and pq.stderr == ""
+    assert "seen_test_acc_mean" in pq.stdout
+
+
+def test_tensorboard_scalars_and_client_histogram(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    res = run_experiment(_cfg("synthetic/fedavg", ("log.tensorboard=true",)), tmp_path / "r", progress=False)
+    logdir = tmp_path / "r" / "tensorboard"
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 7))
+    assert [e.value for e in loss] == pytest.approx([r["train_loss"] for r in res.history], rel=1e-6)
+    ev = acc.Scalars("eval/seen_test_acc_mean")
+    assert [e.step for e in ev] == [3, 6] and ev[-1].value == pytest.approx(res.final["seen_test_acc_mean"], rel=1e-6)
+    hist = acc.Histograms("clients/seen_test_acc")
+    assert [h.step for h in hist] == [3, 6] and hist[-1].histogram_value.num == 24
+    assert hist[-1].histogram_value.sum == pytest.approx(res.per_client["seen"]["test"]["acc"].sum(), rel=1e-5)
+    with pytest.raises(ConfigError, match=r"\[log\]"):
+        load("synthetic/fedavg", ["log.tensorboard=1"])
+
+
+def test_compare_table_plots_and_errors(tmp_path, capsys):
+    sets = [a for s in SMALL for a in ("--set", s)]
+    assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(tmp_path / "fedem"), "-q", *sets]) == 0
+    assert main(["run", "synthetic/fedavg", "--out", str(tmp_path / "fedavg"), "-q", *sets]) == 0
+    capsys.readouterr()
+    out = tmp_path / "cmp"
+    assert main(["compare", str(tmp_path / "fedavg"), str(tmp_path / "fedem"), "--out", str(out)]) == 0
+    md = (out / "compare.md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| run")]
+    fedem = json.loads((tmp_path / "fedem" / "summary.json").read_text())["final"]["seen_test_acc_mean"]
+    fedavg = json.loads((tmp_path / "fedavg" / "summary.json").read_text())["final"]["seen_test_acc_mean"]
+    first = "fedem" if fedem["mean"] >= fedavg else "fedavg"
+    assert rows[0].startswith(f"| {first} |")  # sorted by the metric
+    fedem_row = next(r for r in rows if r.startswith("| fedem |"))
+    assert f"{100 * fedem['mean']:.2f} ± {100 * fedem['std']:.2f}" in fedem_row and "| 3 |" in fedem_row
+    assert "p10 (bottom decile)" in md
+    data = json.loads((out / "compare.json").read_text())
+    assert data["results"]["fedavg"]["seen_test_acc_mean"]["mean"] == pytest.approx(fedavg)
+    assert (out / "curves.png").stat().st_size > 1000 and (out / "clients.png").stat().st_size > 1000
+    assert main(["compare", str(tmp_path / "fedavg"), "--metric", "nope", "--out", str(out)]) == 2
+    assert main(["compare", str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def test_sweep_axes():
+    from fedmtl.sweep import axis_kind
+
+    assert axis_kind(["fedavg", "fedem"]) == "category"
+    assert axis_kind([0.0, 0.1, 1.0, 10.0]) == "symlog"
+    assert axis_kind([1e-3, 1e-2, 1e-1]) == "log"
+    assert axis_kind([1, 2, 5]) == "linear"
+
+
+def test_list_algorithm_fields_all_documented(capsys):
+    import dataclasses
+
+    from fedmtl.registry import ALGORITHMS, field_table
+
+    for name, cls in ALGORITHMS.items():
+        rows = field_table(cls)
+        assert [r[0] for r in rows] == [f.name for f in dataclasses.fields(cls) if f.init]
+        assert all(r[3] for r in rows), (name, [r[0] for r in rows if not r[3]])
+    assert main(["list", "--algorithm", "fedem"]) == 0
+    text = capsys.readouterr().out
+    assert "num_components" in text and "int = 3" in text and "shared component models" in text
+    assert "'participants' | 'all_clients'" in text
+    assert main(["list"]) == 0
+    text = capsys.readouterr().out
+    assert "synthetic/fedem" in text
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.strip().startswith(("synthetic/", "fmnist", "mocha/", "omnifedge/",
+                                                                   "personalization/", "robust/", "shakespeare/")):
+            assert line.rstrip().endswith((".", ")")), line  # whole sentences
+    assert main(["list", "--algorithm", "nope"]) == 2
+
+
+def test_bundled_config_and_quick_reproduction_from_any_folder(tmp_path):
+    """After an install, configs and reproductions work outside the repository, and --quick says so."""
+    cmd = [sys.executable, "-m", "fedmtl", "-q", "reproduce", "personalization", "--quick", "--out", "repro"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=900)
+    assert p.returncode == 0, p.stderr
+    md = (tmp_path / "repro" / "personalization.md").read_text()
+    assert md.splitlines()[0].startswith("# ") and "QUICK run" in md.splitlines()[0]
+    assert not (tmp_path / "configs").exists()
+
+
+def test_lr_milestones_in_rounds():
+    frac = SGD(lr=0.1, lr_milestones=(0.5, 0.75))
+    rounds = SGD(lr=0.1, lr_milestone_rounds=(100, 150))
+    assert [frac.lr_at(r, 200) for r in range(200)] == [rounds.lr_at(r, 200) for r in range(200)]
+    assert rounds.lr_at(99, 200) == 0.1 and rounds.lr_at(100, 200) == pytest.approx(0.01)
+    assert rounds.lr_at(100, 400) == pytest.approx(0.01)  # rounds do not move with run.rounds
+    assert frac.lr_at(100, 400) == 0.1  # fractions do
+    with pytest.raises(ConfigError, match="not both"):
+        load("synthetic/fedem", ["optim.lr_milestone_rounds=[3]"])
+    cfg = load("synthetic/fedem", [*SMALL, "optim.lr_milestones=[]", "optim.lr_milestone_rounds=[2, 4]"])
+    res = run_experiment(cfg, None, progress=False)
+    assert res.summary["lr_decay_from_rounds"] == [3, 5]
+    assert [r["lr"] for r in res.history] == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
