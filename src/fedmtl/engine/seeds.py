@@ -109,10 +109,11 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
 def summarize_seeds(cfg: ExperimentConfig, seeds: list[int], runs: list[RunResult]) -> dict[str, Any]:
     keys = [k for k in runs[0].summary["final"] if all(k in r.summary["final"] for r in runs)]
     final = {k: stats([float(r.summary["final"][k]) for r in runs]) for k in keys}
-    per_round = {k: stats([r.summary["seconds_per_round"] for r in runs])["mean"] for k in ("seconds_per_round",)}
     summary: dict[str, Any] = {
         "algorithm": cfg.algorithm["name"], "data": cfg.data["name"], "seeds": seeds,
-        "rounds": [r.summary["rounds"] for r in runs], "final": final, **per_round,
+        "rounds": [r.summary["rounds"] for r in runs], "final": final,
+        # per replica: a batched round's time shared evenly among the replicas
+        "seconds_per_round": stats([r.summary["seconds_per_round"] for r in runs])["mean"],
         "runs": [f"seed-{s}" for s in seeds], "config": cfg.raw,
     }
     if all("epsilon" in r.summary for r in runs):
