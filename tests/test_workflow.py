@@ -36,6 +36,7 @@ def _env() -> dict[str, str]:
     ("synthetic/fedem", ("run.sampling_rate=0.5",)),  # partial participation: every replica samples its own
     ("synthetic/ditto", ("run.runner=loop",)),  # the loop executor
     ("synthetic/fedavg", ("data.unseen_frac=0.25", "systems.drop_prob=0.2")),  # unseen clients, dropped clients
+    ("synthetic/fedavg", ("attack.kind=label_flip", "attack.fraction=0.25")),  # per-seed attackers, own data copies
 ])
 def test_seeds_equal_separate_runs(name, extra):
     """Each replica of a batched several-seeds run is exactly the run with that seed alone."""

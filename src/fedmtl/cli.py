@@ -369,6 +369,10 @@ def _resume_hint(args: argparse.Namespace) -> str:
         return ""
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     ckpt = out / "checkpoint.pt"
+    seeds = sorted(out.glob("seed-*/checkpoint.pt"))
+    if not ckpt.exists() and seeds:  # several seeds: each seed folder has its own checkpoint
+        return (f"; {len(seeds)} seed folder(s) of {out} hold a checkpoint: resume with fedmtl run {args.config} "
+                f"--out {out} --seeds {args.seeds or '...'} --resume")
     if not ckpt.exists():
         return f"; no checkpoint was written to {out}"
     try:

@@ -234,9 +234,17 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
     prog.start(str(id(rep)), rep.label, cfg.run.rounds, rep.state.round)
 
 
+def _batchable(reps: list[Replica]) -> bool:
+    """Several replicas simulated in this process over one dataset (a label-flipping attack gives each replica
+    its own flipped copy: those run one after the other)."""
+    clients = [rep.engine.clients for rep in reps]
+    return (len(reps) > 1 and all(isinstance(c, LocalClients) for c in clients)
+            and all(c.data is clients[0].data for c in clients))  # type: ignore[union-attr]
+
+
 def _rounds(group: list[Replica]) -> list[dict[str, Any]]:
     """One round of every replica of ``group`` (all at the same round)."""
-    if len(group) == 1 or not all(isinstance(rep.engine.clients, LocalClients) for rep in group):
+    if not _batchable(group):
         return [rep.engine.round(rep.state) for rep in group]  # type: ignore[arg-type]
     plans = [rep.engine.plan(rep.state) for rep in group]  # type: ignore[arg-type]
     active = [i for i, p in enumerate(plans) if p.ids.numel()]
@@ -254,7 +262,7 @@ def _rounds(group: list[Replica]) -> list[dict[str, Any]]:
 def _evaluate(reps: list[Replica]) -> list[dict[str, Any]]:
     """``Engine.evaluate`` of each replica; replicas simulated here that evaluate the same clients are evaluated
     together (``clients.evaluate_together``: the evaluation data read once for all of them)."""
-    if len(reps) <= 1 or not all(isinstance(rep.engine.clients, LocalClients) for rep in reps) or any(
+    if not _batchable(reps) or any(
             not all(torch.equal(rep.engine.eval_ids[g], reps[0].engine.eval_ids[g]) for g in rep.engine.eval_ids)
             for rep in reps):
         return [rep.engine.evaluate(rep.state) for rep in reps]  # type: ignore[arg-type]
