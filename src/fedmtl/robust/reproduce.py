@@ -83,7 +83,8 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
                 ok = [v[method] for lbl, v in table.items() if lbl.startswith(key + "/") and v[method] is not None]
                 worst_gap[f"{method} {key}"] = clean[method] - max(ok) if ok else None
         result[ds]["clean_minus_best_robust"] = worst_gap
-        md.append(f"\n## {ds}\n\n" + markdown_table(["setting", *METHODS], [[lbl, *(v[m] for m in METHODS)]
+        md.append(f"\n## {ds}\n\n" + condensed(table, quick))
+        md.append("\nEvery setting:\n\n" + markdown_table(["setting", *METHODS], [[lbl, *(v[m] for m in METHODS)]
                                                                          for lbl, v in table.items()]))
         md.append("\nClean accuracy minus the best aggregator's accuracy under 30% attackers (points):\n\n"
                   + markdown_table(["method / attack", "gap"], [[k, v] for k, v in worst_gap.items()]))
@@ -96,4 +97,26 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
     return result
 
 
-__all__ = ["run"]
+def condensed(table: dict[str, dict[str, float | None]], quick: bool = False) -> str:
+    """Per attack at 30% attackers: each method's accuracy under the plain mean and under its best robust
+    aggregator (named), beside the clean accuracy."""
+
+    def fmt(v: float | None) -> str:
+        return "diverged" if v is None else f"{v:.1f}"
+
+    rows = [["clean", *(fmt(table["clean"][m]) for m in METHODS)]]
+    for kind in (["scale"] if quick else list(ATTACKS)):
+        key = f"{kind}/30%/"
+        cells = []
+        for m in METHODS:
+            mean = table.get(key + "mean", {}).get(m)
+            robust = [(v[m], lbl[len(key):]) for lbl, v in table.items()
+                      if lbl.startswith(key) and not lbl.endswith("/mean") and v[m] is not None]
+            best = max(robust) if robust else None
+            cells.append(f"{fmt(mean)} -> {'diverged' if best is None else f'{best[0]:.1f} ({best[1]})'}")
+        rows.append([f"{kind}, 30% attackers", *cells])
+    return ("Final mean test accuracy (%): clean; under each attack with 30% attackers, the plain mean -> the best "
+            "robust aggregator (which):\n\n" + markdown_table(["setting", *METHODS], rows))
+
+
+__all__ = ["condensed", "run"]
