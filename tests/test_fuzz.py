@@ -114,7 +114,7 @@ def test_200_config_mutations_end_cleanly(tmp_path, capsys):
             out = tmp_path / f"out{case}"
             signal.alarm(60)
             try:
-                code = main(["run", str(cfg), "--out", str(out), "--no-progress"])
+                code = main(["run", str(cfg), "--out", str(out), "-q"])
             except _Timeout:
                 pytest.fail(f"case {case} ({what}) ran past 60 s")
             except BaseException as e:  # a traceback: a bug
@@ -153,7 +153,7 @@ def test_the_reported_nonsense_is_refused_in_one_line(tmp_path, capsys, setting,
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(120)
     try:
-        code = main(["run", str(cfg), "--set", setting, "--out", str(tmp_path / "o"), "--no-progress"])
+        code = main(["run", str(cfg), "--set", setting, "--out", str(tmp_path / "o"), "-q"])
     except _Timeout:
         pytest.fail(f"{setting} ran past 120 s")
     finally:

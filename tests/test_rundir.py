@@ -50,7 +50,7 @@ def _cfg(tmp_path: Path, rounds: int = 4, every: int = 2) -> Path:
 
 
 def _run(cfg: Path, out: Path, *extra: str) -> int:
-    return main(["run", str(cfg), "--out", str(out), "--no-progress", *extra])
+    return main(["run", str(cfg), "--out", str(out), "-q", *extra])
 
 
 def test_results_are_never_overwritten_without_overwrite(tmp_path, capsys):
@@ -150,7 +150,7 @@ def test_ctrl_c_and_sigterm_name_the_checkpoint_to_resume_from(tmp_path, sig, co
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # SIGINT at its default: a shell starts background jobs (CI, nohup) with SIGINT ignored, and Python then
     # keeps ignoring it, as a user who ran fedmtl that way asked
-    p = subprocess.Popen([sys.executable, "-m", "fedmtl.cli", "run", str(cfg), "--out", str(out), "--no-progress"],
+    p = subprocess.Popen([sys.executable, "-m", "fedmtl.cli", "run", str(cfg), "--out", str(out), "-q"],
                          stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
