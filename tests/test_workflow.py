@@ -232,3 +232,43 @@ def test_lr_milestones_in_rounds():
     res = run_experiment(cfg, None, progress=False)
     assert res.summary["lr_decay_from_rounds"] == [3, 5]
     assert [r["lr"] for r in res.history] == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+
+
+def test_progress_bar_on_a_terminal_keeps_its_last_state():
+    """On a terminal with a width: a bar that ends at its last state; on a 0x0 pseudo-terminal: plain lines."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from fedmtl.progress import Progress
+
+    for cols, expect_bar in ((100, True), (0, False)):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, cols, 0, 0))
+        with os.fdopen(slave, "w") as stream:
+            p = Progress("auto", stream=stream)
+            assert p.mode == ("bar" if expect_bar else "lines")
+            p.start("k", "fedem", 4)
+            for r in range(1, 5):
+                row = {"round": r, "train_loss": 0.5 / r}
+                if r % 2 == 0:
+                    row["seen_test_acc_mean"] = 0.6 + r / 100
+                p.round("k", "fedem", 4, row, 0.01)
+            p.close()
+        out = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        os.close(master)
+        text = out.decode()
+        last = [s for s in text.replace("\r", "\n").splitlines() if s.strip()][-1]
+        if expect_bar:
+            assert "4/4" in last and "100%" in last and "acc=64.00" in last, text
+        else:
+            assert last.startswith("fedem round 4/4") and "acc 64.00%" in last, text

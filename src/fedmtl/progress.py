@@ -1,7 +1,7 @@
 """What a run tells its user while it runs, wherever it runs.
 
-* On a terminal (stderr is a TTY): a progress bar (tqdm) per run that stays on screen with its last state
-  (round, loss, accuracy), and one line per long phase.
+* On a terminal (stderr is a TTY with a width): a progress bar (tqdm) per run that stays on screen with its last
+  state (round, loss, accuracy), and one line per long phase.
 * Anywhere else (nohup, a batch scheduler, a pipe, a CI log): plain lines, flushed at once: one per long phase
   (``building data: 300 clients, 67758 training examples, 12.6 s``) and one per evaluated round
   (``fedem round 20/200  loss 0.4213  acc 73.84%  p10 69.43%  0.071 s/round``).  With ``-v`` a line for every
@@ -16,6 +16,7 @@ lines; ``"off"`` is silent.  The command line sets the process-wide default (``s
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -42,6 +43,15 @@ def resolve(progress: bool | str) -> Mode:
     return progress  # type: ignore[return-value]
 
 
+def _sized_terminal(stream: TextIO) -> bool:
+    """A terminal with a width (a pseudo-terminal of size 0x0, as some CI runners open, gets lines: a bar
+    there renders empty)."""
+    try:
+        return bool(stream.isatty()) and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def _fmt_row(row: dict[str, Any]) -> str:
     parts = [f"loss {row['train_loss']:.4f}"] if isinstance(row.get("train_loss"), float) else []
     for key, label in (("seen_test_acc_mean", "acc"), ("seen_test_acc_p10", "p10"),
@@ -60,7 +70,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         mode = resolve(progress)
         if mode == "auto":
-            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+            mode = "bar" if _sized_terminal(self.stream) else "lines"
         self.mode: Mode = mode
         self.verbose = bool(_DEFAULT["verbose"]) and mode != "off"
         self._bars: dict[str, Any] = {}
