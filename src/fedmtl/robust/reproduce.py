@@ -50,16 +50,12 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
     config_dir = config_dir or configs_root() / "robust"
     out.mkdir(parents=True, exist_ok=True)
     quick_ov = ["run.rounds=6", "run.eval_every=3", "run.checkpoint_every=3"] if quick else []
-    result: dict[str, Any] = {}
-    md = [f"# Robustness{' (quick: 6 rounds, scale attack only)' if quick else ''}: final mean test accuracy (%) per "
-          "method; clean run, then attack / attackers / aggregator; `–`: training diverged (every update NaN/Inf "
-          "for 3 rounds)\n"]
-    curves: dict[str, tuple[list[float], list[float]]] = {}
+    result: dict[str, Any] = {"quick": quick}
     for ds in datasets:
         base = config_dir / f"{ds}.toml"
         n = load(base, []).data.get("num_clients", 100)
         settings = {"clean": [], **_settings(int(n), quick)}
-        table: dict[str, dict[str, float]] = {}
+        table: dict[str, dict[str, float | None]] = {}
         for method, msets in METHODS.items():
             labels = {f"{method}:{label}": [*msets, *sets] for label, sets in settings.items()}
             res = run_methods(out / ds, base, labels, quick_ov, allow_diverged=True)
@@ -72,29 +68,46 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
             pres = run_methods(out / ds, base, priv, quick_ov, allow_diverged=True)
             pts = sorted((float(s["epsilon"]), 100 * s["final"]["seen_test_acc_mean"]) for s in pres.values()
                          if not s.get("diverged"))
-            curves[f"{ds} {method}"] = ([p[0] for p in pts], [p[1] for p in pts])
             result.setdefault(ds, {})[f"{method}_privacy"] = [{"epsilon": e, "acc": a} for e, a in pts]
         result.setdefault(ds, {})["accuracy"] = table
         clean = table["clean"]
-        worst_gap = {}
+        worst_gap: dict[str, float | None] = {}
         for method in METHODS:
             for kind in (["scale"] if quick else list(ATTACKS)):
                 key = f"{kind}/30%"
                 ok = [v[method] for lbl, v in table.items() if lbl.startswith(key + "/") and v[method] is not None]
-                worst_gap[f"{method} {key}"] = clean[method] - max(ok) if ok else None
+                worst_gap[f"{method} {key}"] = clean[method] - max(ok) if ok else None  # type: ignore[operator]
         result[ds]["clean_minus_best_robust"] = worst_gap
+    write_report(out, result)
+    return result
+
+
+def write_report(out: Path, result: dict[str, Any]) -> None:
+    """``robustness.md``, ``robustness.json``, ``summary.json`` and ``privacy.png`` from a study's results."""
+    quick = bool(result.get("quick"))
+    md = [f"# Robustness{' (quick: 6 rounds, scale attack only)' if quick else ''}: final mean test accuracy (%) per "
+          "method; clean run, then attack / attackers / aggregator; `–`: training diverged (every update NaN/Inf "
+          "for 3 rounds)\n"]
+    curves: dict[str, tuple[list[float], list[float]]] = {}
+    for ds, r in result.items():
+        if not isinstance(r, dict):
+            continue
+        table = r["accuracy"]
         md.append(f"\n## {ds}\n\n" + condensed(table, quick))
         md.append("\nEvery setting:\n\n" + markdown_table(["setting", *METHODS], [[lbl, *(v[m] for m in METHODS)]
                                                                          for lbl, v in table.items()]))
         md.append("\nClean accuracy minus the best aggregator's accuracy under 30% attackers (points):\n\n"
-                  + markdown_table(["method / attack", "gap"], [[k, v] for k, v in worst_gap.items()]))
+                  + markdown_table(["method / attack", "gap"],
+                                   [[k, v] for k, v in r["clean_minus_best_robust"].items()]))
+        for method in METHODS:
+            pts = r.get(f"{method}_privacy", [])
+            curves[f"{ds} {method}"] = ([p["epsilon"] for p in pts], [p["acc"] for p in pts])
     plot_curves(out / "privacy.png", curves, "final mean test accuracy (%)",
                 f"privacy-utility{' (quick)' if quick else ''}: epsilon at delta = 1e-5 (RDP)", xlabel="epsilon")
     write_table(out / "robustness.md", "\n".join(md) + "\n")
     write_json(out / "robustness.json", result)
     write_json(out / "summary.json", result)
     print("\n".join(md))
-    return result
 
 
 def condensed(table: dict[str, dict[str, float | None]], quick: bool = False) -> str:
@@ -119,4 +132,4 @@ def condensed(table: dict[str, dict[str, float | None]], quick: bool = False) ->
             "robust aggregator (which):\n\n" + markdown_table(["setting", *METHODS], rows))
 
 
-__all__ = ["condensed", "run"]
+__all__ = ["condensed", "run", "write_report"]
