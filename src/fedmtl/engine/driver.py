@@ -119,12 +119,7 @@ def run_experiment(
     if cfg.run.seeds:
         raise ConfigError(f"{cfg.source}: run.seeds = {list(cfg.run.seeds)}: several seeds are run by run_seeds "
                           "(fedmtl run --seeds, fedmtl.run(..., seeds=...))")
-    out_dir = Path(out) if out is not None else None
-    if out_dir is None and resume:
-        raise ConfigError("resume needs a run directory (out)")
-    prog = Progress(progress)
-    if data is None:
-        data = build_data(cfg, prog)
+    out_dir, prog, data = prepare(cfg, out, resume, progress, data)
     try:
         if out_dir is None:
             return drive(build_local(cfg, data, model, None), cfg, None, False, prog)
@@ -132,6 +127,16 @@ def run_experiment(
             return drive(build_local(cfg, data, model, out_dir), cfg, out_dir, resume, prog)
     finally:
         prog.close()
+
+
+def prepare(cfg: ExperimentConfig, out: str | Path | None, resume: bool, progress: bool | str | Progress,
+            data: FederatedData | None) -> tuple[Path | None, Progress, FederatedData]:
+    """The run directory (``resume`` needs one), the progress reporter and the data (built unless given)."""
+    out_dir = Path(out) if out is not None else None
+    if out_dir is None and resume:
+        raise ConfigError("resume needs a run directory (out)")
+    prog = progress if isinstance(progress, Progress) else Progress(progress)
+    return out_dir, prog, data if data is not None else build_data(cfg, prog)
 
 
 def build_data(cfg: ExperimentConfig, prog: Progress) -> FederatedData:

@@ -30,9 +30,8 @@ import numpy as np
 from ..config import ConfigError, ExperimentConfig
 from ..data.federated import FederatedData
 from ..model import Model
-from ..progress import Progress
 from ..report import plot_bands, write_json
-from .driver import Replica, RunResult, build_data, build_local, drive_many
+from .driver import Replica, RunResult, build_local, drive_many, prepare
 from .rundir import RunDirectory
 
 
@@ -80,12 +79,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
         raise ConfigError(f"{cfg.source}: no seeds to run (run.seeds or --seeds)")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"{cfg.source}: the seeds {seeds} are not distinct")
-    out_dir = Path(out) if out is not None else None
-    if out_dir is None and resume:
-        raise ConfigError("resume needs a run directory (out)")
-    prog = Progress(progress)
-    if data is None:
-        data = build_data(cfg, prog)
+    out_dir, prog, data = prepare(cfg, out, resume, progress, data)
     configs = [cfg.with_seed(s) for s in seeds]
     name = cfg.algorithm["name"]
     with contextlib.ExitStack() as stack:
