@@ -19,8 +19,9 @@ from typing import Any
 
 from .config import ConfigError, load
 from .engine.checkpoint import CheckpointError
-from .engine.driver import run_experiment
+from .engine.driver import build_data, run_experiment
 from .engine.round import TrainingDiverged
+from .progress import Progress
 from .report import markdown_table, plot_bands, plot_curves, write_json, write_table
 from .resources import config_path, configs_root
 
@@ -91,7 +92,7 @@ def run_suite(out: Path, config_dir: Path, variant: str, overrides: list[str], u
         key = repr(sorted(cfg.data.items()))
         if key != data_key:
             data, data_key = None, key
-            data = cfg.build_data()
+            data = build_data(cfg, Progress())
         tag = variant + ("-unseen" if unseen_frac else "")
         t0 = time.perf_counter()
         run_dir = out / "runs" / tag / path.stem
@@ -262,7 +263,7 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
         cfg = load(base, [*sets, *overrides])
         key = repr(sorted(cfg.data.items()))
         if key != data_key:
-            data, data_key = cfg.build_data(), key
+            data, data_key = build_data(cfg, Progress()), key
         t0 = time.perf_counter()
         try:
             results[label] = _run(cfg, out / "runs" / label, data)
