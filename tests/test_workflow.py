@@ -272,3 +272,16 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
             assert "4/4" in last and "100%" in last and "acc=64.00" in last, text
         else:
             assert last.startswith("fedem round 4/4") and "acc 64.00%" in last, text
+
+
+def test_seeds_memory_check_counts_every_replica(monkeypatch):
+    """The replicas' clients share the batched calls: a run that fits with one seed can be refused with three,
+    before anything is trained (the machine's memory is faked small here)."""
+    import fedmtl.config
+
+    cfg = _cfg("synthetic/fedem")  # 24 clients, 3 linear components of 151 parameters (binary: W (1, 150), b)
+    one = 4.0 * 151 * 3 * (3 * 24 + 4)
+    monkeypatch.setattr(fedmtl.config, "physical_memory", lambda: int(one / 0.8 * 1.5))
+    run_experiment(cfg, None, progress=False)  # one seed fits
+    with pytest.raises(ValueError, match=r"x 3 replicas \(seeds\)"):
+        run_seeds(cfg, [1, 2, 3], progress=False)

@@ -233,26 +233,27 @@ class Engine:
         self.device = torch.device(cfg.device)
         model.module.to(self.device)
         self._n_params = sum(int(p.numel()) for p in model.module.parameters())
-        self._check_memory(federation)
+        self.check_memory()
         self.ctx = Context(model, opt, federation.num_clients, float(federation.train_counts.sum()), cfg.local_epochs,
                            cfg.rounds, int(federation.train_counts.max()), self.robust.combiner())
         self.eval_ids = {g: self._eval_sample(g) for g in clients.groups}
 
-    def _check_memory(self, federation: Federation) -> None:
+    def check_memory(self, replicas: int = 1) -> None:
         """Refuse, before allocating anything, a run whose models alone need more memory than the machine has:
         M models (FedEM's components) on the server, and per client of one batched call its copy, gradients
-        and momentum."""
+        and momentum; ``replicas`` runs with several seeds batched together (their clients share the calls)."""
         from ..config import physical_memory
 
-        n = federation.num_clients
+        n = self.fed.num_clients
         m = int(getattr(self.alg, "num_components", 1) or 1)
         k = clients_per_round(self.cfg, n)
-        width = min(k, self.cfg.chunk_size or k)
-        need = 4.0 * self._n_params * m * (3 * width + 4)
+        width = min(replicas * k, self.cfg.chunk_size or replicas * k)
+        need = 4.0 * self._n_params * m * (3 * width + 4 * replicas)
         have = physical_memory()
         if need > 0.8 * have:
-            raise ValueError(f"{m} model(s) of {self._n_params} parameters for {width} clients per batched call need "
-                             f"about {need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
+            reps = f" x {replicas} replicas (seeds)" if replicas > 1 else ""
+            raise ValueError(f"{m} model(s) of {self._n_params} parameters{reps} for {width} clients per batched call "
+                             f"need about {need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
                              "(fewer components, a smaller model, or run.chunk_size)")
 
     # ------------------------------------------------------------------------------------------ state

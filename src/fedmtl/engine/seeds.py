@@ -93,6 +93,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
                 cont = resume and (d / "checkpoint.pt").exists()
                 stack.enter_context(RunDirectory(d, cont, overwrite and not cont))
             replicas.append(Replica(build_local(c, data, model, d), c, d, f"{name} seed {s}"))
+        replicas[0].engine.check_memory(len(replicas))  # all replicas' clients share the batched calls
         runs = drive_many(replicas, resume, prog)
         result = SeedsResult(runs, summarize_seeds(cfg, seeds, runs), out_dir)
         if out_dir is not None:
