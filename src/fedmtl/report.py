@@ -50,10 +50,6 @@ def quick_mode(on: bool = True) -> Iterator[None]:
         _QUICK["on"] = before
 
 
-def is_quick() -> bool:
-    return _QUICK["on"]
-
-
 def write_table(path: Path, text: str) -> None:
     """Write a Markdown report atomically; in quick mode its first heading says "(QUICK run ...)"."""
     if _QUICK["on"]:
@@ -123,26 +119,13 @@ def write_json(path: Path, obj: Any) -> None:
 def plot_curves(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[float]]], ylabel: str,
                 title: str, xlabel: str = "round") -> None:
     """Line plot of several (x, y) curves, written as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, (x, y) in curves.items():
-        ax.plot(x, y, marker="o" if len(x) < 30 else None, ms=3, label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
+    plot_bands(path, {label: (x, y, None) for label, (x, y) in curves.items()}, ylabel, title, xlabel)
 
 
-def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float]]], ylabel: str,
-               title: str, xlabel: str = "round") -> None:
-    """Curves (x, mean, std) each drawn as a line with a shaded mean +- std band, written as PNG."""
+def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
+               ylabel: str, title: str, xlabel: str = "round") -> None:
+    """Curves (x, mean, std) each drawn as a line with a shaded mean +- std band (none where std is None),
+    written as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,9 +133,11 @@ def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[floa
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, (x, m, s) in bands.items():
-        xa, ma, sa = (np.asarray(v, dtype=np.float64) for v in (x, m, s))
+        xa, ma = np.asarray(x, dtype=np.float64), np.asarray(m, dtype=np.float64)
         (line,) = ax.plot(xa, ma, marker="o" if len(xa) < 30 else None, ms=3, label=label)
-        ax.fill_between(xa, ma - sa, ma + sa, color=line.get_color(), alpha=0.2, linewidth=0)
+        if s is not None:
+            sa = np.asarray(s, dtype=np.float64)
+            ax.fill_between(xa, ma - sa, ma + sa, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)

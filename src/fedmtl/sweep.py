@@ -123,11 +123,11 @@ def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str]) -> None
     values = list(dict.fromkeys(r[first] for r in rows))
     kind = axis_kind(values)
     pos = {v: i for i, v in enumerate(values)}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(",".join(f"{k}={r[k]}" for k in others), []).append(r)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for metric, label in (("seen_test_acc_mean", "test acc (mean)"), ("seen_test_acc_p10", "test acc (10th pct)")):
-        groups: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            groups.setdefault(",".join(f"{k}={r[k]}" for k in others), []).append(r)
         for gname, grows in groups.items():
             xs = [pos[r[first]] if kind == "category" else float(r[first]) for r in grows]
             ys = np.array([100 * r.get(metric, float("nan")) for r in grows])
