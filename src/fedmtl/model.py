@@ -50,6 +50,13 @@ class Model:
     module_when_eager: bool = False
     #: the features are integer token ids (an embedding's input): float features are refused, not truncated
     token_input: bool = False
+    #: the names of the parameters that form the *head* (the last layer(s) mapping the representation to the
+    #: logits); the rest is the *body*.  Body/head methods (FedPer, FedRep, LG-FedAvg, FedBABU, FedRoD, kNN-Per,
+    #: MOON, Omni-Fedge) read it; ``None``: the model has no such split (a single layer), and those methods refuse it
+    head: tuple[str, ...] | None = None
+    #: optional pure ``(params, x) -> (n, d)`` representation (the head's input); default: the head module's
+    #: input captured while the module runs
+    embed: Callable[[Params, Tensor], Tensor] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -62,6 +69,56 @@ class Model:
             raise ModelError(f"a binary model has 2 classes, got num_classes={self.num_classes}")
         if not any(True for _ in self.module.parameters()):
             raise ModelError(f"{type(self.module).__name__} has no parameters to train")
+        if self.head is not None:
+            names = dict(self.module.named_parameters())
+            unknown = [h for h in self.head if h not in names]
+            if unknown:
+                raise ModelError(f"Model.head names {unknown}, which are not parameters of "
+                                 f"{type(self.module).__name__} (its parameters: {list(names)})")
+            if self.head and len(self.head) == len(names):
+                raise ModelError(f"Model.head holds every parameter of {type(self.module).__name__}: a head needs a "
+                                 "body below it (use head=None for a model without a body/head split)")
+
+    # -- body / head -----------------------------------------------------------------------------
+    def head_names(self, method: str) -> tuple[str, ...]:
+        """The head's parameter names, or a clear error naming ``method`` where the model declares no split."""
+        if self.head is None:
+            raise ModelError(f"{method} splits the model into a shared body and a head, but model {self.name!r} "
+                             "declares no body/head split (a one-layer model such as 'linear' has no body): use "
+                             "'mlp', a CNN or the LSTM, or give Model.from_module(..., head=[...])")
+        return self.head
+
+    def split(self, params: Params, method: str = "this method") -> tuple[Params, Params]:
+        """(body, head) of ``params`` (``head_names``), both in the model's parameter order."""
+        head = set(self.head_names(method))
+        return ({k: v for k, v in params.items() if k not in head}, {k: v for k, v in params.items() if k in head})
+
+    def head_module(self) -> nn.Module:
+        """The sub-module that owns the head's parameters (its input is the representation)."""
+        names = self.head_names("the representation")
+        prefix = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
+        return self.module.get_submodule(prefix)
+
+    def features(self, params: Params, x: Tensor) -> Tensor:
+        """(n, d) representation of ``x``: the input of the head (``embed`` where the model gives one)."""
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        if self.embed is not None:
+            return self.embed(params, x)
+        captured: list[Tensor] = []
+
+        def grab(_m: nn.Module, args: tuple[Tensor, ...]) -> None:
+            captured.append(args[0])
+            raise _Captured
+
+        handle = self.head_module().register_forward_pre_hook(grab)
+        try:
+            functional_call(self.module, params, (x,))
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        return captured[0].flatten(1)
 
     @classmethod
     def from_module(
@@ -72,6 +129,7 @@ class Model:
         input_transform: Callable[[Tensor], Tensor] | None = None,
         name: str | None = None,
         prefer_loop_on_cpu: bool = False,
+        head: list[str] | tuple[str, ...] | None | Literal["auto"] = "auto",
     ) -> Model:
         """Wrap any ``nn.Module`` mapping a batch of features (n, *feature_shape) to logits.
 
@@ -80,6 +138,8 @@ class Model:
         binary exactly when ``num_classes == 2`` and the module's last ``nn.Linear`` has one output.
         ``input_transform`` runs on every batch before the module (e.g. uint8 images to normalized floats).
         The module's own initializer (``reset_parameters``) makes the initial weights, seeded by the run.
+        ``head``: the parameter names of the head for body/head methods; ``"auto"`` takes the last sub-module
+        that owns parameters (``None`` for a one-layer module).
         Any module works with the ``loop`` executor; ``vmap`` needs operations that ``torch.func.vmap``
         batches (most do; in-place updates of buffers such as BatchNorm's running statistics do not).
         """
@@ -89,7 +149,8 @@ class Model:
             last = [m for m in module.modules() if isinstance(m, nn.Linear)]
             output = "binary" if num_classes == 2 and last and last[-1].out_features == 1 else "multiclass"
         return cls(module, output, num_classes, input_transform=input_transform,
-                   name=name or type(module).__name__, prefer_loop_on_cpu=prefer_loop_on_cpu)
+                   name=name or type(module).__name__, prefer_loop_on_cpu=prefer_loop_on_cpu,
+                   head=default_head(module) if head == "auto" else (None if head is None else tuple(head)))
 
     def check_features(self, x: Tensor) -> None:
         """Run the model on a few examples ``x`` (n, *features) of the data and check the output shape; a
@@ -203,6 +264,20 @@ class Model:
             out = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)}
             return out, loss.detach()
         return grad_and_value(self.loss)(params, x, y, mask, weight)
+
+
+class _Captured(Exception):
+    """Stops a forward pass once the head's input is captured (``Model.features``)."""
+
+
+def default_head(module: nn.Module) -> tuple[str, ...] | None:
+    """The parameters of the last sub-module (in registration order) that owns parameters, when other parameters
+    lie below it; ``None`` for a one-layer module."""
+    owners = [(name, m) for name, m in module.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    if len(owners) < 2:
+        return None
+    name, last = owners[-1]
+    return tuple(f"{name}.{p}" if name else p for p, _ in last.named_parameters(recurse=False))
 
 
 def _eager() -> bool:

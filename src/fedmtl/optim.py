@@ -148,6 +148,7 @@ def local_sgd(
     prox_center: Params | None = None,
     prox_mu: float = 0.0,
     steps: slice | None = None,
+    grad_shift: Params | None = None,
 ) -> tuple[Params, Tensor]:
     """Run SGD over ``batches`` for one client; returns (new params, mean batch loss).
 
@@ -156,7 +157,8 @@ def local_sgd(
     ``sample_weight`` (..., S0 * B) are per-sample weights indexed by ``batches.pos`` (FedEM's q; a
     leading axis when ``params`` are M stacked models and ``grad_fn`` is ``Model.value_and_grad_stacked``,
     whose loss is then an (M,) vector).
-    ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient.
+    ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient, ``grad_shift`` a
+    constant vector (SCAFFOLD's control-variate correction c - c_i, FedDyn's -h_i).
     """
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
@@ -171,6 +173,8 @@ def local_sgd(
                 d = d + wd * v
             if mu:
                 d = d + mu * (v - prox_center[k])  # type: ignore[index]
+            if grad_shift is not None:
+                d = d + grad_shift[k]
             if mom > 0:
                 d = mom * buf[k] + d
                 new_buf[k] = d

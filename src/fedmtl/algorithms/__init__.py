@@ -12,15 +12,22 @@ from .clustered import ClusteredFL
 from .decentralized import DSGD, DFedEM
 from .ditto import Ditto
 from .fedavg import FedAvg, FedAvgFT, FedProx
+from .fedbabu import FedBABU
+from .feddyn import FedDyn
 from .fedem import FedEM
+from .fedper import FedPer
+from .fedrep import FedRep
+from .ifca import IFCA
+from .lgfedavg import LGFedAvg
 from .local import Local
 from .mocha import Mocha
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
 from .pfedme import PFedMe
+from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
-             OmniFedge, Mocha):
+             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA):
     register_algorithm(_cls, replace=True)
 
 
@@ -31,6 +38,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
-    "ALGORITHMS", "APFL", "DSGD", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedAvg", "FedAvgFT",
-    "FedEM", "FedProx", "Local", "Mocha", "OmniFedge", "PFedMe", "PerFedAvg", "get_algorithm",
+    "ALGORITHMS", "APFL", "DSGD", "IFCA", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedAvg",
+    "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "LGFedAvg", "Local", "Mocha",
+    "OmniFedge", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
 ]

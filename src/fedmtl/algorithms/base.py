@@ -92,6 +92,14 @@ class Algorithm:
     def __post_init__(self) -> None:
         check_literals(self)
 
+    def check_model(self, model: Model) -> None:
+        """Refuse, before any work, a model this method cannot use (body/head methods: a model without a head)."""
+
+    def train_epochs(self, local_epochs: int) -> int:
+        """Epochs of batches ``client_update`` receives each round (``run.local_epochs``; FedRep adds its head
+        epochs)."""
+        return local_epochs
+
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, ctx: Context, params: Params, seed: int) -> Any:
         return GlobalModel(params)
@@ -131,7 +139,7 @@ class Algorithm:
     def step_budget(self, counts: Tensor, batch_size: int, epochs: int) -> Tensor:
         """(K,) local steps each client's device works through in a round (the systems layer's budget; a
         straggler does a fraction of them): batches per epoch x epochs."""
-        return steps_per_epoch(counts, batch_size) * epochs
+        return steps_per_epoch(counts, batch_size) * self.train_epochs(epochs)
 
     def client_update(self, ctx: Context, payload: Tree, state: Tree, batches: Batches,
                       lr: float) -> tuple[Tree, Tree, Tensor]:

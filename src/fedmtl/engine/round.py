@@ -208,6 +208,7 @@ class Engine:
                              "(real-valued targets are for the networked GTV solver, fedmtl.networked)")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        algorithm.check_model(model)
         self.alg, self.model, self.opt, self.cfg = algorithm, model, opt, cfg
         self.clients, self.fed = clients, federation
         self.systems = systems or SystemsModel()
@@ -309,7 +310,7 @@ class Engine:
             ids, counts, done = ids[torch.from_numpy(keep)], counts[torch.from_numpy(keep)], done[keep]
         orders = None
         if len(ids):
-            orders = epoch_orders(counts, cfg.local_epochs, round_generator(cfg.seed, r, 2))
+            orders = epoch_orders(counts, alg.train_epochs(cfg.local_epochs), round_generator(cfg.seed, r, 2))
             orders = orders._replace(limit=torch.from_numpy(done))
         return RoundPlan(r, ids, counts, orders, lr, payload, n_sampled, n_dropped, est)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model import Model, input_transform_for
+from ..model import Model, default_head, input_transform_for
 
 
 def _flat_dim(features: nn.Module, input_shape: tuple[int, ...]) -> int:
@@ -38,7 +38,8 @@ def _cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object]
     flat = _flat_dim(features, input_shape)
     net = nn.Sequential(features, nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, out))
     return Model(net, "binary" if num_classes == 2 else "multiclass", num_classes, name=name,
-                 input_transform=input_transform_for(input_shape, meta, flatten=False), prefer_loop_on_cpu=True)
+                 input_transform=input_transform_for(input_shape, meta, flatten=False), prefer_loop_on_cpu=True,
+                 head=default_head(net))  # the head: the last dense layer
 
 
 def femnist_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,

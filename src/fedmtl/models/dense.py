@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
-from ..model import Model, _linear_grad, input_transform_for
+from ..model import Model, _linear_grad, default_head, input_transform_for
 
 
 def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
@@ -29,5 +29,6 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] 
     out_dim = 1 if num_classes == 2 else num_classes
     layers.append(nn.Linear(d, out_dim))
     output = "binary" if num_classes == 2 else "multiclass"
-    return Model(nn.Sequential(*layers), output, num_classes, name="mlp",
-                 input_transform=input_transform_for(input_shape, meta, True))
+    net = nn.Sequential(*layers)  # the head: the last dense layer
+    return Model(net, output, num_classes, name="mlp", input_transform=input_transform_for(input_shape, meta, True),
+                 head=default_head(net) if hidden else None)

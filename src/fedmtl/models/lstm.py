@@ -35,6 +35,11 @@ class CharLSTM(nn.Module):
 
 def lstm_forward(params: Params, x: Tensor, layers: int = 2) -> Tensor:
     """(n, T) character indices -> (n, vocab) logits of the next character."""
+    return lstm_features(params, x, layers) @ params["decoder.weight"].T + params["decoder.bias"]
+
+
+def lstm_features(params: Params, x: Tensor, layers: int = 2) -> Tensor:
+    """(n, T) character indices -> (n, hidden): the last layer's state at the last step (the decoder's input)."""
     h_in = F.embedding(x.long(), params["embedding.weight"])  # (n, T, E)
     n, steps = h_in.shape[0], h_in.shape[1]
     h = h_in.new_zeros(())
@@ -53,11 +58,12 @@ def lstm_forward(params: Params, x: Tensor, layers: int = 2) -> Tensor:
                 outs.append(h)
         if layer < layers - 1:
             h_in = torch.stack(outs, dim=1)
-    return h @ params["decoder.weight"].T + params["decoder.bias"]
+    return h
 
 
 def char_lstm(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
               embed: int = 8, hidden: int = 256, layers: int = 2) -> Model:
     module = CharLSTM(num_classes, embed, hidden, layers)
     return Model(module, "multiclass", num_classes, name="lstm", forward=lambda p, x: lstm_forward(p, x, layers),
-                 module_when_eager=True, prefer_loop_on_cpu=True, token_input=True)
+                 module_when_eager=True, prefer_loop_on_cpu=True, token_input=True,
+                 head=("decoder.weight", "decoder.bias"), embed=lambda p, x: lstm_features(p, x, layers))

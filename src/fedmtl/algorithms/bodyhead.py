@@ -1,0 +1,53 @@
+"""What the body/head methods share (FedPer, FedRep, LG-FedAvg, FedBABU, FedRoD): the model's split
+(``Model.head``), training one part with the other fixed, and aggregating one part of the global model.
+
+The split is a property of the model (``Model.head``: the parameter names of the last layer(s)); a model that
+declares none (``linear``) is refused by ``check_model`` before any work.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+from ..model import Model
+from ..optim import SGD, Batches, local_sgd
+from ..tree import Params
+from .base import Context
+
+
+class SplitModel(NamedTuple):
+    """Server state of a body/head method: ``params``, the part the server averages (the body, or LG-FedAvg's
+    head), and ``fixed``, the other part at its initial value (where clients without their own copy start)."""
+
+    params: Params
+    fixed: Params
+
+
+def split_server(model: Model, params: Params, method: str, shared: str) -> SplitModel:
+    """``SplitModel`` of the initial ``params`` whose averaged part is the ``shared`` one ("body" or "head")."""
+    body, head = model.split(params, method)
+    return SplitModel(body, head) if shared == "body" else SplitModel(head, body)
+
+
+def check_split(model: Model, method: str) -> None:
+    model.head_names(method)  # raises ModelError for a model without a head
+
+
+def body_of(model: Model, params: Params) -> Params:
+    return model.split(params)[0]
+
+
+def head_of(model: Model, params: Params) -> Params:
+    return model.split(params)[1]
+
+
+def train_part(ctx: Context, trainable: Params, fixed: Params, batches: Batches, lr: float | Tensor,
+               steps: slice | None = None, opt: SGD | None = None) -> tuple[Params, Tensor]:
+    """Local SGD on ``trainable`` with ``fixed`` (the rest of the model) held constant; (trained part, loss)."""
+    def grad_fn(p: Params, x: Tensor, y: Tensor, mask: Tensor, w: Tensor | None) -> tuple[Params, Tensor]:
+        g, loss = ctx.model.value_and_grad({**fixed, **p}, x, y, mask, w)
+        return {k: g[k] for k in p}, loss
+
+    return local_sgd(grad_fn, trainable, batches, lr, opt or ctx.opt, steps=steps)

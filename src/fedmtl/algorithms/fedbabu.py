@@ -1,0 +1,75 @@
+"""FedBABU: federated averaging with body aggregation and body update only.
+
+Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated Image Classification", ICLR 2022.
+
+The head (``Model.head``) is left at its random initialization during federated training and never updated;
+a sampled client trains only the body for ``run.local_epochs`` epochs under that fixed head and the server
+averages the bodies weighted by sample counts.  Personalization happens at evaluation: every client (seen or
+unseen) fine-tunes a copy of the global model on its training data for ``finetune_epochs`` epochs before testing
+-- the whole model (``finetune = "full"``, the paper's main setting) or only the head (``"head"``).  The global
+model itself is not changed by fine-tuning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from torch import Tensor
+
+from ..model import Model
+from ..optim import SGD, Batches, local_sgd
+from ..tree import Params
+from .base import Algorithm, Context, check_positive
+from .bodyhead import SplitModel, check_split, split_server, train_part
+
+
+@dataclass(frozen=True)
+class FedBABU(Algorithm):
+    """FedBABU: train and average only the body under a frozen random head; fine-tune before evaluation."""
+
+    name: ClassVar[str] = "fedbabu"
+    needs_adaptation: ClassVar[bool] = True
+    #: epochs of fine-tuning on a client's training data before its evaluation
+    finetune_epochs: int = 5
+    #: what fine-tuning trains: the whole model (the paper's main setting) or only the head
+    finetune: Literal["full", "head"] = "full"
+    #: fine-tuning learning rate (0 = the round's learning rate)
+    finetune_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("finetune_epochs", self.finetune_epochs)
+        check_positive("finetune_lr", self.finetune_lr, strict=False)
+
+    @property
+    def adapt_epochs(self) -> int:  # type: ignore[override]
+        return self.finetune_epochs
+
+    def check_model(self, model: Model) -> None:
+        check_split(model, self.name)
+
+    def init_server(self, ctx: Context, params: Params, seed: int) -> SplitModel:
+        return split_server(ctx.model, params, self.name, "body")  # fixed: the random head, never trained
+
+    def payload(self, server: SplitModel) -> Params:
+        return {**server.params, **server.fixed}
+
+    def client_update(
+        self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float
+    ) -> tuple[Params, tuple[()], Tensor]:
+        body, head = ctx.model.split(payload, self.name)
+        body, loss = train_part(ctx, body, head, batches, lr)
+        return body, state, loss
+
+    def personalize(
+        self, ctx: Context, payload: Params, state: tuple[()], batches: Batches | None, lr: float, seen: bool
+    ) -> Params:
+        assert batches is not None
+        rate = self.finetune_lr or lr
+        opt = SGD(rate, ctx.opt.momentum, ctx.opt.weight_decay)
+        if self.finetune == "full":
+            return local_sgd(ctx.model.value_and_grad, payload, batches, rate, opt)[0]
+        body, head = ctx.model.split(payload, self.name)
+        head, _ = train_part(ctx, head, body, batches, rate, opt=opt)
+        return {**body, **head}

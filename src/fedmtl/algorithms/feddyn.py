@@ -1,0 +1,84 @@
+"""FedDyn: federated learning based on dynamic regularization.
+
+Acar, Zhao, Matas, Mattina, Whatmough, Saligrama, ICLR 2021, Algorithm 1.
+
+Client k keeps the gradient state h_k (zero at first).  A sampled client solves
+theta_k = argmin L_k(theta) - <h_k, theta> + (alpha/2) ||theta - theta^{t-1}||^2 by ``run.local_epochs`` of local
+SGD from the server model, then h_k <- h_k - alpha (theta_k - theta^{t-1}), and sends theta_k.  Server:
+h <- h - (alpha / m) sum_{k in P_t} (theta_k - theta^{t-1})  (m = all clients),
+theta^t = mean_{k in P_t} theta_k - h / alpha.  The mean is uniform (the paper); ``weighted = true`` weights it
+by sample counts.  With alpha = 0 the regularizers vanish, h stays 0 (the h / alpha term is taken as 0) and
+FedDyn is FedAvg (tested with ``weighted = true``).  Evaluation uses the server model theta^t (the paper
+reports the mean of the active clients' models as its "cloud model"; theta^t is what the next round sends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+from torch import Tensor
+
+from .. import tree as T
+from ..optim import Batches, local_sgd
+from ..tree import Params
+from .base import Algorithm, Context, check_positive
+
+
+class DynServer(NamedTuple):
+    """Server state: the model theta and the server's gradient state h."""
+
+    params: Params
+    h: Params
+
+
+class GradState(NamedTuple):
+    """Client state: h_k, the gradient of the client's loss at its last model."""
+
+    h: Params
+
+
+@dataclass(frozen=True)
+class FedDyn(Algorithm):
+    """FedDyn: each local objective is corrected by a linear term and a proximal term so that its stationary
+    points agree with the global objective's."""
+
+    name: ClassVar[str] = "feddyn"
+    keeps_client_state: ClassVar[bool] = True
+    #: alpha, the weight of the dynamic regularizer (0 = FedAvg; the paper tunes it in {0.1, 0.01, 0.001})
+    alpha: float = 0.1
+    #: weight the server mean by sample counts instead of uniformly (the paper)
+    weighted: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("alpha", self.alpha, strict=False)
+
+    def init_server(self, ctx: Context, params: Params, seed: int) -> DynServer:
+        return DynServer(params, T.zeros_like(params))
+
+    def payload(self, server: DynServer) -> Params:
+        return server.params
+
+    def init_client(self, ctx: Context, server: DynServer) -> GradState:
+        return GradState(T.zeros_like(server.params))
+
+    def client_update(
+        self, ctx: Context, payload: Params, state: GradState, batches: Batches, lr: float
+    ) -> tuple[Params, GradState, Tensor]:
+        theta, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt, prox_center=payload,
+                                prox_mu=self.alpha, grad_shift=T.scale(state.h, -1.0))
+        h = T.tmap(lambda hk, t, w: hk - self.alpha * (t - w), state.h, theta, payload)
+        return theta, GradState(h), loss
+
+    def aggregate(self, ctx: Context, server: DynServer, updates: Params, weights: Tensor,
+                  clients: Tensor) -> DynServer:
+        ok = weights > 0
+        if not bool(ok.any()):
+            return server
+        mean = ctx.combine(updates, weights if self.weighted else ok.to(weights.dtype))
+        if self.alpha == 0:
+            return DynServer(mean, server.h)
+        drift = T.sub(T.weighted_mean(updates, ok.to(weights.dtype)), server.params)  # mean_{P_t}(theta_k - theta)
+        h = T.tmap(lambda hh, d: hh - self.alpha * float(ok.sum()) / ctx.num_clients * d, server.h, drift)
+        return DynServer(T.tmap(lambda m, hh: m - hh / self.alpha, mean, h), h)
