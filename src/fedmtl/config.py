@@ -12,6 +12,8 @@
     [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness
     [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
     [log]        fields of fedmtl.tblog.LogConfig (tensorboard = true: TensorBoard event files in the run directory)
+    [server_opt] fields of fedmtl.server_opt.ServerOptConfig (name = sgd | avgm | adam | yogi | adagrad, lr, beta1,
+                 beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
 
 Unknown tables or keys, wrong value types and values outside a field's ``Literal[...]`` choices raise
 ``ConfigError`` naming the key and the file, before any data is built or any work is done.
@@ -45,9 +47,11 @@ from .privacy import PrivacyConfig
 from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
+from .server_opt import ServerOptConfig
 from .tblog import LogConfig
 
-TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log")
+TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
+          "server_opt")
 
 
 class ConfigError(ValueError):
@@ -156,6 +160,7 @@ class ExperimentConfig:
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
 
     def with_seed(self, seed: int) -> ExperimentConfig:
         """This config as the single-seed run ``seed`` (``run.seed = seed``, no ``run.seeds``): one replica of
@@ -288,6 +293,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         attack = AttackConfig(**_check_table(tables["attack"], AttackConfig, f"{source}: [attack]"))
         privacy = PrivacyConfig(**_check_table(tables["privacy"], PrivacyConfig, f"{source}: [privacy]"))
         logc = LogConfig(**_check_table(tables["log"], LogConfig, f"{source}: [log]"))
+        sopt = ServerOptConfig(**_check_table(tables["server_opt"], ServerOptConfig, f"{source}: [server_opt]"))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -307,12 +313,15 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["privacy"] = dataclasses.asdict(privacy)
     if tables["log"]:
         resolved["log"] = dataclasses.asdict(logc)
+    if tables["server_opt"]:
+        resolved["server_opt"] = dataclasses.asdict(sopt)
     # recorded only when given (as [robust]): configs without them keep their resolved form (and checkpoints match)
     if not run.seeds:
         resolved["run"].pop("seeds")
     if not optim.lr_milestone_rounds:
         resolved["optim"].pop("lr_milestone_rounds")
-    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc)
+    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc,
+                            sopt)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -34,6 +34,8 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
         "server": {k: v.detach().cpu() for k, v in T.to_named(state.server).items()},
         "clients": clients, "history": state.history, "counters": state.counters, "config": config,
     }
+    if T.leaves(state.server_opt):
+        payload["server_opt"] = {k: v.detach().cpu() for k, v in T.to_named(state.server_opt).items()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ckpt-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -68,12 +70,13 @@ def load(path: str | Path) -> dict[str, Any]:
     rnd = payload["round"]
     if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
         raise CheckpointError(f"{path}: invalid round {rnd!r}")
-    server = payload["server"]
-    if not isinstance(server, dict) or not all(isinstance(v, torch.Tensor) for v in server.values()):
-        raise CheckpointError(f"{path}: the server state must be named tensors")
-    for name, v in server.items():
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise CheckpointError(f"{path}: server state {name} holds NaN or Inf")
+    for key in ("server", "server_opt"):
+        named = payload.get(key, {})
+        if not isinstance(named, dict) or not all(isinstance(v, torch.Tensor) for v in named.values()):
+            raise CheckpointError(f"{path}: the {key.replace('_', ' ')} state must be named tensors")
+        for name, v in named.items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise CheckpointError(f"{path}: {key.replace('_', ' ')} state {name} holds NaN or Inf")
     if not isinstance(payload["history"], list) or not isinstance(payload["counters"], dict):
         raise CheckpointError(f"{path}: malformed history or counters")
     return payload

@@ -33,6 +33,7 @@ from ..progress import Progress
 from ..report import atomic, plot_history, write_clients_csv, write_history_csv, write_json
 from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig, flip_labels
+from ..server_opt import ServerOptConfig
 from ..tree import Tree
 from . import checkpoint
 from .clients import Clients, LocalClients, evaluate_together, train_together
@@ -78,7 +79,7 @@ class RunResult:
 def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc: RunConfig,
                 systems: SystemsModel | None = None, out_dir: Path | None = None,
                 robust: RobustConfig | None = None, attack: AttackConfig | None = None,
-                privacy: PrivacyConfig | None = None) -> Engine:
+                privacy: PrivacyConfig | None = None, server_opt: ServerOptConfig | None = None) -> Engine:
     """An engine over ``LocalClients`` holding all of ``data`` (a simulation)."""
     if data.is_regression:
         raise DataError(f"{data.name}: real-valued targets; the round engine trains classifiers")
@@ -91,7 +92,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc:
         rc.batch_size, rc.eval_chunk_elems, rc.client_store,
         None if out_dir is None else out_dir / "client_store", journal=out_dir is not None and rc.checkpoint_every > 0,
     )
-    return Engine(alg, model, opt, rc, clients, Federation.of(data), systems, robust, attack, privacy)
+    return Engine(alg, model, opt, rc, clients, Federation.of(data), systems, robust, attack, privacy, server_opt)
 
 
 def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model: Model | None = None,
@@ -101,7 +102,7 @@ def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model:
     if model is None:
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     return make_engine(cfg.build_algorithm(), model, data, cfg.optim, cfg.run, cfg.systems, out_dir, cfg.robust,
-                       cfg.attack, cfg.privacy)
+                       cfg.attack, cfg.privacy, cfg.server_opt)
 
 
 def run_experiment(

@@ -28,6 +28,7 @@ from ..optim import SGD
 from ..privacy import Accountant, PrivacyConfig, calibrate, dp_combine
 from ..robust.aggregators import RobustConfig, clip_updates, reference_of
 from ..robust.attacks import AttackConfig, corrupt
+from ..server_opt import ServerOptConfig
 from ..tree import Tree
 from .clients import Clients, TrainOut
 from .executors import ExecutorName
@@ -192,6 +193,7 @@ class EngineState:
     server: Tree
     history: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=lambda: {"excluded_updates": 0})
+    server_opt: Tree = field(default_factory=dict)  # the [server_opt] optimizer's state (moments), if any
 
 
 class Engine:
@@ -199,7 +201,8 @@ class Engine:
 
     def __init__(self, algorithm: Algorithm, model: Model, opt: SGD, cfg: RunConfig, clients: Clients,
                  federation: Federation, systems: SystemsModel | None = None, robust: RobustConfig | None = None,
-                 attack: AttackConfig | None = None, privacy: PrivacyConfig | None = None):
+                 attack: AttackConfig | None = None, privacy: PrivacyConfig | None = None,
+                 server_opt: ServerOptConfig | None = None):
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"run.device = {cfg.device!r} but this machine has no CUDA device "
                              "(torch.cuda.is_available() is False); use run.device = 'cpu'")
@@ -213,6 +216,7 @@ class Engine:
         self.clients, self.fed = clients, federation
         self.systems = systems or SystemsModel()
         self.robust, self.attack = robust or RobustConfig(), attack or AttackConfig()
+        self.server_opt = server_opt or ServerOptConfig()
         if self.robust.aggregator != "mean" and not algorithm.averages_updates:
             raise ValueError(f"robust.aggregator = {self.robust.aggregator!r}: {algorithm.name} does not average "
                              "client updates (each update is its own client's entry); only robust.clip_norm applies")
@@ -263,12 +267,15 @@ class Engine:
         checkpoint's round, server and history with the clients' states restored."""
         params = T.to(self.model.init(self.cfg.seed), self.device)
         server0 = self.alg.init_server(self.ctx, params, self.cfg.seed)
+        self.server_opt.check(server0, self.alg.name)
+        opt0 = self.server_opt.init(server0.params) if self.server_opt.enabled else {}
         if resume is None:
             self.clients.start(self.ctx, server0)
-            return EngineState(round=0, server=server0)
+            return EngineState(round=0, server=server0, server_opt=opt0)
         server = T.from_named(resume["server"], server0, self.device)
+        opt = T.from_named(resume.get("server_opt", {}), opt0, self.device) if T.leaves(opt0) else opt0
         self.clients.start(self.ctx, server0, resume["clients"], int(resume["round"]))
-        return EngineState(int(resume["round"]), server, list(resume["history"]), dict(resume["counters"]))
+        return EngineState(int(resume["round"]), server, list(resume["history"]), dict(resume["counters"]), opt)
 
     def _eval_sample(self, group: str) -> Tensor:
         n = int(self.fed.counts(group).numel())
@@ -352,7 +359,11 @@ class Engine:
             ctx = self.ctx
             if self.privacy.enabled:
                 ctx, updates = self._private(payload, updates, weights, r, plan.n_sampled)
+            before = state.server
             state.server = alg.aggregate(ctx, state.server, updates, weights.to(self.device), ids)
+            if self.server_opt.enabled and state.server is not before:
+                params, state.server_opt = self.server_opt.step(before.params, state.server.params, state.server_opt)
+                state.server = state.server._replace(params=params)
             ok = out.losses.detach().cpu()[valid]
             loss = float(ok.float().mean()) if ok.numel() else float("nan")
         if alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not

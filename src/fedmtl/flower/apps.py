@@ -462,7 +462,8 @@ def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> RunResult:
     clients = FlowerClients(grid, owner, alg, fed.feature_shape, dtype, opts.round_timeout)
     if cfg.attack.kind == "label_flip" and cfg.attack.active:
         raise NodeError("attack.kind = 'label_flip' poisons the attackers' data, which only a simulation holds")
-    engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems, cfg.robust, cfg.attack, cfg.privacy)
+    engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems, cfg.robust, cfg.attack, cfg.privacy,
+                    cfg.server_opt)
     out = Path(opts.out) if opts.out else None
     resume = out is not None and (out / "checkpoint.pt").exists()
     if resume:
