@@ -7,7 +7,7 @@ from scipy.optimize import minimize
 from torch.func import grad, jvp
 
 from fedmtl import tree as T
-from fedmtl.algorithms import APFL, ClusteredFL, Ditto, FedAvg, Local, OmniFedge, PerFedAvg, PFedMe
+from fedmtl.algorithms import APFL, ClusteredFL, Ditto, FedAvg, Local, PerFedAvg, PFedMe
 from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.omnifedge import solve_omega
 from fedmtl.algorithms.pfedme import Theta
@@ -52,8 +52,8 @@ def test_perfedavg_alpha_zero_is_sgd_on_the_outer_batches():
     b = _batches(n_steps=6)
     fo, _, _ = PerFedAvg(alpha=0.0, beta=0.3, local_steps=4).client_update(ctx, w, (), b, 0.0)
     hf, _, _ = PerFedAvg(alpha=0.0, beta=0.3, local_steps=4, variant="hf").client_update(ctx, w, (), b, 0.0)
-    # step t uses D' = batch (3t + 1) mod 6: batches 1, 4, 1, 4
-    order = [1, 4, 1, 4]
+    # step t uses D' = batch t (cycling) of the second role's permutation: with 2 batches per role, batches 2, 3, 2, 3
+    order = [2, 3, 2, 3]
     ref, _ = local_sgd(m.value_and_grad, w, Batches(b.x[order], b.y[order], b.mask[order], b.pos[order], b.n),
                        0.3, SGD(0.3))
     for k in w:
@@ -148,21 +148,3 @@ def test_omega_solves_its_convex_problem():
     # a node whose data the network fits badly gets less weight
     w = solve_omega(torch.tensor([0.1, 0.1, 2.0]), 0.5)
     assert w[2] < w[0]
-
-
-def test_omnifedge_learns_personal_heads(permuted):
-    mlp = build_model("mlp", 10, 4, hidden=(16,))
-    # Omni-Fedge takes one gradient step per round, FedAvg a local epoch (4 steps here): 2x the rounds still
-    # gives Omni-Fedge fewer gradient steps (with 150 rounds it was still learning: train accuracy 0.62)
-    sim = make_sim(OmniFedge(lam=1.0), permuted, model=mlp, opt=SGD(0.3), rounds=300, batch_size=32)
-    st, _ = run_rounds(sim, 300)
-    acc = summarize(sim.evaluate(st))["seen_test_acc_mean"]
-    fed = make_sim(FedAvg(), permuted, model=mlp, opt=SGD(0.3), rounds=150, batch_size=32)
-    sf, _ = run_rounds(fed, 150)
-    assert acc > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.1
-    om = st.server.omega
-    assert torch.allclose(om.sum(1), torch.ones(12), atol=1e-5)
-    g = torch.as_tensor(permuted.meta["group"])
-    same = (g.unsqueeze(0) == g.unsqueeze(1)).float()
-    # every network puts more than half of its weight on the nodes of its own group (half the nodes)
-    assert bool(((om * same).sum(1) > 0.5).all())

@@ -235,6 +235,7 @@ def _checkpoint_round_trip(sim: Callable[..., Engine]) -> None:
     st2 = resumed.init_state(saved)
     resumed.round(st2)
     _close(st2.server, st_ref.server, 0.0, "server after resuming from a checkpoint")
+    _close(st2.server_opt, st_ref.server_opt, 0.0, "server optimizer state after resuming")
     _close(all_client_states(resumed), all_client_states(ref), 0.0, "client states after resuming")
     if st2.history != st_ref.history[: len(st2.history)] or st2.counters.keys() != st_ref.counters.keys():
         raise ContractError("history or counters changed by the checkpoint round trip")

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..data.federated import steps_per_epoch
+from ..data.federated import Orders, epoch_orders, steps_per_epoch
 from ..model import Model
 from ..optim import SGD, Batches
 from ..tree import Params, Tree
@@ -135,6 +135,11 @@ class Algorithm:
         calls it lazily, when a client is first read."""
         one = self.init_client(ctx, server)
         return T.tmap(lambda x: x.unsqueeze(0).expand(len(ids), *x.shape).clone(), one)
+
+    def draw_orders(self, counts: Tensor, epochs: int, batch_size: int, generator: torch.Generator) -> Orders:
+        """The round's batch orders for clients with ``counts`` examples: ``train_epochs`` independent uniform
+        permutations each (``epoch_orders``).  Methods that sample their batches otherwise override it (Per-FedAvg)."""
+        return epoch_orders(counts, self.train_epochs(epochs), generator)
 
     def step_budget(self, counts: Tensor, batch_size: int, epochs: int) -> Tensor:
         """(K,) local steps each client's device works through in a round (the systems layer's budget; a

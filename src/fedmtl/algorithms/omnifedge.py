@@ -3,40 +3,46 @@ Bayesian weighting of every node's loss.
 
 Kesanapalli & Bharath, "Federated Algorithm with Bayesian Approach: Omni-Fedge", ICASSP 2021.
 
-Node i's network = shared layers theta_sh (one copy for all nodes) + its task-specific last layer
-theta_i.  With L_ij the loss of node i's network on node j's data, node i weights the nodes by
+Node i's network = shared layers theta_sh (one copy for all nodes) + its task-specific head theta_i (the
+model's head, ``Model.head``).  With L_ij the loss of node i's network on node j's data, the poster's bound
+is minimized over the weights without constraint,
 
-    omega_i = argmin_{omega in simplex} sum_j omega_ij L_ij - lambda sum_j log omega_ij,
+    omega_i = argmin_omega sum_j omega_ij L_ij - lambda sum_j log omega_ij   =>   omega_ij = lambda / L_ij
 
-whose solution is omega_ij = lambda / (L_ij + nu_i) with the scalar nu_i > -min_j L_ij found by
-bisection so that the weights sum to one (the MLE of exponential loss rates under the simplex;
-``solve_omega``).  One round (each node uses one mini-batch, cycling through its batches):
+(``omega = "paper"``, lambda = 1 in the poster; losses are floored at ``loss_floor`` so that a network that
+fits a node's batch exactly cannot produce an infinite weight).  ``omega = "simplex"`` adds the constraint
+sum_j omega_ij = 1 (omega_ij = lambda / (L_ij + nu_i), nu_i by bisection, ``solve_omega``): an earlier
+fedmtl default, which gives nearly uniform weights at O(1) losses.  The reference code does neither: it
+minimizes sum_j L_j omega_j^p - p sum_j log omega_j with p = 0.5 under a box constraint by SLSQP.
+
+One round (each node uses one mini-batch, cycling through its batches):
 
 1. node j receives theta_sh, all heads and omega; it reports L_ij for every network i on its batch,
    the partial shared gradient sum_i omega_ij grad_sh L_j(theta_sh, theta_i), and the gradient of its
    own loss with respect to its own head;
-2. the server sums the partial shared gradients and takes a gradient step on theta_sh, steps each
-   head with its node's gradient, stores L and solves omega row by row.
+2. the server *averages* the partial shared gradients over the reporting nodes, the poster's Algorithm 1
+   step (1/N) sum_j sum_i omega_ij grad L_ij with all N nodes reporting, and takes a gradient step on
+   theta_sh; it steps each head with its node's gradient, stores L and solves omega row by row.
 
 Paper vs reference code (stated, and the paper is followed): the code solves omega from the *losses
-of all networks on node i's data* (the transpose), minimizes sum L_j omega_j^p - p sum log omega_j with
-p = 0.5 and a box constraint via SLSQP, keeps one shared-layer copy per node, and also updates the
-heads with omega-weighted gradients; here omega_i weights network i's losses across nodes (the
-talk's and the paper's formulation), the shared layers are one copy, and each head takes its own
-node's gradient.  Plain gradient steps with the round's learning rate; unseen nodes use the head with
-the lowest loss on their training data.
+of all networks on node i's data* (the transpose), keeps one shared-layer copy per node, and also updates the
+heads with omega-weighted gradients; here omega_i weights network i's losses across nodes (the talk's and the
+paper's formulation), the shared layers are one copy, and each head takes its own node's gradient.  Plain
+gradient steps with the round's learning rate; unseen nodes use the head with the lowest loss on their
+training data.  Losses a node has not reported yet are unknown (stored as -1) and keep their initial weight.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.func import grad, vmap
 
 from .. import tree as T
+from ..model import Model
 from ..optim import Batches, first_epoch, pick_batch
 from ..tree import Params
 from .base import Algorithm, ClientId, Context, check_positive, row
@@ -88,27 +94,36 @@ class OmniFedge(Algorithm):
     name: ClassVar[str] = "omnifedge"
     averages_updates: ClassVar[bool] = False
     needs_adaptation: ClassVar[bool] = True
-    #: lambda of the omega subproblem (the log-barrier weight)
+    #: lambda of the omega subproblem (the log-barrier weight; 1 in the poster)
     lam: float = 1.0
-    #: how many trailing parameter tensors form each node's task-specific head
-    head_params: int = 2
+    #: paper: omega_ij = lambda / L_ij (the poster's unconstrained bound); simplex: each row on the simplex
+    omega: Literal["paper", "simplex"] = "paper"
+    #: paper omega: losses below this floor count as the floor (a guard against infinite weights)
+    loss_floor: float = 1e-3
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("lam", self.lam)
-        check_positive("head_params", self.head_params)
+        check_positive("loss_floor", self.loss_floor)
 
-    def _split(self, params: Params) -> tuple[Params, Params]:
-        keys = list(params)
-        head = set(keys[-self.head_params :])
-        return {k: v for k, v in params.items() if k not in head}, {k: v for k, v in params.items() if k in head}
+    def check_model(self, model: Model) -> None:
+        model.head_names(self.name)
+
+    def solve(self, losses: Tensor, old: Tensor) -> Tensor:
+        """omega from the stored losses (-1 = not reported yet: that entry keeps its ``old`` weight)."""
+        known = losses >= 0
+        if self.omega == "simplex":
+            return solve_omega(losses.clamp_min(0.0), self.lam)
+        return torch.where(known, self.lam / losses.clamp_min(self.loss_floor), old)
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> OmniServer:
-        shared, _ = self._split(params)
-        heads = T.stack([self._split(ctx.model.init(seed + 1000 + i))[1] for i in range(ctx.num_clients)])
+        shared, _ = ctx.model.split(params, self.name)
+        heads = T.stack([ctx.model.split(ctx.model.init(seed + 1000 + i), self.name)[1]
+                         for i in range(ctx.num_clients)])
         m = ctx.num_clients
-        return OmniServer(shared, T.to(heads, next(iter(params.values())).device), torch.full((m, m), 1.0 / m),
-                          torch.zeros(m, m))
+        w0 = 1.0 / m if self.omega == "simplex" else 1.0
+        return OmniServer(shared, T.to(heads, next(iter(params.values())).device), torch.full((m, m), w0),
+                          torch.full((m, m), -1.0))
 
     def payload(self, server: OmniServer) -> OmniPayload:
         return OmniPayload(server.shared, server.heads, server.omega)
@@ -142,12 +157,14 @@ class OmniFedge(Algorithm):
         if ok.numel() == 0:
             return server
         cl = clients.to(ok.device)[ok]
-        total = T.tmap(lambda g: g.index_select(0, ok).sum(0), updates.shared)  # sum of partial steps
-        shared = T.tmap(lambda p, g: p - g, server.shared, total)
+        # the poster's (1/N) sum_j: the mean of the reporting nodes' partial steps (all N nodes report each round
+        # under full participation)
+        mean = T.tmap(lambda g: g.index_select(0, ok).mean(0), updates.shared)
+        shared = T.tmap(lambda p, g: p - g, server.shared, mean)
         heads = T.tmap(lambda h, g: h.index_add(0, cl, -g.index_select(0, ok)), server.heads, updates.head)
         losses = server.losses.clone()
         losses[:, cl] = updates.losses.index_select(0, ok).T.to(losses.dtype)  # column j = node j's data
-        return OmniServer(shared, heads, solve_omega(losses, self.lam), losses)
+        return OmniServer(shared, heads, self.solve(losses, server.omega), losses)
 
     def personalize(
         self, ctx: Context, payload: OmniPayload, state: ClientId, batches: Batches | None, lr: float, seen: bool

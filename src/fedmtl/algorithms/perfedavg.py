@@ -4,13 +4,21 @@ Fallah, Mokhtari, Ozdaglar, "Personalized Federated Learning with Theoretical Gu
 Model-Agnostic Meta-Learning Approach", NeurIPS 2020, Algorithm 1.
 
 Objective F(w) = mean_i f_i(w - alpha grad f_i(w)).  Each sampled client runs ``local_steps`` (tau)
-steps from the global w, each on three batches D, D', D'' (taken cyclically from its shuffled
-training batches):
+steps from the global w, each on three *independent* batches D, D', D'':
 
 * w~ = w - alpha grad f(w; D);  g = grad f(w~; D')
-* FO:  w <- w - beta g
-* HF:  w <- w - beta (g - alpha d),  d = [grad f(w + delta g; D'') - grad f(w - delta g; D'')] / (2 delta),
-  the finite-difference Hessian-vector product at w (not at w~), as in the paper.
+* FO:    w <- w - beta g
+* HF:    w <- w - beta (g - alpha d),  d = [grad f(w + delta g; D'') - grad f(w - delta g; D'')] / (2 delta),
+  the finite-difference Hessian-vector product at w (not at w~), as in the paper;
+* exact: w <- w - beta (g - alpha H(w; D'') g), the Hessian-vector product by automatic differentiation (the
+  paper's Per-FedAvg with exact second-order terms; HF approximates it, tested).
+
+Batches: each round every role (D, D', D'') has its own uniform permutation of the client's examples, and meta-step
+t takes batch t (cycling) of each, so the three batches are independent draws.  A client with a single batch
+(n <= batch size) would get its whole set three times from permutations, so its D' and D'' are drawn *with
+replacement* (n examples each, a bootstrap of its data); D is its whole set.  (An earlier version took D, D', D''
+in turn from one shuffled list of batches: with one batch all three were the same batch, 59% of the synthetic
+clients at batch 128.)  A straggler (``[systems]``) makes fewer meta-steps.
 
 alpha and beta are separate fields (a peer library silently uses one rate for both).  The server
 averages the returned models uniformly (the paper).  Evaluation: each client takes the global model,
@@ -24,12 +32,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import torch
 from torch import Tensor
+from torch.func import grad, jvp
 
 from .. import tree as T
+from ..data.federated import Orders, epoch_orders
 from ..optim import Batches, pick_batch
 from ..tree import Params
 from .base import Algorithm, Context, GlobalModel, check_positive
+
+ROLES = 3  # D, D', D''
+
+
+def role_batch(batches: Batches, role: int, t: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch ``t`` (cycling over the client's non-empty batches) of the permutation of ``role`` (vmap-safe)."""
+    if isinstance(batches.x, list):  # loop runner: every listed batch is real
+        per = len(batches.x) // ROLES
+        j = role * per + t % per
+        return batches.x[j], batches.y[j], batches.mask[j]
+    per = batches.x.shape[0] // ROLES
+    seg = (batches.mask[role * per:(role + 1) * per].sum(-1) > 0).to(torch.long)  # (per,) non-empty batches
+    k = torch.remainder(torch.tensor(t), seg.sum().clamp_min(1))
+    j = (torch.argmax((torch.cumsum(seg, 0) == k + 1).to(torch.long)) + role * per).reshape(1)
+    return (batches.x.index_select(0, j).squeeze(0), batches.y.index_select(0, j).squeeze(0),
+            batches.mask.index_select(0, j).squeeze(0))
 
 
 @dataclass(frozen=True)
@@ -40,8 +67,8 @@ class PerFedAvg(Algorithm):
     alpha: float = 0.01
     #: beta, the outer (meta) step size
     beta: float = 0.001
-    #: fo (first-order) or hf (Hessian-free: finite-difference Hessian-vector product)
-    variant: Literal["fo", "hf"] = "fo"
+    #: fo (first-order), hf (Hessian-free: finite-difference Hessian-vector product) or exact (autograd HVP)
+    variant: Literal["fo", "hf", "exact"] = "fo"
     #: hf: the finite-difference step delta
     delta: float = 1e-3
     #: tau, local meta-steps per round
@@ -57,6 +84,25 @@ class PerFedAvg(Algorithm):
         check_positive("local_steps", self.local_steps)
         check_positive("eval_steps", self.eval_steps, strict=False)
 
+    def train_epochs(self, local_epochs: int) -> int:
+        return ROLES
+
+    def draw_orders(self, counts: Tensor, epochs: int, batch_size: int, generator: torch.Generator) -> Orders:
+        """One permutation per role; D' and D'' of single-batch clients drawn with replacement."""
+        orders = epoch_orders(counts, ROLES, generator)
+        small = [i for i, n in enumerate(counts.tolist()) if 0 < n <= batch_size]
+        if small:
+            local = orders.local.clone()
+            for i in small:
+                n, at = int(counts[i]), int(orders.starts[i])
+                for role in range(1, ROLES):
+                    local[role, at:at + n] = torch.randint(n, (n,), generator=generator)
+            orders = orders._replace(local=local)
+        return orders
+
+    def step_budget(self, counts: Tensor, batch_size: int, epochs: int) -> Tensor:
+        return torch.full_like(counts, self.local_steps)  # a straggler makes fewer meta-steps
+
     @staticmethod
     def hvp_fd(ctx: Context, w: Params, v: Params, batch: tuple[Tensor, Tensor, Tensor], delta: float) -> Params:
         """Finite-difference Hessian-vector product H(w) v ~ [g(w + delta v) - g(w - delta v)] / (2 delta)."""
@@ -64,22 +110,36 @@ class PerFedAvg(Algorithm):
         gm, _ = ctx.model.value_and_grad(T.sub(w, T.scale(v, delta)), *batch)
         return T.scale(T.sub(gp, gm), 1.0 / (2 * delta))
 
+    @staticmethod
+    def hvp_exact(ctx: Context, w: Params, v: Params, batch: tuple[Tensor, Tensor, Tensor]) -> Params:
+        """H(w) v by forward-over-reverse automatic differentiation."""
+        return jvp(grad(lambda p: ctx.model.loss(p, *batch)), (w,), (v,))[1]
+
+    def meta_step(self, ctx: Context, w: Params, d1: tuple[Tensor, Tensor, Tensor],
+                  d2: tuple[Tensor, Tensor, Tensor], d3: tuple[Tensor, Tensor, Tensor]) -> tuple[Params, Tensor]:
+        """One meta-step from ``w`` on batches D, D', D''; returns (new w, loss on D)."""
+        g1, loss = ctx.model.value_and_grad(w, *d1)
+        w_tilde = T.sub(w, T.scale(g1, self.alpha))
+        g2, _ = ctx.model.value_and_grad(w_tilde, *d2)
+        if self.variant != "fo":
+            d = self.hvp_fd(ctx, w, g2, d3, self.delta) if self.variant == "hf" else self.hvp_exact(ctx, w, g2, d3)
+            g2 = T.sub(g2, T.scale(d, self.alpha))
+        return T.sub(w, T.scale(g2, self.beta)), loss
+
     def client_update(
         self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float
     ) -> tuple[Params, tuple[()], Tensor]:
         w = payload
-        loss_sum = 0.0
+        limit = batches.limit
+        loss_sum = torch.zeros(())
+        count = torch.zeros(())
         for t in range(self.local_steps):
-            d1, d2, d3 = (pick_batch(batches, 3 * t + j) for j in range(3))
-            g1, loss = ctx.model.value_and_grad(w, *d1)
-            w_tilde = T.sub(w, T.scale(g1, self.alpha))
-            g2, _ = ctx.model.value_and_grad(w_tilde, *d2)
-            if self.variant == "hf":
-                d = self.hvp_fd(ctx, w, g2, d3, self.delta)
-                g2 = T.sub(g2, T.scale(d, self.alpha))
-            w = T.sub(w, T.scale(g2, self.beta))
-            loss_sum = loss_sum + loss
-        return w, state, loss_sum / self.local_steps  # type: ignore[return-value]
+            new, loss = self.meta_step(ctx, w, *(role_batch(batches, r, t) for r in range(ROLES)))
+            active = torch.ones((), dtype=torch.bool) if limit is None else torch.tensor(t) < limit
+            w = T.tmap(lambda a, b, active=active: torch.where(active, a, b), new, w)
+            loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
+            count = count + active.to(count.dtype)
+        return w, state, loss_sum / count.clamp_min(1.0)
 
     def aggregate(self, ctx: Context, server: GlobalModel, updates: Params, weights: Tensor,
                   clients: Tensor) -> GlobalModel:

@@ -317,7 +317,7 @@ class Engine:
             ids, counts, done = ids[torch.from_numpy(keep)], counts[torch.from_numpy(keep)], done[keep]
         orders = None
         if len(ids):
-            orders = epoch_orders(counts, alg.train_epochs(cfg.local_epochs), round_generator(cfg.seed, r, 2))
+            orders = alg.draw_orders(counts, cfg.local_epochs, cfg.batch_size, round_generator(cfg.seed, r, 2))
             orders = orders._replace(limit=torch.from_numpy(done))
         return RoundPlan(r, ids, counts, orders, lr, payload, n_sampled, n_dropped, est)
 

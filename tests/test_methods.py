@@ -1,0 +1,345 @@
+"""The methods of issue 16: body/head methods (FedPer, FedRep, LG-FedAvg, FedBABU), SCAFFOLD, FedDyn, IFCA,
+server optimizers, and the seed faults (Omni-Fedge's step and omega, Per-FedAvg's independent batches and its
+exact-Hessian variant): reductions, closed forms and behaviour on data built to show each method's point."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fedmtl import tree as T
+from fedmtl.algorithms import IFCA, FedAvg, FedBABU, FedDyn, FedPer, FedRep, LGFedAvg, OmniFedge, PerFedAvg, Scaffold
+from fedmtl.algorithms.base import Context
+from fedmtl.algorithms.perfedavg import role_batch
+from fedmtl.data.synthetic import permuted_groups
+from fedmtl.engine.evaluation import summarize
+from fedmtl.model import ModelError
+from fedmtl.models import build_model
+from fedmtl.optim import SGD, Batches
+from fedmtl.server_opt import ServerOptConfig
+
+from .conftest import all_client_states, make_sim, run_rounds
+
+
+def _same(a, b, atol=1e-6):
+    for x, y in zip(T.leaves(a), T.leaves(b), strict=True):
+        assert torch.allclose(x, y, atol=atol), (x - y).abs().max()
+
+
+@pytest.fixture(scope="module")
+def permuted():
+    return permuted_groups(num_clients=12, num_groups=2, dim=10, num_classes=4, n_train=120, n_test=100, seed=1)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return build_model("mlp", 10, 2, hidden=(16,))
+
+
+# ------------------------------------------------------------------------------------------------ body / head
+def test_every_built_in_model_declares_its_head_and_its_representation():
+    for name, shape, classes in (("mlp", (20,), 10), ("cnn_femnist", (1, 28, 28), 10), ("lstm", (80,), 80)):
+        m = build_model(name, shape, classes)
+        p = m.init(0)
+        x = torch.randint(0, 80, (3, *shape)) if name == "lstm" else torch.randn(3, *shape)
+        body, head = m.split(p)
+        assert set(head) == set(m.head) and body and set(body) | set(head) == set(p)
+        # the representation is the head's input: the head applied to it gives the model's logits
+        assert torch.allclose(m.head_module()(m.features(p, x)), m.apply(p, x), atol=1e-5)
+    assert build_model("linear", 5, 2).head is None
+
+
+@pytest.mark.parametrize("cls", [FedPer, FedRep, LGFedAvg, FedBABU, OmniFedge])
+def test_a_model_without_a_head_is_a_clear_error(cls, small_data):
+    with pytest.raises(ModelError, match="no body/head split"):
+        make_sim(cls(), small_data)
+
+
+def test_fedper_with_an_empty_head_is_fedavg(small_data, mlp):
+    no_head = dataclasses.replace(mlp, head=())
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, model=mlp, sampling_rate=0.5), 3)
+    sb, _ = run_rounds(make_sim(FedPer(), small_data, model=no_head, sampling_rate=0.5), 3)
+    _same(sa.server.params, sb.server.params, atol=1e-6)
+
+
+def test_fedrep_without_head_epochs_trains_the_body_under_the_initial_heads(small_data, mlp):
+    # head_epochs = 0: no head ever moves, so every client trains the body under the initial head -- FedBABU's
+    # training exactly
+    rep = make_sim(FedRep(head_epochs=0), small_data, model=mlp, sampling_rate=0.5)
+    sr, _ = run_rounds(rep, 3)
+    sb, _ = run_rounds(make_sim(FedBABU(), small_data, model=mlp, sampling_rate=0.5), 3)
+    _same(sr.server.params, sb.server.params, atol=1e-6)
+    heads = all_client_states(rep).head
+    for k, v in heads.items():
+        assert torch.equal(v, sr.server.fixed[k].expand_as(v))
+
+
+def test_fedrep_trains_the_head_first_then_the_body(small_data, mlp):
+    sim = make_sim(FedRep(head_epochs=2), small_data, model=mlp)
+    st, _ = run_rounds(sim, 2)
+    heads = all_client_states(sim).head
+    body0, _ = mlp.split(mlp.init(7))
+    assert any(not torch.equal(st.server.params[k], body0[k]) for k in body0)  # the body moved
+    w = heads["2.weight"]
+    assert float((w - w[0]).abs().max()) > 1e-3  # and every client has its own head
+
+
+@pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(finetune_lr=0.1)],
+                         ids=lambda a: a.name)
+def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
+    # two groups whose labels are permuted: one global model cannot serve both, a personal head (or body) can
+    mlp4 = build_model("mlp", 10, 4, hidden=(16,))
+    opt = SGD(0.1, 0.9)
+    fed = make_sim(FedAvg(), permuted, model=mlp4, opt=opt, rounds=40, batch_size=32)
+    sf, _ = run_rounds(fed, 40)
+    sim = make_sim(alg, permuted, model=mlp4, opt=opt, rounds=40, batch_size=32)
+    st, _ = run_rounds(sim, 40)
+    assert summarize(sim.evaluate(st))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.2
+
+
+# ------------------------------------------------------------------------------------------------ SCAFFOLD, FedDyn
+def test_scaffold_with_zero_control_variates_is_fedavg_for_one_round(small_data):
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, opt=SGD(0.1)), 1)
+    sb, _ = run_rounds(make_sim(Scaffold(weighted=True), small_data, opt=SGD(0.1)), 1)
+    _same(sa.server.params, sb.server.params, atol=1e-6)
+
+
+def test_scaffold_server_variate_is_the_mean_of_the_clients(small_data):
+    # full participation: c = (1/N) sum_i c_i after every round (the paper's invariant), and option II makes
+    # c_i the client's average corrected gradient
+    sim = make_sim(Scaffold(), small_data, opt=SGD(0.1))
+    st = sim.init_state()
+    for _ in range(3):
+        sim.round(st)
+        ci = all_client_states(sim).c
+        _same(st.server.c, T.tmap(lambda v: v.mean(0), ci), atol=1e-6)
+    assert float(T.leaves(st.server.c)[0].abs().max()) > 1e-4
+
+
+def test_scaffold_control_variate_is_the_mean_local_gradient_in_one_step(small_data, small_model):
+    # one local step: (x - y) / (K lr) is exactly the corrected gradient, so c_i+ = grad f_i(x) at round 1
+    ctx = Context(small_model, SGD(0.1), 16, 1.0)
+    x = small_model.init(0)
+    g = torch.Generator().manual_seed(0)
+    xb, yb = torch.randn(1, 8, 10, generator=g), (torch.rand(1, 8, generator=g) > 0.5).long()
+    b = Batches(xb, yb, torch.ones(1, 8), torch.zeros(1, 8, dtype=torch.long), torch.tensor(8.0))
+    zeros = T.zeros_like(x)
+    alg = Scaffold()
+    from fedmtl.algorithms.scaffold import ControlVariate, ScaffoldPayload
+
+    _, st, _ = alg.client_update(ctx, ScaffoldPayload(x, zeros), ControlVariate(zeros), b, 0.1)
+    ref, _ = small_model.value_and_grad(x, xb[0], yb[0], torch.ones(8))
+    _same(st.c, ref, atol=1e-5)
+
+
+def test_feddyn_with_alpha_zero_is_fedavg(small_data):
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
+    sb, _ = run_rounds(make_sim(FedDyn(alpha=0.0, weighted=True), small_data, sampling_rate=0.5), 3)
+    _same(sa.server.params, sb.server.params, atol=1e-6)
+
+
+def test_feddyn_server_state_tracks_the_clients_gradient_states(small_data):
+    # full participation: h = (1/m) sum_k h_k after every round (both start at 0 and take the same steps)
+    sim = make_sim(FedDyn(alpha=0.1), small_data, opt=SGD(0.1))
+    st = sim.init_state()
+    for _ in range(3):
+        sim.round(st)
+    _same(st.server.h, T.tmap(lambda v: v.mean(0), all_client_states(sim).h), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ IFCA
+def test_ifca_with_one_cluster_is_fedavg(small_data):
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
+    sb, _ = run_rounds(make_sim(IFCA(num_clusters=1), small_data, sampling_rate=0.5), 3)
+    _same(sa.server.params, T.take(sb.server.models, 0), atol=1e-6)
+
+
+def test_ifca_finds_the_groups(permuted):
+    # (with a linear model both initial models fit every client about equally and all clients pick model 0 in the
+    # first round: IFCA needs initializations that differ, the paper's random restarts)
+    mlp4 = build_model("mlp", 10, 4, hidden=(16,))
+    sim = make_sim(IFCA(num_clusters=2), permuted, model=mlp4, opt=SGD(0.1, 0.9), rounds=30, batch_size=32)
+    st, _ = run_rounds(sim, 30)
+    fed = make_sim(FedAvg(), permuted, model=mlp4, opt=SGD(0.1, 0.9), rounds=30, batch_size=32)
+    sf, _ = run_rounds(fed, 30)
+    assert summarize(sim.evaluate(st))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.2
+
+
+# ------------------------------------------------------------------------------------------------ server optimizers
+def test_server_sgd_with_rate_one_is_fedavg(small_data):
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
+    eng = make_sim(FedAvg(), small_data, sampling_rate=0.5)
+    eng.server_opt = ServerOptConfig("sgd", 1.0)
+    sb, _ = run_rounds(eng, 3)
+    _same(sa.server.params, sb.server.params, atol=1e-6)
+
+
+def test_server_adam_takes_the_papers_step(small_data):
+    base = make_sim(FedAvg(), small_data)
+    st0 = base.init_state()
+    x0 = T.clone(st0.server.params)
+    base.round(st0)
+    delta = T.sub(st0.server.params, x0)  # what FedAvg's aggregation gives, minus x0
+    cfg = ServerOptConfig("adam", lr=0.05, beta1=0.9, beta2=0.99, tau=1e-3)
+    eng = make_sim(FedAvg(), small_data)
+    eng.server_opt = cfg
+    st = eng.init_state()
+    eng.round(st)
+    m = T.scale(delta, 0.1)
+    v = T.tmap(lambda d: 0.99 * 1e-6 + 0.01 * d * d, delta)
+    _same(st.server.params, T.tmap(lambda x, mm, vv: x + 0.05 * mm / (vv.sqrt() + 1e-3), x0, m, v), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["avgm", "adam", "yogi", "adagrad"])
+def test_server_optimizers_resume_exactly(name, small_data):
+    from fedmtl.testing import _checkpoint_round_trip, simulator
+
+    def sim(**run):
+        eng = simulator(FedAvg(), small_data, **run)
+        eng.server_opt = ServerOptConfig(name, lr=0.1 if name != "avgm" else 1.0)
+        return eng
+
+    _checkpoint_round_trip(sim)
+
+
+def test_server_optimizer_refuses_a_method_without_a_global_model(small_data):
+    from fedmtl.algorithms import FedEM
+
+    eng = make_sim(FedEM(), small_data)
+    eng.server_opt = ServerOptConfig("adam")
+    with pytest.raises(ValueError, match="no single global model"):
+        eng.init_state()
+
+
+def test_server_opt_table_is_validated(tmp_path):
+    from fedmtl.config import ConfigError, load
+
+    p = tmp_path / "c.toml"
+    p.write_text('[data]\nname = "fedem_synthetic"\n[model]\nname = "linear"\n[algorithm]\nname = "fedavg"\n'
+                 '[server_opt]\nname = "adamw"\n')
+    with pytest.raises(ConfigError, match=r"c.toml: \[server_opt\]\.name"):
+        load(p)
+
+
+# ------------------------------------------------------------------------------------------------ Omni-Fedge
+def test_omnifedge_shared_step_is_the_mean_of_the_nodes_steps(permuted):
+    # the poster's Algorithm 1: (1/N) sum_j sum_i omega_ij grad L_ij -- N = 12 nodes all report each round
+    mlp4 = build_model("mlp", 10, 4, hidden=(8,))
+    sim = make_sim(OmniFedge(), permuted, model=mlp4, opt=SGD(0.1))
+    st = sim.init_state()
+    before = T.clone(st.server.shared)
+    plan = sim.plan(st)
+    out = sim.clients.train(plan.payload, plan.ids, plan.orders, plan.lr, 0)
+    sim.finish(st, plan, out)
+    step = T.sub(before, st.server.shared)
+    _same(step, T.tmap(lambda g: g.sum(0) / 12, out.updates.shared), atol=1e-6)
+
+
+def test_omnifedge_paper_omega_is_lambda_over_loss_and_simplex_is_an_option():
+    alg = OmniFedge(lam=0.5)
+    L = torch.tensor([[0.2, 1.0, -1.0], [4.0, 1e-5, 0.5]])
+    old = torch.full((2, 3), 7.0)
+    w = alg.solve(L, old)
+    assert torch.allclose(w, torch.tensor([[2.5, 0.5, 7.0], [0.125, 0.5 / 1e-3, 1.0]]))  # -1: unknown, kept
+    s = OmniFedge(omega="simplex").solve(torch.tensor([[0.7, 0.7]]), old[:1, :2])
+    assert torch.allclose(s, torch.tensor([[0.5, 0.5]]))
+
+
+def test_omnifedge_learns_personal_heads(permuted):
+    mlp4 = build_model("mlp", 10, 4, hidden=(16,))
+    # Omni-Fedge takes one gradient step per round, FedAvg a local epoch (4 steps here): 2x the rounds still
+    # gives Omni-Fedge fewer gradient steps
+    sim = make_sim(OmniFedge(lam=1.0), permuted, model=mlp4, opt=SGD(0.3), rounds=300, batch_size=32)
+    st, _ = run_rounds(sim, 300)
+    acc = summarize(sim.evaluate(st))["seen_test_acc_mean"]
+    fed = make_sim(FedAvg(), permuted, model=mlp4, opt=SGD(0.3), rounds=150, batch_size=32)
+    sf, _ = run_rounds(fed, 150)
+    assert acc > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.1
+    om = st.server.omega
+    g = torch.as_tensor(permuted.meta["group"])
+    same = (g.unsqueeze(0) == g.unsqueeze(1)).float()
+    # every network puts more than half of its weight on the nodes of its own group (half the nodes)
+    assert bool(((om * same).sum(1) / om.sum(1) > 0.5).all())
+
+
+# ------------------------------------------------------------------------------------------------ Per-FedAvg
+def test_perfedavg_batches_are_independent_draws():
+    alg = PerFedAvg()
+    counts = torch.tensor([20, 300])
+    orders = alg.draw_orders(counts, 1, 32, torch.Generator().manual_seed(0))
+    assert orders.local.shape[0] == 3
+    small = orders.local[:, :20]
+    assert sorted(small[0].tolist()) == list(range(20))  # D: the whole set of the single-batch client
+    for role in (1, 2):  # D', D'': drawn with replacement, so not the same set
+        assert len(set(small[role].tolist())) < 20 and int(small[role].max()) < 20
+    assert not torch.equal(small[1], small[2])
+    big = orders.local[:, 20:]
+    for role in range(3):  # the larger client: three independent permutations
+        assert sorted(big[role].tolist()) == list(range(300))
+    assert not torch.equal(big[0, :32], big[1, :32]) and not torch.equal(big[1, :32], big[2, :32])
+
+
+def _batches(n_steps=6, b=8, d=5, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_steps, b, d, generator=g, dtype=dtype)
+    y = (torch.rand(n_steps, b, generator=g) > 0.5).long()
+    return Batches(x, y, torch.ones(n_steps, b, dtype=dtype), torch.zeros(n_steps, b, dtype=torch.long),
+                   torch.tensor(float(n_steps * b)))
+
+
+def test_perfedavg_meta_step_t_takes_batch_t_of_each_role():
+    b = _batches(n_steps=6)
+    for role in range(3):
+        for t in range(4):
+            x, _, _ = role_batch(b, role, t)
+            assert torch.equal(x, b.x[2 * role + t % 2])
+
+
+def test_perfedavg_hf_step_approximates_the_exact_hessian_step():
+    m = build_model("mlp", 5, 2, hidden=(7,))
+    ctx = Context(m, SGD(0.1), 1, 1.0)
+    w = {k: v.double() for k, v in m.init(0).items()}
+    b = _batches(n_steps=6, dtype=torch.float64)
+    kw = {"alpha": 0.3, "beta": 0.2, "local_steps": 4}
+    hf, _, _ = PerFedAvg(variant="hf", delta=1e-5, **kw).client_update(ctx, w, (), b, 0.0)
+    ex, _, _ = PerFedAvg(variant="exact", **kw).client_update(ctx, w, (), b, 0.0)
+    fo, _, _ = PerFedAvg(variant="fo", **kw).client_update(ctx, w, (), b, 0.0)
+    err = sum(float(((hf[k] - ex[k]) ** 2).sum()) for k in w) ** 0.5
+    gap = sum(float(((fo[k] - ex[k]) ** 2).sum()) for k in w) ** 0.5
+    assert gap > 1e-4 and err < 1e-6 * max(gap, 1.0) * 100  # HF matches exact far better than FO does
+
+
+def test_perfedavg_exact_step_by_hand():
+    # one meta-step of the exact variant against the formula with the Hessian built column by column
+    m = build_model("linear", 3, 2)
+    ctx = Context(m, SGD(0.1), 1, 1.0)
+    w = {k: v.double() for k, v in m.init(1).items()}
+    b = _batches(n_steps=3, d=3, dtype=torch.float64)
+    alg = PerFedAvg(variant="exact", alpha=0.2, beta=0.5, local_steps=1)
+    new, _, _ = alg.client_update(ctx, w, (), b, 0.0)
+    d1, d2, d3 = [(b.x[i], b.y[i], b.mask[i]) for i in range(3)]
+    flat = torch.cat([w["weight"].flatten(), w["bias"]])
+
+    def unflat(v):
+        return {"weight": v[:3].reshape(1, 3), "bias": v[3:]}
+
+    def loss(v, d):
+        return m.loss(unflat(v), *d)
+
+    g1 = torch.autograd.functional.jacobian(lambda v: loss(v, d1), flat)
+    g2 = torch.autograd.functional.jacobian(lambda v: loss(v, d2), flat - 0.2 * g1)
+    H = torch.autograd.functional.hessian(lambda v: loss(v, d3), flat)
+    ref = flat - 0.5 * (g2 - 0.2 * H @ g2)
+    assert torch.allclose(torch.cat([new["weight"].flatten(), new["bias"]]), ref, atol=1e-10)
+
+
+def test_perfedavg_stragglers_make_fewer_meta_steps():
+    alg = PerFedAvg(local_steps=7, alpha=0.1, beta=0.3)
+    assert torch.equal(alg.step_budget(torch.tensor([5, 500]), 32, 1), torch.tensor([7, 7]))
+    m = build_model("linear", 5, 2)
+    ctx = Context(m, SGD(0.1), 1, 1.0)
+    w = m.init(0)
+    b = _batches(n_steps=6)
+    full, _, _ = PerFedAvg(local_steps=3, alpha=0.1, beta=0.3).client_update(ctx, w, (), b, 0.0)
+    cut, _, _ = alg.client_update(ctx, w, (), b._replace(limit=torch.tensor(3)), 0.0)
+    _same(full, cut, atol=0)  # a limit of 3 meta-steps is exactly local_steps = 3
