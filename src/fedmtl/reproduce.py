@@ -253,8 +253,9 @@ def fmnist(out: Path, quick: bool = False) -> dict[str, Any] | None:
 
 
 def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides: list[str],
-                allow_diverged: bool = False) -> dict[str, Any]:
+                allow_diverged: bool = False, seeds: list[int] | None = None) -> dict[str, Any]:
     """Run one base config with per-method overrides (label -> ``--set`` list); {label: summary}.
+    ``seeds``: each method with these seeds as one batched run (``final`` the seeds' mean, ``final_std`` their std).
     ``allow_diverged``: a run whose training diverges (``TrainingDiverged``: every update NaN/Inf for 3 rounds,
     e.g. under an attack no aggregator stops) is a result, ``{"diverged": True}`` with NaN accuracies."""
     results: dict[str, Any] = {}
@@ -266,7 +267,8 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
             data, data_key = build_data(cfg, Progress()), key
         t0 = time.perf_counter()
         try:
-            results[label] = _run(cfg, out / "runs" / label, data)
+            results[label] = (_run_seeds(cfg, out / "runs" / label, data, seeds) if seeds
+                              else _run(cfg, out / "runs" / label, data))
         except TrainingDiverged as e:
             if not allow_diverged:
                 raise
@@ -276,12 +278,17 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
             print(f"{label:14s} diverged ({time.perf_counter() - t0:.0f} s)", flush=True)
             continue
         f = results[label]["final"]
-        print(f"{label:14s} avg {100 * f['seen_test_acc_mean']:5.1f}  p10 {100 * f['seen_test_acc_p10']:5.1f}  "
+        sd = results[label].get("final_std", {}).get("seen_test_acc_mean")
+        spread = f" ± {100 * sd:4.1f}" if sd is not None else ""
+        print(f"{label:14s} avg {100 * f['seen_test_acc_mean']:5.1f}{spread}  p10 {100 * f['seen_test_acc_p10']:5.1f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return results
 
 
-#: every personalized method on label-permuted client groups (hyper-parameters for this data)
+#: every personalized method on label-permuted client groups (hyper-parameters for this data).  Methods that split
+#: the model into a body and a head need a model with a body: they (and a FedAvg and a Local row for comparison) run
+#: an MLP with one hidden layer of 32 units; the others the linear model of the config.
+_MLP = ["model.name=mlp", "model.hidden=[32]"]
 PERSONALIZATION_METHODS: dict[str, list[str]] = {
     "fedavg": ["algorithm.name=fedavg"],
     "local": ["algorithm.name=local"],
@@ -293,24 +300,45 @@ PERSONALIZATION_METHODS: dict[str, list[str]] = {
                   "algorithm.eval_steps=20"],
     "ditto": ["algorithm.name=ditto", "algorithm.lam=0.1"],
     "apfl": ["algorithm.name=apfl"],
+    "scaffold": ["algorithm.name=scaffold", "optim.momentum=0.0"],  # option II assumes plain local SGD
+    "feddyn": ["algorithm.name=feddyn"],
+    "ifca": ["algorithm.name=ifca", "algorithm.num_clusters=4", *_MLP],  # linear: the initial models tie (tests)
+    "fedavg (mlp)": ["algorithm.name=fedavg", *_MLP],
+    "local (mlp)": ["algorithm.name=local", *_MLP],
+    "fedper": ["algorithm.name=fedper", *_MLP],
+    "fedrep": ["algorithm.name=fedrep", "algorithm.head_epochs=2", *_MLP],
+    "lgfedavg": ["algorithm.name=lgfedavg", *_MLP],
+    "fedbabu": ["algorithm.name=fedbabu", "algorithm.finetune_lr=0.05", *_MLP],
     # one gradient query per round: 4x the rounds, a larger step
-    "omnifedge": ["algorithm.name=omnifedge", "algorithm.lam=0.5", "model.name=mlp", "model.hidden=[32]",
-                  "run.rounds=400", "optim.lr=0.3"],
+    "omnifedge": ["algorithm.name=omnifedge", "algorithm.lam=0.5", "run.rounds=400", "optim.lr=0.3", *_MLP],
 }
+PERSONALIZATION_SEEDS = [1, 2, 3]
 
 
 def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
-    """Every personalized method against FedAvg on data that needs personalization (4 client groups with
-    permuted labels); writes ``DIR/personalization.md``, ``.json`` and ``summary.json``."""
+    """Every method against FedAvg on data that needs personalization (4 client groups with permuted labels), each
+    with 3 seeds; writes ``DIR/personalization.md``, ``.json`` and ``summary.json``."""
     out.mkdir(parents=True, exist_ok=True)
     ov = ["run.rounds=10", "run.eval_every=5"] if quick else []
-    res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov)
-    fedavg = 100 * res["fedavg"]["final"]["seen_test_acc_mean"]
-    rows = {n: {"avg": 100 * s["final"]["seen_test_acc_mean"], "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
-                "vs_fedavg": 100 * s["final"]["seen_test_acc_mean"] - fedavg} for n, s in res.items()}
-    md = ("# Label-permuted client groups (40 clients, 4 groups, 10 classes): test accuracy (%), final round\n\n"
-          + markdown_table(["method", "avg", "p10", "minus FedAvg"],
-                           [[n, r["avg"], r["bottom_decile"], r["vs_fedavg"]] for n, r in rows.items()]))
+    res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov,
+                      seeds=PERSONALIZATION_SEEDS)
+    fedavg = {"linear": 100 * res["fedavg"]["final"]["seen_test_acc_mean"],
+              "mlp": 100 * res["fedavg (mlp)"]["final"]["seen_test_acc_mean"]}
+    rows = {}
+    for n, s in res.items():
+        model = "mlp" if "model.name=mlp" in PERSONALIZATION_METHODS[n] else "linear"
+        avg = 100 * s["final"]["seen_test_acc_mean"]
+        rows[n] = {"model": model, "avg": avg, "avg_std": 100 * s["final_std"]["seen_test_acc_mean"],
+                   "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
+                   "bottom_decile_std": 100 * s["final_std"]["seen_test_acc_p10"],
+                   "vs_fedavg_same_model": avg - fedavg[model], "seeds": PERSONALIZATION_SEEDS}
+    title = "Label-permuted client groups (40 clients, 4 groups, 10 classes)"
+    md = (f"# {title}: test accuracy (%), final round, mean ± std over seeds {PERSONALIZATION_SEEDS}"
+          "\n\n"
+          + markdown_table(["method", "model", "avg", "p10", "minus FedAvg (same model)"],
+                           [[n, r["model"], f"{r['avg']:.1f} ± {r['avg_std']:.1f}",
+                             f"{r['bottom_decile']:.1f} ± {r['bottom_decile_std']:.1f}",
+                             f"{r['vs_fedavg_same_model']:+.1f}"] for n, r in rows.items()]))
     write_table(out / "personalization.md", md)
     write_json(out / "summary.json", rows)
     print(md)
