@@ -8,7 +8,20 @@ import pytest
 import torch
 
 from fedmtl import tree as T
-from fedmtl.algorithms import IFCA, FedAvg, FedBABU, FedDyn, FedPer, FedRep, LGFedAvg, OmniFedge, PerFedAvg, Scaffold
+from fedmtl.algorithms import (
+    IFCA,
+    FedAvg,
+    FedBABU,
+    FedDyn,
+    FedPer,
+    FedRep,
+    KNNPer,
+    LGFedAvg,
+    Moon,
+    OmniFedge,
+    PerFedAvg,
+    Scaffold,
+)
 from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.perfedavg import role_batch
 from fedmtl.data.synthetic import permuted_groups
@@ -49,7 +62,7 @@ def test_every_built_in_model_declares_its_head_and_its_representation():
     assert build_model("linear", 5, 2).head is None
 
 
-@pytest.mark.parametrize("cls", [FedPer, FedRep, LGFedAvg, FedBABU, OmniFedge])
+@pytest.mark.parametrize("cls", [FedPer, FedRep, LGFedAvg, FedBABU, OmniFedge, KNNPer, Moon])
 def test_a_model_without_a_head_is_a_clear_error(cls, small_data):
     with pytest.raises(ModelError, match="no body/head split"):
         make_sim(cls(), small_data)
@@ -95,6 +108,68 @@ def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
     sim = make_sim(alg, permuted, model=mlp4, opt=opt, rounds=40, batch_size=32)
     st, _ = run_rounds(sim, 40)
     assert summarize(sim.evaluate(st))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.2
+
+
+# ------------------------------------------------------------------------------------------------ kNN-Per, MOON
+def test_knnper_with_interpolation_zero_is_the_global_model(small_data, mlp):
+    a = make_sim(FedAvg(), small_data, model=mlp)
+    sa, _ = run_rounds(a, 3)
+    b = make_sim(KNNPer(interpolation=0.0), small_data, model=mlp)
+    sb, _ = run_rounds(b, 3)
+    _same(sa.server.params, sb.server.params, atol=0)
+    ea, eb = a.evaluate(sa), b.evaluate(sb)
+    for group in ea:
+        for split in ea[group]:
+            assert (ea[group][split]["acc"] == eb[group][split]["acc"]).all()
+            assert abs(ea[group][split]["loss"] - eb[group][split]["loss"]).max() < 1e-5
+
+
+def test_knnper_predicts_by_its_neighbours_by_hand():
+    # two stored points; a query next to the first gets its label with weight exp(-d/T) normalized
+    m = build_model("mlp", 2, 3, hidden=(2,))
+    ctx = Context(m, SGD(0.1), 1, 1.0)
+    p = m.init(0)
+    alg = KNNPer(interpolation=1.0, k=2, temperature=0.5)
+    from fedmtl.algorithms.knnper import Datastore
+
+    keys = torch.tensor([[0.0, 0.0], [3.0, 4.0], [9.0, 9.0]])
+    store = Datastore(p, keys, torch.tensor([1, 2, 0]), torch.tensor([1.0, 1.0, 0.0]))  # the third is padding
+    x = torch.tensor([[0.0, 0.0]])
+    feats = m.features(p, x)
+    d = torch.cdist(feats, keys[:2])[0]
+    w = torch.softmax(-d / 0.5, 0)
+    lp = alg.predict_log_proba(ctx, store, x)[0].exp()
+    assert torch.allclose(lp, torch.tensor([0.0, float(w[0]), float(w[1])]), atol=1e-6)
+
+
+def test_knnper_memorizes_label_permuted_groups(permuted):
+    mlp4 = build_model("mlp", 10, 4, hidden=(16,))
+    fed = make_sim(FedAvg(), permuted, model=mlp4, opt=SGD(0.1, 0.9), rounds=30, batch_size=32)
+    sf, _ = run_rounds(fed, 30)
+    knn = make_sim(KNNPer(interpolation=0.9, k=10), permuted, model=mlp4, opt=SGD(0.1, 0.9), rounds=30, batch_size=32)
+    sk, _ = run_rounds(knn, 30)
+    assert summarize(knn.evaluate(sk))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.1
+
+
+def test_moon_with_mu_zero_is_fedavg(small_data, mlp):
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, model=mlp, sampling_rate=0.5), 3)
+    sb, _ = run_rounds(make_sim(Moon(mu=0.0), small_data, model=mlp, sampling_rate=0.5), 3)
+    _same(sa.server.params, sb.server.params, atol=1e-6)
+
+
+def test_moon_contrastive_loss_is_log_two_before_the_models_differ(mlp):
+    # first step of a first round: the local, global and previous models coincide, so sim(z, z_glob) =
+    # sim(z, z_prev) and l_con = log 2 exactly; the step's loss is CE + mu log 2
+    ctx = Context(mlp, SGD(0.1), 1, 1.0)
+    p = mlp.init(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1, 16, 10, generator=g), (torch.rand(1, 16, generator=g) > 0.5).long()
+    b = Batches(x, y, torch.ones(1, 16), torch.zeros(1, 16, dtype=torch.long), torch.tensor(16.0))
+    from fedmtl.algorithms.moon import PreviousModel
+
+    _, _, loss = Moon(mu=2.0).client_update(ctx, p, PreviousModel(p), b, 0.1)
+    ce = mlp.loss(p, x[0], y[0], torch.ones(16))
+    assert abs(float(loss) - float(ce + 2.0 * torch.log(torch.tensor(2.0)))) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ SCAFFOLD, FedDyn

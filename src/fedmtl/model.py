@@ -280,6 +280,19 @@ def default_head(module: nn.Module) -> tuple[str, ...] | None:
     return tuple(f"{name}.{p}" if name else p for p, _ in last.named_parameters(recurse=False))
 
 
+def value_and_grad_of(fn: Callable[[Params], Tensor], params: Params) -> tuple[Params, Tensor]:
+    """(gradient of the scalar ``fn(params)`` w.r.t. ``params``, its value) for a loss of an algorithm's own:
+    plain autograd outside torch.func transforms (the loop runner), ``torch.func.grad_and_value`` inside (vmap)."""
+    if _eager():
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            loss = fn(leaves)
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        out = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)}
+        return out, loss.detach()
+    return grad_and_value(fn)(params)
+
+
 def _eager() -> bool:
     """True when no torch.func transform (vmap, grad) is active."""
     return torch._C._functorch.peek_interpreter_stack() is None

@@ -18,16 +18,18 @@ from .fedem import FedEM
 from .fedper import FedPer
 from .fedrep import FedRep
 from .ifca import IFCA
+from .knnper import KNNPer
 from .lgfedavg import LGFedAvg
 from .local import Local
 from .mocha import Mocha
+from .moon import Moon
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
 from .pfedme import PFedMe
 from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
-             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA):
+             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon):
     register_algorithm(_cls, replace=True)
 
 
@@ -38,7 +40,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
-    "ALGORITHMS", "APFL", "DSGD", "IFCA", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedAvg",
-    "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "LGFedAvg", "Local", "Mocha",
+    "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedAvg",
+    "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "LGFedAvg", "Local", "Mocha", "Moon",
     "OmniFedge", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
 ]
