@@ -15,6 +15,7 @@ from fedmtl.algorithms import (
     FedDyn,
     FedPer,
     FedRep,
+    FedRoD,
     KNNPer,
     LGFedAvg,
     Moon,
@@ -62,7 +63,7 @@ def test_every_built_in_model_declares_its_head_and_its_representation():
     assert build_model("linear", 5, 2).head is None
 
 
-@pytest.mark.parametrize("cls", [FedPer, FedRep, LGFedAvg, FedBABU, OmniFedge, KNNPer, Moon])
+@pytest.mark.parametrize("cls", [FedPer, FedRep, LGFedAvg, FedBABU, OmniFedge, KNNPer, Moon, FedRoD])
 def test_a_model_without_a_head_is_a_clear_error(cls, small_data):
     with pytest.raises(ModelError, match="no body/head split"):
         make_sim(cls(), small_data)
@@ -97,7 +98,7 @@ def test_fedrep_trains_the_head_first_then_the_body(small_data, mlp):
     assert float((w - w[0]).abs().max()) > 1e-3  # and every client has its own head
 
 
-@pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(finetune_lr=0.1)],
+@pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(finetune_lr=0.1), FedRoD()],
                          ids=lambda a: a.name)
 def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
     # two groups whose labels are permuted: one global model cannot serve both, a personal head (or body) can
@@ -108,6 +109,32 @@ def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
     sim = make_sim(alg, permuted, model=mlp4, opt=opt, rounds=40, batch_size=32)
     st, _ = run_rounds(sim, 40)
     assert summarize(sim.evaluate(st))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.2
+
+
+def test_fedrod_generic_model_is_fedavg_on_class_balanced_clients(mlp):
+    # balanced labels: log pi is the same for every class, the balanced softmax is plain cross-entropy, so the
+    # shared model's local update is FedAvg's (the personal head trains beside it without touching it)
+    ctx = Context(mlp, SGD(0.1, 0.9), 1, 1.0)
+    p = mlp.init(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8, 10, generator=g)
+    y = torch.tensor([0, 1] * 4).repeat(3, 1)
+    b = Batches(x, y, torch.ones(3, 8), torch.arange(24).reshape(3, 8), torch.tensor(24.0))
+    from fedmtl.algorithms.fedrod import PersonalHead
+
+    head0 = T.zeros_like(mlp.split(p)[1])
+    rod, st, _ = FedRoD().client_update(ctx, p, PersonalHead(head0), b, 0.1)
+    avg, _, _ = FedAvg().client_update(ctx, p, (), b, 0.1)
+    _same(rod, avg, atol=1e-6)
+    assert float(st.head["2.weight"].abs().max()) > 0  # the personal head learned
+
+
+def test_fedrod_balanced_softmax_shifts_logits_by_log_class_frequencies():
+    from fedmtl.algorithms.fedrod import logit_adjustment
+
+    m = build_model("mlp", 4, 3, hidden=(4,))
+    shift = logit_adjustment(m, torch.tensor([0, 0, 0, 1, 2, 2]), torch.ones(6))
+    assert torch.allclose(shift, torch.log(torch.tensor([0.5, 1 / 6, 1 / 3])))
 
 
 # ------------------------------------------------------------------------------------------------ kNN-Per, MOON

@@ -309,6 +309,9 @@ PERSONALIZATION_METHODS: dict[str, list[str]] = {
     "fedrep": ["algorithm.name=fedrep", "algorithm.head_epochs=2", *_MLP],
     "lgfedavg": ["algorithm.name=lgfedavg", *_MLP],
     "fedbabu": ["algorithm.name=fedbabu", "algorithm.finetune_lr=0.05", *_MLP],
+    "fedrod": ["algorithm.name=fedrod", *_MLP],
+    "knnper": ["algorithm.name=knnper", "algorithm.interpolation=0.5", *_MLP],
+    "moon": ["algorithm.name=moon", *_MLP],
     # one gradient query per round: 4x the rounds, a larger step
     "omnifedge": ["algorithm.name=omnifedge", "algorithm.lam=0.5", "run.rounds=400", "optim.lr=0.3", *_MLP],
 }

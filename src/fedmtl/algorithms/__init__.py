@@ -17,6 +17,7 @@ from .feddyn import FedDyn
 from .fedem import FedEM
 from .fedper import FedPer
 from .fedrep import FedRep
+from .fedrod import FedRoD
 from .ifca import IFCA
 from .knnper import KNNPer
 from .lgfedavg import LGFedAvg
@@ -29,7 +30,7 @@ from .pfedme import PFedMe
 from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
-             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon):
+             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD):
     register_algorithm(_cls, replace=True)
 
 
@@ -40,7 +41,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
-    "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedAvg",
-    "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "LGFedAvg", "Local", "Mocha", "Moon",
-    "OmniFedge", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
+    "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
+    "FedAvg", "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "FedRoD", "LGFedAvg", "Local",
+    "Mocha", "Moon", "OmniFedge", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
 ]
