@@ -33,6 +33,7 @@ from fedmtl.optim import SGD, Batches
 from fedmtl.server_opt import ServerOptConfig
 
 from .conftest import all_client_states, make_sim, run_rounds
+from .test_personalization import _batches
 
 
 def _same(a, b, atol=1e-6):
@@ -379,14 +380,6 @@ def test_perfedavg_batches_are_independent_draws():
     for role in range(3):  # the larger client: three independent permutations
         assert sorted(big[role].tolist()) == list(range(300))
     assert not torch.equal(big[0, :32], big[1, :32]) and not torch.equal(big[1, :32], big[2, :32])
-
-
-def _batches(n_steps=6, b=8, d=5, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n_steps, b, d, generator=g, dtype=dtype)
-    y = (torch.rand(n_steps, b, generator=g) > 0.5).long()
-    return Batches(x, y, torch.ones(n_steps, b, dtype=dtype), torch.zeros(n_steps, b, dtype=torch.long),
-                   torch.tensor(float(n_steps * b)))
 
 
 def test_perfedavg_meta_step_t_takes_batch_t_of_each_role():

@@ -51,3 +51,13 @@ def train_part(ctx: Context, trainable: Params, fixed: Params, batches: Batches,
         return {k: g[k] for k in p}, loss
 
     return local_sgd(grad_fn, trainable, batches, lr, opt or ctx.opt, steps=steps)
+
+
+def with_personal_head(ctx: Context, body: Params, head: Params, batches: Batches | None, lr: float,
+                       seen: bool) -> Params:
+    """The model a client with its own head predicts with: its head on the shared body; an unseen client first
+    trains its head (from the initial one, the body fixed) on its training batches."""
+    if not seen:
+        assert batches is not None
+        head, _ = train_part(ctx, head, body, batches, lr)
+    return {**body, **head}

@@ -85,8 +85,11 @@ class FedAvgFT(FedAvg):
         self, ctx: Context, payload: Params, state: tuple[()], batches: Batches | None, lr: float, seen: bool
     ) -> Params:
         assert batches is not None
-        opt = ctx.opt if not self.finetune_lr else SGD(
-            self.finetune_lr, ctx.opt.momentum, ctx.opt.weight_decay
-        )
-        params, _ = local_sgd(ctx.model.value_and_grad, payload, batches, self.finetune_lr or lr, opt)
-        return params
+        return finetune(ctx, payload, batches, lr, self.finetune_lr)
+
+
+def finetune(ctx: Context, params: Params, batches: Batches, lr: float, finetune_lr: float = 0.0) -> Params:
+    """Local SGD of the whole model over ``batches`` (evaluation-time fine-tuning; FedAvg+, FedBABU) at
+    ``finetune_lr``, or at the round's rate ``lr`` with the run's optimizer when it is 0."""
+    opt = ctx.opt if not finetune_lr else SGD(finetune_lr, ctx.opt.momentum, ctx.opt.weight_decay)
+    return local_sgd(ctx.model.value_and_grad, params, batches, finetune_lr or lr, opt)[0]

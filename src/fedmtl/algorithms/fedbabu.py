@@ -18,10 +18,11 @@ from typing import ClassVar, Literal
 from torch import Tensor
 
 from ..model import Model
-from ..optim import SGD, Batches, local_sgd
+from ..optim import SGD, Batches
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
 from .bodyhead import SplitModel, check_split, split_server, train_part
+from .fedavg import finetune
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,9 @@ class FedBABU(Algorithm):
         self, ctx: Context, payload: Params, state: tuple[()], batches: Batches | None, lr: float, seen: bool
     ) -> Params:
         assert batches is not None
-        rate = self.finetune_lr or lr
-        opt = SGD(rate, ctx.opt.momentum, ctx.opt.weight_decay)
         if self.finetune == "full":
-            return local_sgd(ctx.model.value_and_grad, payload, batches, rate, opt)[0]
+            return finetune(ctx, payload, batches, lr, self.finetune_lr)
         body, head = ctx.model.split(payload, self.name)
-        head, _ = train_part(ctx, head, body, batches, rate, opt=opt)
+        opt = ctx.opt if not self.finetune_lr else SGD(self.finetune_lr, ctx.opt.momentum, ctx.opt.weight_decay)
+        head, _ = train_part(ctx, head, body, batches, self.finetune_lr or lr, opt=opt)
         return {**body, **head}

@@ -22,7 +22,7 @@ from ..model import Model
 from ..optim import Batches, local_sgd
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, check_split, split_server, train_part
+from .bodyhead import SplitModel, check_split, split_server, with_personal_head
 
 
 class PersonalHead(NamedTuple):
@@ -71,8 +71,4 @@ class FedPer(Algorithm):
     def personalize(
         self, ctx: Context, payload: Params, state: PersonalHead, batches: Batches | None, lr: float, seen: bool
     ) -> Params:
-        if seen:
-            return {**payload, **state.head}
-        assert batches is not None
-        head, _ = train_part(ctx, state.head, payload, batches, lr)
-        return {**payload, **head}
+        return with_personal_head(ctx, payload, state.head, batches, lr, seen)

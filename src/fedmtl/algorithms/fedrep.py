@@ -22,7 +22,7 @@ from ..model import Model
 from ..optim import Batches
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, check_split, split_server, train_part
+from .bodyhead import SplitModel, check_split, split_server, train_part, with_personal_head
 from .fedper import PersonalHead
 
 
@@ -73,8 +73,4 @@ class FedRep(Algorithm):
     def personalize(
         self, ctx: Context, payload: Params, state: PersonalHead, batches: Batches | None, lr: float, seen: bool
     ) -> Params:
-        if seen:
-            return {**payload, **state.head}
-        assert batches is not None
-        head, _ = train_part(ctx, state.head, payload, batches, lr)
-        return {**payload, **head}
+        return with_personal_head(ctx, payload, state.head, batches, lr, seen)
