@@ -1,5 +1,6 @@
-"""What the body/head methods share (FedPer, FedRep, LG-FedAvg, FedBABU, FedRoD): the model's split
-(``Model.head``), training one part with the other fixed, and aggregating one part of the global model.
+"""What the body/head methods share (FedPer, FedRep, LG-FedAvg, FedBABU): the server state that keeps the averaged
+part of the model apart from the fixed one, training one part with the other fixed, and a personal head's
+prediction.
 
 The split is a property of the model (``Model.head``: the parameter names of the last layer(s)); a model that
 declares none (``linear``) is refused by ``check_model`` before any work.
@@ -33,14 +34,6 @@ def split_server(model: Model, params: Params, method: str, shared: str) -> Spli
 
 def check_split(model: Model, method: str) -> None:
     model.head_names(method)  # raises ModelError for a model without a head
-
-
-def body_of(model: Model, params: Params) -> Params:
-    return model.split(params)[0]
-
-
-def head_of(model: Model, params: Params) -> Params:
-    return model.split(params)[1]
 
 
 def train_part(ctx: Context, trainable: Params, fixed: Params, batches: Batches, lr: float | Tensor,
