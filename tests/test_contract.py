@@ -19,7 +19,7 @@ TOY = {"perfedavg": {"beta": 0.05}, "clustered": {"warmup_rounds": 2}, "pfedme":
        "mocha": {"lam": 0.01, "omega_every": 2}, "fedrep": {"head_epochs": 1},
        "fedbabu": {"finetune_epochs": 1, "finetune_lr": 0.05}}
 # methods that split the model into a body and a head need a model that has one
-BODY_HEAD = {"fedper", "fedrep", "lgfedavg", "fedbabu", "omnifedge", "knnper", "moon", "fedrod"}
+BODY_HEAD = {"fedper", "fedrep", "lgfedavg", "fedbabu", "omnifedge", "knnper", "moon", "fedrod", "fedala"}
 # momentum makes the control-variate correction unstable on the toy task (the paper's local steps are plain SGD)
 OPT = {"scaffold": SGD(0.1)}
 

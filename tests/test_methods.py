@@ -10,6 +10,7 @@ import torch
 from fedmtl import tree as T
 from fedmtl.algorithms import (
     IFCA,
+    FedALA,
     FedAvg,
     FedBABU,
     FedDyn,
@@ -64,7 +65,7 @@ def test_every_built_in_model_declares_its_head_and_its_representation():
     assert build_model("linear", 5, 2).head is None
 
 
-@pytest.mark.parametrize("cls", [FedPer, FedRep, LGFedAvg, FedBABU, OmniFedge, KNNPer, Moon, FedRoD])
+@pytest.mark.parametrize("cls", [FedPer, FedRep, LGFedAvg, FedBABU, OmniFedge, KNNPer, Moon, FedRoD, FedALA])
 def test_a_model_without_a_head_is_a_clear_error(cls, small_data):
     with pytest.raises(ModelError, match="no body/head split"):
         make_sim(cls(), small_data)
@@ -99,7 +100,8 @@ def test_fedrep_trains_the_head_first_then_the_body(small_data, mlp):
     assert float((w - w[0]).abs().max()) > 1e-3  # and every client has its own head
 
 
-@pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(finetune_lr=0.1), FedRoD()],
+@pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(finetune_lr=0.1), FedRoD(),
+                                 FedALA()],
                          ids=lambda a: a.name)
 def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
     # two groups whose labels are permuted: one global model cannot serve both, a personal head (or body) can
@@ -110,6 +112,28 @@ def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
     sim = make_sim(alg, permuted, model=mlp4, opt=opt, rounds=40, batch_size=32)
     st, _ = run_rounds(sim, 40)
     assert summarize(sim.evaluate(st))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.2
+
+
+def test_fedala_without_adapted_layers_is_fedavg(small_data, mlp):
+    # an empty head: no layer is mixed element-wise, every client starts from the global model -- FedAvg
+    no_head = dataclasses.replace(mlp, head=())
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, model=mlp, sampling_rate=0.5), 3)
+    sb, _ = run_rounds(make_sim(FedALA(), small_data, model=no_head, sampling_rate=0.5), 3)
+    _same(sa.server.params, sb.server.params, atol=1e-6)
+
+
+def test_fedala_learns_weights_in_the_unit_box_from_the_second_round(small_data, mlp):
+    sim = make_sim(FedALA(), small_data, model=mlp)
+    st = sim.init_state()
+    sim.round(st)
+    w1 = all_client_states(sim).weights
+    assert all(bool((v == 1).all()) for v in w1.values())  # first round: no local model to mix yet
+    sim.round(st)
+    st2 = all_client_states(sim)
+    w2 = st2.weights
+    assert all(bool(((v >= 0) & (v <= 1)).all()) for v in w2.values())
+    assert any(bool((v < 1).any()) for v in w2.values())
+    assert bool((st2.rounds == 2).all())
 
 
 def test_fedrod_generic_model_is_fedavg_on_class_balanced_clients(mlp):

@@ -11,6 +11,7 @@ from .base import Algorithm, Context
 from .clustered import ClusteredFL
 from .decentralized import DSGD, DFedEM
 from .ditto import Ditto
+from .fedala import FedALA
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedbabu import FedBABU
 from .feddyn import FedDyn
@@ -30,7 +31,7 @@ from .pfedme import PFedMe
 from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
-             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD):
+             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA):
     register_algorithm(_cls, replace=True)
 
 
@@ -42,6 +43,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
-    "FedAvg", "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "FedRoD", "LGFedAvg", "Local",
-    "Mocha", "Moon", "OmniFedge", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
+    "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "FedRoD", "LGFedAvg",
+    "Local", "Mocha", "Moon", "OmniFedge", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
 ]
