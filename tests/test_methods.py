@@ -22,6 +22,7 @@ from fedmtl.algorithms import (
     Moon,
     OmniFedge,
     PerFedAvg,
+    PFedHN,
     Scaffold,
 )
 from fedmtl.algorithms.base import Context
@@ -134,6 +135,43 @@ def test_fedala_learns_weights_in_the_unit_box_from_the_second_round(small_data,
     assert all(bool(((v >= 0) & (v <= 1)).all()) for v in w2.values())
     assert any(bool((v < 1).any()) for v in w2.values())
     assert bool((st2.rounds == 2).all())
+
+
+def test_pfedhn_server_step_is_the_vector_jacobian_product(small_data):
+    # one client per round: phi <- phi - hn_lr (d theta / d phi)^T Delta, checked against autograd on the whole map
+    from fedmtl.algorithms.pfedhn import HyperServer
+
+    sim = make_sim(PFedHN(hn_lr=0.5, embed_dim=3, hn_hidden=5, hn_depth=1), small_data, clients_per_round=1)
+    st = sim.init_state()
+    before = st.server
+    plan = sim.plan(st)
+    out = sim.clients.train(plan.payload, plan.ids, plan.orders, plan.lr, 0)
+    sim.finish(st, plan, out)
+    i = int(plan.ids[0])
+    alg, ctx = sim.alg, sim.ctx
+    flat = {**before.hnet, "v": before.embeddings[i]}
+    delta = T.take(out.updates, 0)
+
+    def inner(p):
+        theta = alg.generate(ctx, {k: v for k, v in p.items() if k != "v"}, p["v"])
+        return sum((theta[k] * delta[k]).sum() for k in theta)
+
+    grads = torch.func.grad(inner)(flat)
+    for k in before.hnet:
+        assert torch.allclose(st.server.hnet[k], before.hnet[k] - 0.5 * grads[k], atol=1e-6)
+    assert torch.allclose(st.server.embeddings[i], before.embeddings[i] - 0.5 * grads["v"], atol=1e-6)
+    others = [j for j in range(before.embeddings.shape[0]) if j != i]
+    assert torch.equal(st.server.embeddings[others], before.embeddings[others])
+    assert isinstance(st.server, HyperServer)
+
+
+def test_pfedhn_personalizes_label_permuted_groups(permuted):
+    mlp4 = build_model("mlp", 10, 4, hidden=(16,))
+    fed = make_sim(FedAvg(), permuted, model=mlp4, opt=SGD(0.1, 0.9), rounds=40, batch_size=32)
+    sf, _ = run_rounds(fed, 40)
+    hn = make_sim(PFedHN(), permuted, model=mlp4, opt=SGD(0.1, 0.9), rounds=40, batch_size=32)
+    sh, _ = run_rounds(hn, 40)
+    assert summarize(hn.evaluate(sh))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.1
 
 
 def test_fedrod_generic_model_is_fedavg_on_class_balanced_clients(mlp):

@@ -311,6 +311,7 @@ PERSONALIZATION_METHODS: dict[str, list[str]] = {
     "fedbabu": ["algorithm.name=fedbabu", "algorithm.finetune_lr=0.05", *_MLP],
     "fedrod": ["algorithm.name=fedrod", *_MLP],
     "fedala": ["algorithm.name=fedala", *_MLP],
+    "pfedhn": ["algorithm.name=pfedhn", *_MLP],
     "knnper": ["algorithm.name=knnper", "algorithm.interpolation=0.5", *_MLP],
     "moon": ["algorithm.name=moon", *_MLP],
     # one gradient query per round: 4x the rounds, a larger step

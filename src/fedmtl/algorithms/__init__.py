@@ -27,11 +27,13 @@ from .mocha import Mocha
 from .moon import Moon
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
+from .pfedhn import PFedHN
 from .pfedme import PFedMe
 from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
-             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA):
+             OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
+             PFedHN):
     register_algorithm(_cls, replace=True)
 
 
@@ -44,5 +46,5 @@ def get_algorithm(name: str) -> type[Algorithm]:
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
     "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "FedRoD", "LGFedAvg",
-    "Local", "Mocha", "Moon", "OmniFedge", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
+    "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
 ]
