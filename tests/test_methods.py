@@ -63,6 +63,8 @@ def test_every_built_in_model_declares_its_head_and_its_representation():
         assert set(head) == set(m.head) and body and set(body) | set(head) == set(p)
         # the representation is the head's input: the head applied to it gives the model's logits
         assert torch.allclose(m.head_module()(m.features(p, x)), m.apply(p, x), atol=1e-5)
+        assert torch.allclose(m.apply_head(p, m.features(p, x)), m.apply(p, x), atol=1e-5)
+        assert torch.allclose(m.apply_head(head, m.features(p, x)), m.apply(p, x), atol=1e-5)
     assert build_model("linear", 5, 2).head is None
 
 

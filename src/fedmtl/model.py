@@ -99,6 +99,17 @@ class Model:
         prefix = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
         return self.module.get_submodule(prefix)
 
+    def apply_head(self, params: Params, z: Tensor) -> Tensor:
+        """Logits of representations ``z`` (``features``) under the head entries of ``params`` (the full parameters or
+        only a head's): ``apply_head(p, features(p, x)) == apply(p, x)`` (tested), one forward pass for methods that
+        need both the representation and the logits."""
+        names = self.head_names("the head")
+        prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
+        out = functional_call(self.head_module(), {k[len(prefix):]: params[k] for k in names}, (z,))
+        if self.output == "binary" and out.dim() > 1 and out.shape[-1] == 1:
+            return out.reshape(out.shape[:-1])
+        return out
+
     def features(self, params: Params, x: Tensor) -> Tensor:
         """(n, d) representation of ``x``: the input of the head (``embed`` where the model gives one)."""
         if self.input_transform is not None:

@@ -32,10 +32,6 @@ def split_server(model: Model, params: Params, method: str, shared: str) -> Spli
     return SplitModel(body, head) if shared == "body" else SplitModel(head, body)
 
 
-def check_split(model: Model, method: str) -> None:
-    model.head_names(method)  # raises ModelError for a model without a head
-
-
 def train_part(ctx: Context, trainable: Params, fixed: Params, batches: Batches, lr: float | Tensor,
                steps: slice | None = None, opt: SGD | None = None) -> tuple[Params, Tensor]:
     """Local SGD on ``trainable`` with ``fixed`` (the rest of the model) held constant; (trained part, loss)."""

@@ -85,7 +85,7 @@ class FedALA(Algorithm):
         n_live = live_steps(batches).sum()
         share = torch.ceil(n_live.to(torch.float32) * self.rand_percent / 100).to(torch.long)
         budget = torch.where(state.rounds == 1, torch.tensor(self.ala_first_steps), share)
-        most = self.ala_first_steps + math.ceil(len(batches.x) * self.rand_percent / 100)
+        most = max(self.ala_first_steps, math.ceil(len(batches.x) * self.rand_percent / 100))
         w = state.weights
         for s in range(most):
             g, _ = model.value_and_grad(mixed(w), *pick_batch(batches, s))

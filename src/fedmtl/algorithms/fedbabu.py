@@ -21,7 +21,7 @@ from ..model import Model
 from ..optim import SGD, Batches
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, check_split, split_server, train_part
+from .bodyhead import SplitModel, split_server, train_part
 from .fedavg import finetune
 
 
@@ -48,7 +48,7 @@ class FedBABU(Algorithm):
         return self.finetune_epochs
 
     def check_model(self, model: Model) -> None:
-        check_split(model, self.name)
+        model.head_names(self.name)
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> SplitModel:
         return split_server(ctx.model, params, self.name, "body")  # fixed: the random head, never trained

@@ -22,7 +22,7 @@ from ..model import Model
 from ..optim import Batches, local_sgd
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, check_split, split_server, with_personal_head
+from .bodyhead import SplitModel, split_server, with_personal_head
 
 
 class PersonalHead(NamedTuple):
@@ -50,7 +50,7 @@ class FedPer(Algorithm):
         return self.unseen_head_epochs
 
     def check_model(self, model: Model) -> None:
-        check_split(model, self.name)
+        model.head_names(self.name)
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> SplitModel:
         return split_server(ctx.model, params, self.name, "body")

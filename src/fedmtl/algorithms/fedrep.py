@@ -22,7 +22,7 @@ from ..model import Model
 from ..optim import Batches
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, check_split, split_server, train_part, with_personal_head
+from .bodyhead import SplitModel, split_server, train_part, with_personal_head
 from .fedper import PersonalHead
 
 
@@ -45,7 +45,7 @@ class FedRep(Algorithm):
         return max(self.head_epochs, 1)
 
     def check_model(self, model: Model) -> None:
-        check_split(model, self.name)
+        model.head_names(self.name)
 
     def train_epochs(self, local_epochs: int) -> int:
         return self.head_epochs + local_epochs

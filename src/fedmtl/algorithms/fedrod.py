@@ -23,7 +23,6 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.func import functional_call
 
 from .. import tree as T
 from ..model import Model, value_and_grad_of
@@ -43,13 +42,6 @@ class PersonalHead(NamedTuple):
 class RoDEval(NamedTuple):
     params: Params
     head: Params
-
-
-def head_logits(model: Model, head: Params, z: Tensor) -> Tensor:
-    """The head module applied to representations ``z`` with the parameters ``head`` (named as in the model)."""
-    prefix = model.head_names("FedRoD")[0].rsplit(".", 1)[0] + "." if "." in model.head_names("FedRoD")[0] else ""
-    out = functional_call(model.head_module(), {k[len(prefix):]: v for k, v in head.items()}, (z,))
-    return out.reshape(out.shape[:-1]) if model.output == "binary" and out.shape[-1] == 1 else out
 
 
 def logit_adjustment(model: Model, y: Tensor, mask: Tensor) -> Tensor:
@@ -87,9 +79,9 @@ class FedRoD(Algorithm):
                 shared = {k: v for k, v in q.items() if not k.startswith(PERSONAL)}
                 head = {k[len(PERSONAL):]: v for k, v in q.items() if k.startswith(PERSONAL)}
                 z = model.features(shared, x)
-                zg = head_logits(model, {k: shared[k] for k in head}, z)
+                zg = model.apply_head(shared, z)
                 bsm = model.nll(zg + shift, y)  # balanced softmax: body and generic head
-                ce = model.nll(zg.detach() + head_logits(model, head, z.detach()), y)  # personal head only
+                ce = model.nll(zg.detach() + model.apply_head(head, z.detach()), y)  # personal head only
                 return ((bsm + ce) * m).sum() / m.sum().clamp_min(1.0)
 
             return value_and_grad_of(loss, p)
@@ -107,5 +99,4 @@ class FedRoD(Algorithm):
     def predict_log_proba(self, ctx: Context, eval_state: RoDEval, x: Tensor) -> Tensor:
         model = ctx.model
         z = model.features(eval_state.params, x)
-        zg = model.apply(eval_state.params, x)
-        return model.log_proba(zg + head_logits(model, eval_state.head, z))
+        return model.log_proba(model.apply_head(eval_state.params, z) + model.apply_head(eval_state.head, z))

@@ -70,10 +70,10 @@ class KNNPer(FedAvg):
         return Datastore(payload, ctx.model.features(payload, x), y, mask)
 
     def predict_log_proba(self, ctx: Context, eval_state: Datastore, x: Tensor) -> Tensor:
-        logp = ctx.model.log_proba(ctx.model.apply(eval_state.params, x))
+        q = ctx.model.features(eval_state.params, x)  # (b, d)
+        logp = ctx.model.log_proba(ctx.model.apply_head(eval_state.params, q))
         if self.interpolation == 0:
             return logp
-        q = ctx.model.features(eval_state.params, x)  # (b, d)
         keys = eval_state.keys
         d2 = (q * q).sum(-1, keepdim=True) - 2 * q @ keys.T + (keys * keys).sum(-1)  # (b, n) squared distances
         dist = d2.clamp_min(0.0).sqrt()

@@ -23,7 +23,7 @@ from ..model import Model
 from ..optim import Batches, local_sgd
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, check_split, split_server, train_part
+from .bodyhead import SplitModel, split_server, train_part
 
 
 class PersonalBody(NamedTuple):
@@ -51,7 +51,7 @@ class LGFedAvg(Algorithm):
         return self.unseen_body_epochs
 
     def check_model(self, model: Model) -> None:
-        check_split(model, self.name)
+        model.head_names(self.name)
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> SplitModel:
         return split_server(ctx.model, params, self.name, "head")

@@ -70,7 +70,7 @@ class Moon(Algorithm):
 
             def loss(q: Params) -> Tensor:
                 z = model.features(q, x)
-                ce = model.nll(model.apply(q, x), y)
+                ce = model.nll(model.apply_head(q, z), y)
                 pos = F.cosine_similarity(z, z_glob, dim=-1) / tau
                 neg = F.cosine_similarity(z, z_prev, dim=-1) / tau
                 con = -(pos - torch.logsumexp(torch.stack([pos, neg]), dim=0))
