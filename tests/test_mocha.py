@@ -8,8 +8,16 @@ import pytest
 from fedmtl.data.federated import DataError
 from fedmtl.engine.systems import SystemsModel
 from fedmtl.mtl import MochaConfig, MTLData, solve
-from fedmtl.mtl.omega import ClusterRelaxation, FixedOmega, TaskCovariance, identity, mean_regularized, sigma_prime
-from fedmtl.mtl.problem import LOSSES, dual, primal
+from fedmtl.mtl.omega import (
+    ClusterRelaxation,
+    FixedOmega,
+    GraphicalLasso,
+    TaskCovariance,
+    identity,
+    mean_regularized,
+    sigma_prime,
+)
+from fedmtl.mtl.problem import LOSSES, dual, dual_B, primal, w_of
 
 cp = pytest.importorskip("cvxpy")
 
@@ -132,6 +140,57 @@ def test_cluster_step_matches_cvxpy():
     assert np.trace(M_ours) == pytest.approx(2.0)
     ev = np.linalg.eigvalsh(M_ours)
     assert ev.min() > -1e-9 and ev.max() < 1 + 1e-9
+
+
+def test_graphical_lasso_step_matches_cvxpy():
+    """Eq. (15)'s Omega-step, min tr(Omega S) - log|Omega| + alpha ||Omega||_1 (whole matrix), S = W W^T / d."""
+    rng = np.random.default_rng(11)
+    W = rng.normal(size=(5, 8)) + rng.normal(size=(1, 8))  # correlated tasks
+    reg = GraphicalLasso(alpha=0.2, ridge=0.3, tol=1e-9, max_iter=2000)
+    omega, sigma = reg.step(W, np.eye(5))
+    S = W @ W.T / 8
+    K = cp.Variable((5, 5), PSD=True)
+    p = cp.Problem(cp.Minimize(cp.trace(K @ S) - cp.log_det(K) + 0.2 * cp.sum(cp.abs(K))))
+    p.solve(solver=cp.CLARABEL)
+    ours = omega - 0.3 * np.eye(5)  # the ridge is the W-step's, outside the Omega-step
+    f = lambda k: np.trace(k @ S) - np.linalg.slogdet(k)[1] + 0.2 * np.abs(k).sum()  # noqa: E731
+    assert f(ours) == pytest.approx(p.value, abs=1e-6)
+    assert np.allclose(ours, K.value, atol=1e-3)
+    assert np.allclose(sigma @ omega, np.eye(5), atol=1e-8)
+
+
+def test_graphical_lasso_finds_independent_task_groups():
+    """Two groups of tasks with independent weights: the precision between the groups is exactly 0 (a sparse
+    graph), within a group it is not, and a larger alpha is sparser."""
+    rng = np.random.default_rng(12)
+    d = 400
+    z = rng.normal(size=(2, d))
+    W = np.concatenate([z[0] + 0.5 * rng.normal(size=(3, d)), z[1] + 0.5 * rng.normal(size=(3, d))])
+    omega, _ = GraphicalLasso(alpha=0.15).step(W, np.eye(6))
+    cross = omega[:3, 3:]
+    within = [omega[i, j] for g in (range(3), range(3, 6)) for i in g for j in g if i < j]
+    assert np.abs(cross).max() < 1e-10 and min(np.abs(within)) > 0.2
+    dense, _ = GraphicalLasso(alpha=1e-3).step(W, np.eye(6))
+    heavy, _ = GraphicalLasso(alpha=2.0).step(W, np.eye(6))
+    nnz = [int((np.abs(o - np.diag(np.diag(o))) > 1e-10).sum()) for o in (dense, omega, heavy)]
+    assert nnz[0] >= nnz[1] >= nnz[2] and nnz[2] == 0
+    with pytest.raises(ValueError, match="alpha > 0"):
+        GraphicalLasso(alpha=0.0)
+
+
+@pytest.mark.parametrize("reg", [TaskCovariance(), GraphicalLasso(alpha=0.05, ridge=0.1)], ids=["cov", "glasso"])
+def test_final_omega_update_and_w_of_alpha(reg):
+    """Algorithm 1 updates Omega after its last iteration (line 13) and returns W(alpha) for that Omega
+    (line 15): with one outer iteration Omega is no longer the initial one, and W = Sigma B / lam."""
+    xs, ys, data = tasks(13)
+    lam = 0.05
+    res = solve(data, MochaConfig(lam=lam, outer=1, inner=50, local_frac=1.0, record_every=10), reg)
+    assert not np.allclose(res.omega, reg.init(data.m)[0])
+    assert np.allclose(res.W, w_of(dual_B(data, res.beta), res.sigma, lam), atol=1e-12)
+    last = res.trace[-1]
+    assert last["round"] == 50 and [r["round"] for r in res.trace].count(50) == 1
+    assert last["primal"] == pytest.approx(primal(data, res.W, res.omega, lam, LOSSES["hinge"]), rel=1e-12)
+    assert last["gap"] >= -1e-9  # W(beta) and beta: still a primal-dual pair under the new Omega
 
 
 def test_drops_keep_dual_feasible_and_never_responding_node_stalls():

@@ -20,7 +20,7 @@ from fedmtl.engine import checkpoint
 from fedmtl.engine.systems import SystemsModel
 from fedmtl.models import build_model
 from fedmtl.mtl import MochaConfig, MTLData, solve
-from fedmtl.mtl.omega import TaskCovariance, mean_regularized
+from fedmtl.mtl.omega import GraphicalLasso, TaskCovariance, mean_regularized
 from fedmtl.mtl.problem import LOSSES, dual, primal
 from fedmtl.optim import SGD
 from fedmtl.testing import all_client_states, run_rounds, simulator
@@ -60,13 +60,19 @@ def test_engine_mocha_reaches_the_reference_objective_fixed_omega(tasks, loss):
     assert abs(p_eng - dual(data, beta, np.linalg.inv(omega), lam, LOSSES[loss])) < 1e-7 * abs(p_ref)
 
 
-def test_engine_mocha_with_learned_task_covariance_matches_the_reference(tasks):
+@pytest.mark.parametrize("regularizer", ["task_covariance", "graphical"])
+def test_engine_mocha_with_learned_omega_matches_the_reference(tasks, regularizer):
     fed, data = tasks
     lam = 0.5
-    ref = solve(data, MochaConfig(lam=lam, outer=3, inner=200, local_frac=1.0, seed=0), TaskCovariance())
-    eng = _engine(fed, 600, lam=lam, regularizer="task_covariance", omega_every=200, local_frac=1.0)
+    reg = TaskCovariance() if regularizer == "task_covariance" else GraphicalLasso(alpha=0.1, ridge=0.1)
+    ref = solve(data, MochaConfig(lam=lam, outer=3, inner=200, local_frac=1.0, seed=0), reg)
+    eng = _engine(fed, 600, lam=lam, regularizer=regularizer, omega_every=200, local_frac=1.0, sparsity=0.1)
     st, _ = run_rounds(eng, 600)
-    assert np.allclose(st.server.omega.numpy(), ref.omega, rtol=1e-5, atol=1e-8)  # the same two Omega-steps
+    # the same three Omega-steps, the last after the last round (Algorithm 1, line 13)
+    assert np.allclose(st.server.omega.numpy(), ref.omega, rtol=1e-5, atol=1e-8)
+    short = _engine(fed, 30, lam=lam, regularizer=regularizer, omega_every=1000, sparsity=0.1)
+    st_short, _ = run_rounds(short, 30)
+    assert not np.allclose(st_short.server.omega.numpy(), reg.init(data.m)[0])  # also when rounds < omega_every
     p_ref = primal(data, ref.W, ref.omega, lam, LOSSES["hinge"])
     p_eng = primal(data, st.server.W.numpy(), st.server.omega.numpy(), lam, LOSSES["hinge"])
     assert abs(p_eng - p_ref) / abs(p_ref) < 1e-6

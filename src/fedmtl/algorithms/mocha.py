@@ -13,9 +13,11 @@ client, binary labels (class 1 = +1, class 0 = -1), a linear model without bias 
   local model's change, as ``fedmtl.mtl.mocha.sdca_local`` does.  The node keeps beta_t + gamma d_beta_t.
 * **Aggregation** (``aggregate``): B += gamma dB over the nodes that answered, W = Sigma B / lam
   (``reference_w_update = true``: W += gamma Sigma dB / lam, the reference MATLAB code's stale update).
-* **Omega-step** (server, every ``omega_every`` rounds, not after the last round, as ``fedmtl.mtl.mocha.solve``):
-  the regularizer's closed form (``fedmtl.mtl.omega``), then sigma' (Lemma 9, or per task: Remark 5) and
-  W = W(beta) with the new Sigma.
+* **Omega-step** (server, every ``omega_every`` rounds and after the last round, as Algorithm 1 and
+  ``fedmtl.mtl.mocha.solve``): the regularizer's closed form or, for ``graphical`` (eq. 15), scikit-learn's
+  graphical lasso (``fedmtl.mtl.omega``), then sigma' (Lemma 9, or per task: Remark 5) and W = W(beta) with
+  the new Sigma.  The last round's Omega-step needs the run's length (``ctx.rounds``); a run of unknown
+  length steps only every ``omega_every`` rounds.
 
 ``fedmtl.mtl`` keeps the float64 reference solver (and the CoCoA / Mb-SDCA / Mb-SGD baselines); this module is
 the same method on the engine (executors, systems, checkpoints, Flower), tested to reach the reference
@@ -84,10 +86,12 @@ class Mocha(Algorithm):
     lam: float = 1e-3
     #: hinge or squared_hinge (the SDCA dual form of each)
     loss: Literal["hinge", "squared_hinge"] = "hinge"
-    #: Omega's form: identity (independent tasks), mean (shared mean), task_covariance (learned), cluster
-    regularizer: Literal["identity", "mean", "task_covariance", "cluster"] = "task_covariance"
-    #: mean: the ridge eta; cluster: the relaxation's eta
+    #: Omega's form: identity, mean (shared mean), task_covariance (learned, eq. 14), cluster, graphical (eq. 15)
+    regularizer: Literal["identity", "mean", "task_covariance", "cluster", "graphical"] = "task_covariance"
+    #: mean: the ridge eta; cluster: the relaxation's eta; graphical: eq. 15's 1/sigma^2 ridge on W
     eta: float = 0.1
+    #: graphical: the graphical lasso's l1 weight alpha (eq. 15's lambda_2 = alpha lam d / 2)
+    sparsity: float = 0.1
     #: cluster: the number of task clusters k
     clusters: int = 2
     #: W-step rounds between two Omega steps
@@ -109,11 +113,14 @@ class Mocha(Algorithm):
         check_positive("omega_every", self.omega_every)
         check_positive("local_frac", self.local_frac)
         check_positive("chunk", self.chunk)
+        check_positive("sparsity", self.sparsity)
+        if self.eta < 0:
+            raise ValueError(f"algorithm.eta must be >= 0, got {self.eta}")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"algorithm.gamma must be in (0, 1], got {self.gamma}")
 
     def _reg(self, m: int):  # type: ignore[no-untyped-def]
-        return build_regularizer(self.regularizer, m, self.eta, self.clusters)
+        return build_regularizer(self.regularizer, m, self.eta, self.clusters, alpha=self.sparsity)
 
     def _q(self, sigma: Tensor) -> Tensor:
         sp = sigma_prime(sigma.cpu().numpy(), self.gamma, self.sigma_mode == "per_task")
@@ -148,7 +155,7 @@ class Mocha(Algorithm):
         rnd = int(server.round) + 1
         omega, sigma, q = server.omega, server.sigma, server.q
         reg = self._reg(ctx.num_clients)
-        if reg.learns and rnd % self.omega_every == 0 and (ctx.rounds == 0 or rnd < ctx.rounds):
+        if reg.learns and (rnd % self.omega_every == 0 or rnd == ctx.rounds):  # Algorithm 1: and after the last
             o, s = reg.step(W.cpu().numpy(), omega.cpu().numpy())
             omega, sigma = (torch.as_tensor(a, dtype=torch.float64, device=W.device) for a in (o, s))
             q = self._q(sigma).to(W.device)

@@ -13,8 +13,12 @@ Each node t keeps its dual variables beta_t (never sent).  A federated round h:
 
 sigma' follows Lemma 9 (``sigma_mode="global"``) or Remark 5 (``"per_task"``).  After ``inner`` rounds the
 server runs the regularizer's Omega-step and, as Algorithm 1 does (it keeps v = X alpha), recomputes
-W = W(beta) with the new Sigma.  ``reference_w_update=True`` instead keeps the old W and keeps adding
-dB Sigma / lam, as the reference MATLAB code does (needed only to reproduce its exact numbers).
+W = W(beta) with the new Sigma — after every outer iteration, the last included: Algorithm 1 ends its last
+iteration with the Omega update (line 13) and returns W = W(alpha) for the final Omega (line 15); the trace's
+last row is then re-recorded at the returned (W, Omega).  An early stop (``tol``, ``stop_subopt``,
+``max_time``) ends the whole run, with that final Omega update.  ``reference_w_update=True`` instead keeps
+the old W and keeps adding dB Sigma / lam, as the reference MATLAB code does (needed only to reproduce its
+exact numbers; there the final Omega update leaves W unchanged).
 
 All nodes run as one vectorized computation: every SDCA step is one numpy operation over the m nodes.
 
@@ -203,6 +207,7 @@ def solve(
         res.trace.append(row)
 
     record(0, 0)
+    stop = False
     for o in range(cfg.outer):
         sp = sigma_prime(sigma, cfg.gamma, cfg.sigma_mode == "per_task")
         q = sp * np.diag(sigma) / lam
@@ -264,14 +269,22 @@ def solve(
                 last = res.trace[-1]
                 if (cfg.tol > 0 and last.get("gap", np.inf) <= cfg.tol) or (
                         cfg.stop_subopt > 0 and last.get("subopt", np.inf) <= cfg.stop_subopt):
+                    stop = True
                     break
             if cfg.max_time > 0 and clock >= cfg.max_time:
                 if res.trace[-1]["round"] != h_global:
                     record(h_global, o)
+                stop = True
                 break
-        if reg.learns and o < cfg.outer - 1:
+        if reg.learns:  # Algorithm 1 line 13, after the last outer iteration too
             omega, sigma = reg.step(W, omega)
             if not cfg.reference_w_update and cfg.method != "mbsgd":
-                W = w_of(B, sigma, lam)
+                W = w_of(B, sigma, lam)  # line 15: W = W(alpha) for the new Omega
+            if o == cfg.outer - 1 or stop:  # the returned (W, Omega): re-record the last row
+                if res.trace[-1]["round"] == h_global:
+                    res.trace.pop()
+                record(h_global, o)
+        if stop:
+            break
     res.W, res.beta, res.omega, res.sigma = W, beta, omega, sigma
     return res

@@ -14,8 +14,21 @@ Omega-step that depends only on W.  Rows of W are tasks here, so the coupling is
   Omega = eta (1 + eta) (eta I + M)^{-1} with M over {0 <= M <= I, tr M = k}.  Closed form: with
   W W^T = U diag(s) U^T, M = U diag(g) U^T, g_i = clip(sqrt(s_i / nu) - eta, 0, 1) and nu > 0 found by
   bisection so that sum g = k.
+* ``GraphicalLasso``: the graphical-model regularizer of the paper's eq. (15) (Appendix B.1), a sparse
+  precision matrix between tasks: with the W-step's (lam/2) scaling, the Omega-step
+  min_Omega (lam/2) [tr(Omega W W^T) - d log|Omega|] + lam_2 ||Omega||_1 is, divided by lam d / 2, the graphical
+  lasso min tr(Omega S) - log|Omega| + alpha ||Omega||_1 with S = W W^T / d and alpha = 2 lam_2 / (lam d),
+  solved by scikit-learn's ``graphical_lasso`` (Appendix B.3 names this problem and its solvers).  The l1 norm
+  is the whole matrix's, diagonal included, as eq. (15) writes it; scikit-learn penalizes only the
+  off-diagonal entries, so the diagonal's term alpha tr(Omega) is folded into S + alpha I (exact: Omega's
+  diagonal is positive).  Eq. (15)'s (1/sigma^2) ||W||^2 enters the W-step as ``ridge`` (the W-step sees
+  Omega + ridge I); its lam_1 ||W||_1 is not implemented (an l1 term on W leaves MOCHA's W-step, whose dual
+  needs W(alpha) linear in the duals).
 
-Every ``step`` returns (Omega, Sigma) with Sigma = Omega^{-1}.
+Eq. (14)'s (1/sigma^2) ||W||^2 term is dropped by ``TaskCovariance`` (its W-step sees Omega = Sigma^{-1} alone,
+as the reference code's); the fixed and cluster forms carry their own ridge eta.
+
+Every ``step`` returns (Omega, Sigma) with Sigma = Omega^{-1}, Omega being what the W-step sees.
 """
 
 from __future__ import annotations
@@ -67,6 +80,8 @@ class TaskCovariance(Regularizer):
         return m * np.eye(m), np.eye(m) / m
 
     def step(self, W: np.ndarray, omega: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # Eq. (14)'s (1/sigma^2) ||W||^2 is dropped here: the W-step regularizer is tr(W^T Sigma^{-1} W) alone
+        # (the reference code's choice; Sigma^{-1} is positive definite through the eigenvalue clamp).
         a = W @ W.T
         vals, vecs = np.linalg.eigh((a + a.T) / 2)
         top = max(float(vals.max()), 0.0)
@@ -126,6 +141,41 @@ class ClusterRelaxation(Regularizer):
         return self._omega(self.solve_m(W))
 
 
+@dataclass
+class GraphicalLasso(Regularizer):
+    """Eq. (15): Omega = argmin tr(Omega S) - log|Omega| + alpha ||Omega||_1 (S = W W^T / d), plus ``ridge`` I."""
+
+    alpha: float = 0.1
+    ridge: float = 0.0
+    max_iter: int = 500
+    tol: float = 1e-6
+    learns = True
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0 or not self.ridge >= 0:
+            raise ValueError(f"graphical lasso needs alpha > 0 and ridge >= 0, got {self.alpha}, {self.ridge}")
+
+    def init(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        omega = (1.0 + self.ridge) * np.eye(m)  # the precision of independent unit-variance tasks
+        return omega, np.eye(m) / (1.0 + self.ridge)
+
+    def precision(self, W: np.ndarray) -> np.ndarray:
+        """The graphical lasso's sparse precision (without the ridge)."""
+        from sklearn.covariance import graphical_lasso
+
+        m, d = W.shape
+        S = W @ W.T / d + self.alpha * np.eye(m)  # + alpha I: the diagonal's share of the full l1 norm
+        if m == 1:
+            return 1.0 / S
+        _, prec = graphical_lasso((S + S.T) / 2, self.alpha, max_iter=self.max_iter, tol=self.tol,
+                                  enet_tol=self.tol)
+        return (prec + prec.T) / 2
+
+    def step(self, W: np.ndarray, omega: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        o = self.precision(W) + self.ridge * np.eye(W.shape[0])
+        return o, sym_inv(o)
+
+
 def sigma_prime(sigma: np.ndarray, gamma: float = 1.0, per_task: bool = False) -> np.ndarray:
     """Lemma 9 (and Remark 5, ``per_task``): sigma'_t = gamma * sum_t' |Sigma_tt'| / Sigma_tt, maximised
     over t unless per task.  Here Sigma (the inverse of Omega) is the block matrix M-bar of the dual's
@@ -135,10 +185,11 @@ def sigma_prime(sigma: np.ndarray, gamma: float = 1.0, per_task: bool = False) -
     return out if per_task else np.full_like(out, out.max())
 
 
-REGULARIZERS = ("identity", "mean", "task_covariance", "cluster")
+REGULARIZERS = ("identity", "mean", "task_covariance", "cluster", "graphical")
 
 
-def build(name: str, m: int, eta: float = 0.1, k: int = 2, eps: float = 1e-6) -> Regularizer:
+def build(name: str, m: int, eta: float = 0.1, k: int = 2, eps: float = 1e-6, alpha: float = 0.1) -> Regularizer:
+    """``eta`` is the ridge of ``mean``, the relaxation's eta of ``cluster`` and 1/sigma^2 of ``graphical``."""
     if name == "identity":
         return identity(m)
     if name == "mean":
@@ -147,4 +198,6 @@ def build(name: str, m: int, eta: float = 0.1, k: int = 2, eps: float = 1e-6) ->
         return TaskCovariance(eps)
     if name == "cluster":
         return ClusterRelaxation(k, eta)
+    if name == "graphical":
+        return GraphicalLasso(alpha, eta)
     raise ValueError(f"regularizer must be one of {REGULARIZERS}, got {name!r}")
