@@ -7,7 +7,7 @@ from scipy.optimize import minimize
 from torch.func import grad, jvp
 
 from fedmtl import tree as T
-from fedmtl.algorithms import APFL, ClusteredFL, Ditto, FedAvg, Local, PerFedAvg, PFedMe
+from fedmtl.algorithms import APFL, ClusteredFL, Ditto, FedAvg, FedProx, Local, PerFedAvg, PFedMe
 from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.omnifedge import solve_omega
 from fedmtl.algorithms.pfedme import Theta
@@ -85,6 +85,30 @@ def test_pfedme_large_lambda_approaches_fedavg(small_data):
     diff = float(T.sq_dist(sa.server.params, sb.server.params)) ** 0.5
     moved = float(T.sq_dist(sa.server.params, make_sim(FedAvg(), small_data).init_state().server.params)) ** 0.5
     assert diff < 0.05 * moved
+
+
+def test_pfedme_fedem_reference_variant(small_data):
+    """The FedEM code's "pFedMe": its first round is FedProx with mu = lam (every client starts from the global
+    model); with lam = 0 the clients' models are Local's, whatever the server averages; seen clients predict with
+    their own model, unseen ones with the average."""
+    opt = SGD(0.1, momentum=0.5)
+    ref = make_sim(PFedMe(variant="fedem_reference", lam=0.5), small_data, opt=opt)
+    sr, _ = run_rounds(ref, 1)
+    sp, _ = run_rounds(make_sim(FedProx(mu=0.5), small_data, opt=opt), 1)
+    for a, b in zip(T.leaves(sr.server.params), T.leaves(sp.server.params), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    zero = make_sim(PFedMe(variant="fedem_reference", lam=0.0), small_data, opt=opt)
+    local = make_sim(Local(), small_data, opt=opt)
+    sz, _ = run_rounds(zero, 3)
+    run_rounds(local, 3)
+    for a, b in zip(T.leaves(all_client_states(zero).theta), T.leaves(all_client_states(local).params), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    payload = zero.alg.payload(sz.server)
+    theta0 = T.take(all_client_states(zero), 0)
+    seen = zero.alg.personalize(zero.ctx, payload, theta0, None, 0.1, True)
+    unseen = zero.alg.personalize(zero.ctx, payload, theta0, None, 0.1, False)
+    assert all(torch.equal(a, b) for a, b in zip(T.leaves(seen), T.leaves(theta0.theta), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(T.leaves(unseen), T.leaves(payload), strict=True))
 
 
 def test_ditto_lambda_zero_is_local(small_data):

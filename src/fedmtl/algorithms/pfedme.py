@@ -15,18 +15,27 @@ personalized model) across rounds and are **evaluated with theta**, not with w (
 evaluate the wrong parameters; a regression test guards this).  The official code's hidden extra
 ``mu * theta`` term (mu = 0.001) is not added.  Unseen clients compute theta from the global model
 on their own training data before testing.
+
+``variant = "fedem_reference"`` is what the FedEM paper's Table 1 calls pFedMe (Marfoq et al., NeurIPS 2021):
+its reference code's ``PersonalizedAggregator``, not Dinh et al.'s method.  Each client keeps its own model
+theta and trains it for the round's local epochs with the run's optimizer plus the proximal term
+lam (theta - w), w being the server's sample-weighted average of the clients' models (the prox centre); the
+server averages the returned thetas (by sample counts, as that code; it averages over all clients, the
+unsampled ones contributing their last model, where this averages the clients that trained — the same under
+full participation, as in Table 1) and never overwrites a client's model.  Seen clients predict with theta,
+unseen ones with the average.  ``inner_steps``, ``personal_lr``, ``beta`` and ``weighted`` are unused there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, masked_steps
+from ..optim import Batches, local_sgd, masked_steps
 from ..tree import Params
 from .base import Algorithm, Context, GlobalModel, check_positive
 
@@ -52,10 +61,12 @@ class PFedMe(Algorithm):
     beta: float = 1.0
     #: weight the server average by sample counts (the official code) instead of uniformly (the paper)
     weighted: bool = False
+    #: paper (Dinh et al.) or fedem_reference (the FedEM code's "pFedMe": own models with a prox term, lam = mu)
+    variant: Literal["paper", "fedem_reference"] = "paper"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_positive("lam", self.lam)
+        check_positive("lam", self.lam, strict=self.variant == "paper")  # the reference variant: mu = 0 is Local
         check_positive("personal_lr", self.personal_lr)
         check_positive("inner_steps", self.inner_steps)
         check_positive("beta", self.beta)
@@ -81,6 +92,10 @@ class PFedMe(Algorithm):
     def client_update(
         self, ctx: Context, payload: Params, state: Theta, batches: Batches, lr: float
     ) -> tuple[Params, Theta, Tensor]:
+        if self.variant == "fedem_reference":  # own model, SGD with the prox term lam (theta - w)
+            theta, loss = local_sgd(ctx.model.value_and_grad, state.theta, batches, lr, ctx.opt,
+                                    prox_center=payload, prox_mu=self.lam)
+            return theta, Theta(theta), loss
         w, theta, loss = self._local(ctx, payload, state.theta, batches, lr)
         return w, Theta(theta), loss
 
@@ -88,6 +103,8 @@ class PFedMe(Algorithm):
                   clients: Tensor) -> GlobalModel:
         if float(weights.sum()) <= 0:
             return server
+        if self.variant == "fedem_reference":  # the average of the clients' own models, by sample counts
+            return GlobalModel(ctx.combine(updates, weights))
         mean = ctx.combine(updates, weights if self.weighted else (weights > 0).to(weights.dtype))
         return GlobalModel(T.tmap(lambda w, m: (1 - self.beta) * w + self.beta * m, server.params, mean))
 
@@ -96,5 +113,7 @@ class PFedMe(Algorithm):
     ) -> Params:
         if seen:
             return state.theta
+        if self.variant == "fedem_reference":
+            return payload
         assert batches is not None
         return self._local(ctx, payload, payload, batches, lr)[1]
