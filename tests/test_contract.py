@@ -6,8 +6,10 @@ from typing import ClassVar
 
 import pytest
 import torch
+from torch import nn
 
 import fedmtl
+from fedmtl import BatchNorm, Model
 from fedmtl.algorithms import ALGORITHMS, FedAvg
 from fedmtl.models import build_model
 from fedmtl.optim import SGD
@@ -29,6 +31,8 @@ def test_every_registered_algorithm_keeps_the_contract(name, small_data):
     model = build_model("linear", 10, 2, bias=False) if name == "mocha" else None
     if name in BODY_HEAD:
         model = build_model("mlp", 10, 2, hidden=(16,))
+    if name == "fedbn":  # FedBN needs batch-norm layers
+        model = Model.from_module(nn.Sequential(nn.Linear(10, 16), BatchNorm(16), nn.ReLU(), nn.Linear(16, 1)), 2)
     res = check_algorithm(ALGORITHMS[name], TOY.get(name, {}), data=small_data, model=model, opt=OPT.get(name),
                           # Omni-Fedge: one gradient query a round; FedBABU: a frozen random head
                           toy_rounds=45 if name in ("omnifedge", "fedbabu") else 15)

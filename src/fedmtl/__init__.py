@@ -16,6 +16,7 @@ algorithm of your own.
 
 from .algorithms.base import Algorithm, ClientId, Context, GlobalModel
 from .api import run
+from .batchnorm import BatchNorm
 from .data.federated import DataError, FederatedData
 from .engine.driver import RunResult
 from .engine.seeds import SeedsResult
@@ -26,7 +27,7 @@ from .registry import register_algorithm, register_dataset, register_model
 __version__ = "0.2.0"
 
 __all__ = [
-    "SGD", "Algorithm", "Batches", "ClientId", "Context", "DataError", "FederatedData", "GlobalModel", "Model",
-    "ModelError", "RunResult", "SeedsResult", "__version__", "local_sgd", "masked_steps", "register_algorithm",
+    "SGD", "Algorithm", "BatchNorm", "Batches", "ClientId", "Context", "DataError", "FederatedData", "GlobalModel",
+    "Model", "ModelError", "RunResult", "SeedsResult", "__version__", "local_sgd", "masked_steps", "register_algorithm",
     "register_dataset", "register_model", "run",
 ]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from . import batchnorm
 from .tree import Params
 
 
@@ -57,6 +58,9 @@ class Model:
     #: optional pure ``(params, x) -> (n, d)`` representation (the head's input); default: the head module's
     #: input captured while the module runs
     embed: Callable[[Params, Tensor], Tensor] | None = field(default=None, compare=False)
+    #: the parameter names of the model's ``fedmtl.BatchNorm`` layers (affine weights and running statistics), found
+    #: from the module; empty for a model without batch norm.  FedBN keeps them per client
+    batch_norm: tuple[str, ...] = field(init=False, default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -69,6 +73,17 @@ class Model:
             raise ModelError(f"a binary model has 2 classes, got num_classes={self.num_classes}")
         if not any(True for _ in self.module.parameters()):
             raise ModelError(f"{type(self.module).__name__} has no parameters to train")
+        torch_bn = [n for n, m in self.module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if torch_bn:
+            raise ModelError(f"{type(self.module).__name__} uses torch.nn batch norm ({torch_bn[0]!r}), whose running "
+                             "statistics are buffers updated in place (vmap refuses that, padding would enter the "
+                             "batch statistics, and prediction would use batch statistics): use fedmtl.BatchNorm, a "
+                             "drop-in replacement whose statistics are entries of the parameter tree")
+        object.__setattr__(self, "batch_norm", batchnorm.name_batchnorms(self.module))
+        stray = [k for k, _ in self.module.named_parameters() if batchnorm.is_statistic(k) and k not in self.batch_norm]
+        if stray:
+            raise ModelError(f"parameters {stray} are named like batch-norm statistics ({batchnorm.STATISTICS}) but "
+                             "are not a fedmtl.BatchNorm's; training would assign them: rename them")
         if self.head is not None:
             names = dict(self.module.named_parameters())
             unknown = [h for h in self.head if h not in names]
@@ -267,6 +282,8 @@ class Model:
             if self.input_transform is not None:
                 x = self.input_transform(x)
             return self.analytic_grad(params, x, y, mask, weight)
+        if self.batch_norm:
+            return self._value_and_grad_bn(params, x, y, mask, weight)
         if _eager():  # plain autograd: torch.func.grad's per-op overhead is 5x here for recurrent nets
             with torch.enable_grad():
                 leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
@@ -275,6 +292,32 @@ class Model:
             out = {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)}
             return out, loss.detach()
         return grad_and_value(self.loss)(params, x, y, mask, weight)
+
+
+    def _value_and_grad_bn(
+        self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None
+    ) -> tuple[Params, Tensor]:
+        """``value_and_grad`` of a model with ``BatchNorm``: the loss in training mode (batch statistics of the real
+        samples); the entries of the running statistics hold their updated values instead of a gradient, which
+        ``local_sgd`` assigns (``fedmtl.batchnorm``)."""
+        def loss_and_stats(p: Params) -> tuple[Tensor, dict[str, Tensor]]:
+            with batchnorm.training(mask) as updates:
+                loss = self.loss(p, x, y, mask, weight)
+            return loss, dict(updates)
+
+        if _eager():
+            with torch.enable_grad():
+                leaves = {k: v.detach().requires_grad_(not batchnorm.is_statistic(k)) for k, v in params.items()}
+                loss, stats = loss_and_stats(leaves)
+                learn = [k for k in leaves if not batchnorm.is_statistic(k)]
+                grads = dict(zip(learn, torch.autograd.grad(loss, [leaves[k] for k in learn], allow_unused=True),
+                                 strict=True))
+            out = {k: stats[k].detach() if k in stats else v if batchnorm.is_statistic(k)  # a layer not run: kept
+                   else torch.zeros_like(v) if grads[k] is None else grads[k] for k, v in params.items()}
+            return out, loss.detach()
+        g, (loss, stats) = grad_and_value(loss_and_stats, has_aux=True)(params)
+        out = {k: stats[k] if k in stats else v if batchnorm.is_statistic(k) else g[k] for k, v in params.items()}
+        return out, loss
 
 
 class _Captured(Exception):

@@ -17,6 +17,7 @@ from typing import NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
+from .batchnorm import is_statistic
 from .tree import Params, tmap
 
 
@@ -159,6 +160,8 @@ def local_sgd(
     whose loss is then an (M,) vector).
     ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient, ``grad_shift`` a
     constant vector (SCAFFOLD's control-variate correction c - c_i, FedDyn's -h_i).
+    Batch-norm running statistics (``fedmtl.batchnorm``) are not trained: ``grad_fn`` returns their updated values,
+    which are assigned (no rate, weight decay, momentum, proximal term or shift).
     """
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
@@ -168,6 +171,11 @@ def local_sgd(
         g, loss = grad_fn(p, batches.x[s], batches.y[s], batches.mask[s], w)
         new_p, new_buf = {}, {}
         for k, v in p.items():
+            if is_statistic(k):
+                new_p[k] = g[k]
+                if mom > 0:
+                    new_buf[k] = buf[k]
+                continue
             d = g[k]
             if wd:
                 d = d + wd * v

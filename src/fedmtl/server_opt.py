@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from . import tree as T
+from .batchnorm import is_statistic
 from .tree import Params
 
 ServerOptName = Literal["none", "sgd", "avgm", "adam", "yogi", "adagrad"]
@@ -75,7 +76,14 @@ class ServerOptConfig:
         return {"m": T.zeros_like(params), "v": T.tmap(lambda p: torch.full_like(p, self.tau**2), params)}
 
     def step(self, old: Params, new: Params, state: dict[str, Params]) -> tuple[Params, dict[str, Params]]:
-        """One server step from the previous model ``old`` given the aggregation's model ``new``."""
+        """One server step from the previous model ``old`` given the aggregation's model ``new``.  Batch-norm running
+        statistics are not optimized: they take the aggregation's value (their average, as FedAvg's)."""
+        stats = {k: v for k, v in new.items() if is_statistic(k)}
+        if stats:
+            learn = [k for k in new if not is_statistic(k)]
+            x, st = self.step({k: old[k] for k in learn}, {k: new[k] for k in learn},
+                              {n: {k: s[k] for k in learn} for n, s in state.items()})
+            return {k: stats[k] if k in stats else x[k] for k in new}, {n: {**state[n], **s} for n, s in st.items()}
         delta = T.sub(new, old)
         if self.name == "sgd":
             return T.tmap(lambda x, d: x + self.lr * d, old, delta), state

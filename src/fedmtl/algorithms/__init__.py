@@ -14,6 +14,7 @@ from .ditto import Ditto
 from .fedala import FedALA
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedbabu import FedBABU
+from .fedbn import FedBN
 from .feddyn import FedDyn
 from .fedem import FedEM
 from .fedper import FedPer
@@ -33,7 +34,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN):
+             PFedHN, FedBN):
     register_algorithm(_cls, replace=True)
 
 
@@ -45,6 +46,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
-    "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "FedRoD", "LGFedAvg",
-    "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
+    "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "FedRoD",
+    "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
 ]

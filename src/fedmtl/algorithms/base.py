@@ -88,6 +88,10 @@ class Algorithm:
     keeps_client_state: ClassVar[bool] = False
     syncs_clients: ClassVar[bool] = False
     averages_updates: ClassVar[bool] = True  # aggregate() averages client updates (robust aggregators apply)
+    #: trains only through ``local_sgd`` with ``Model.value_and_grad`` (or ``train_part``), so a model's batch-norm
+    #: running statistics are assigned, never stepped (``fedmtl.batchnorm``); methods with their own update rule or loss
+    #: leave it False and refuse models with batch norm
+    supports_batch_norm: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_literals(self)

@@ -31,6 +31,7 @@ class PersonalModel(NamedTuple):
 @dataclass(frozen=True)
 class Ditto(Algorithm):
     name: ClassVar[str] = "ditto"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: lambda, the pull of each personal model v towards the global model (0 = local training)

@@ -27,6 +27,7 @@ class FedAvg(Algorithm):
     """FedAvg: local SGD from the global model, the server averages the returned models weighted by samples."""
 
     name: ClassVar[str] = "fedavg"
+    supports_batch_norm: ClassVar[bool] = True
 
     def client_update(
         self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float

@@ -30,6 +30,7 @@ class FedBABU(Algorithm):
     """FedBABU: train and average only the body under a frozen random head; fine-tune before evaluation."""
 
     name: ClassVar[str] = "fedbabu"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     #: epochs of fine-tuning on a client's training data before its evaluation
     finetune_epochs: int = 5

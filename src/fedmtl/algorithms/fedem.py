@@ -63,6 +63,7 @@ MAX_COMPONENTS = 256
 @dataclass(frozen=True)
 class FedEM(Algorithm):
     name: ClassVar[str] = "fedem"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
     keeps_client_state: ClassVar[bool] = True
     #: M, the number of shared component models (at most 256)

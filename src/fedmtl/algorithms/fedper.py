@@ -36,6 +36,7 @@ class FedPer(Algorithm):
     """FedPer: a shared body averaged by the server, a personal head trained with it and kept by each client."""
 
     name: ClassVar[str] = "fedper"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients train a head first
     keeps_client_state: ClassVar[bool] = True
     #: unseen clients: epochs of head training (body fixed) on their training data before testing

@@ -31,6 +31,7 @@ class FedRep(Algorithm):
     """FedRep: each round a client fits its own head on the shared body, then updates the body under that head."""
 
     name: ClassVar[str] = "fedrep"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: epochs of head training (body fixed) before the body epochs, each round; also for unseen clients

@@ -45,6 +45,7 @@ class IFCA(Algorithm):
     """IFCA: k models; each client trains the one that fits its data best."""
 
     name: ClassVar[str] = "ifca"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # evaluation picks the best model on the client's training data
     averages_updates: ClassVar[bool] = False
     #: k, the number of cluster models

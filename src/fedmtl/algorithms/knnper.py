@@ -44,6 +44,7 @@ class KNNPer(FedAvg):
     """kNN-Per: FedAvg's global model interpolated at inference with a kNN over the client's own representations."""
 
     name: ClassVar[str] = "knnper"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # the datastore is built from the client's training data
     #: lambda, the weight of the kNN distribution in the interpolation (0 = the global model)
     interpolation: float = 0.5

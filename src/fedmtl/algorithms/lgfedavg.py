@@ -37,6 +37,7 @@ class LGFedAvg(Algorithm):
     """LG-FedAvg: personal bodies, a shared head averaged by the server."""
 
     name: ClassVar[str] = "lgfedavg"
+    supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: unseen clients: epochs of body training (head fixed) on their training data before testing

@@ -26,6 +26,7 @@ class LocalModel(NamedTuple):
 @dataclass(frozen=True)
 class Local(Algorithm):
     name: ClassVar[str] = "local"
+    supports_batch_norm: ClassVar[bool] = True
     averages_updates: ClassVar[bool] = False
     keeps_client_state: ClassVar[bool] = True
 

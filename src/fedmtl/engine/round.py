@@ -23,9 +23,10 @@ from torch import Tensor
 from .. import tree as T
 from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, epoch_orders
-from ..model import Model
+from ..model import Model, ModelError
 from ..optim import SGD
 from ..privacy import Accountant, PrivacyConfig, calibrate, dp_combine
+from ..registry import ALGORITHMS
 from ..robust.aggregators import RobustConfig, clip_updates, reference_of
 from ..robust.attacks import AttackConfig, corrupt
 from ..server_opt import ServerOptConfig
@@ -35,6 +36,11 @@ from .executors import ExecutorName
 from .systems import SystemsModel
 
 log = logging.getLogger("fedmtl")
+
+
+def batch_norm_methods() -> list[str]:
+    """The registered methods that train models with batch norm (``Algorithm.supports_batch_norm``)."""
+    return sorted(n for n, cls in ALGORITHMS.items() if cls.supports_batch_norm)
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,10 @@ class Engine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         algorithm.check_model(model)
+        if model.batch_norm and not algorithm.supports_batch_norm:
+            raise ModelError(f"model {model.name!r} has batch-norm layers, which {algorithm.name} does not support "
+                             "(its update rule or loss would step or ignore their running statistics); the methods "
+                             f"that do: {batch_norm_methods()}. Use a model without batch norm (e.g. cnn_femnist)")
         self.alg, self.model, self.opt, self.cfg = algorithm, model, opt, cfg
         self.clients, self.fed = clients, federation
         self.systems = systems or SystemsModel()

@@ -1,7 +1,7 @@
 """The built-in models, registered under their config names (``[model] name``).
 
-``linear`` and ``mlp`` (``dense``), ``cnn_femnist`` and ``cnn_cifar`` (``cnn``), ``lstm`` (``lstm``).  A model
-builder is ``(input_shape, num_classes, meta=None, **kwargs) -> Model``; its keyword arguments are the
+``linear`` and ``mlp`` (``dense``), ``cnn_femnist``, ``cnn_bn`` and ``cnn_cifar`` (``cnn``), ``lstm`` (``lstm``).
+A model builder is ``(input_shape, num_classes, meta=None, **kwargs) -> Model``; its keyword arguments are the
 ``[model]`` table's keys.  ``fedmtl.register_model`` adds more.
 """
 
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from ..model import Model, ModelError
 from ..registry import MODELS, register_model
-from .cnn import cifar_cnn, femnist_cnn
+from .cnn import bn_cnn, cifar_cnn, femnist_cnn
 from .dense import linear, mlp
 from .lstm import CharLSTM, char_lstm, lstm_forward
 
-for _name, _fn in (("linear", linear), ("mlp", mlp), ("cnn_femnist", femnist_cnn), ("cnn_cifar", cifar_cnn),
+for _name, _fn in (("linear", linear), ("mlp", mlp), ("cnn_femnist", femnist_cnn), ("cnn_bn", bn_cnn),
+                   ("cnn_cifar", cifar_cnn),
                    ("lstm", char_lstm)):
     register_model(_name, replace=True)(_fn)
 

@@ -2,6 +2,8 @@
 
 * ``cnn_femnist``: FEMNIST/EMNIST CNN of Marfoq et al. (and LEAF): conv(C->32, 5x5) - ReLU - maxpool 2 -
   conv(32->64, 5x5) - ReLU - maxpool 2 - dense(1024 -> 2048) - ReLU - dense(2048 -> classes) on 28x28.
+* ``cnn_bn``: the FEMNIST CNN with batch normalization (``fedmtl.BatchNorm``) after each convolution and after the
+  hidden dense layer, before the ReLU, as the FedBN paper's CNNs (Li et al., ICLR 2021, Appendix); for FedBN.
 * ``cnn_cifar``: a small CIFAR CNN (conv 32 - conv 64 - dense 512).  The FedEM paper uses an
   ImageNet-pretrained MobileNetV2 on CIFAR; pretrained weights cannot be fetched offline here, so that
   option is left out.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..batchnorm import BatchNorm
 from ..model import Model, default_head, input_transform_for
 
 
@@ -26,17 +29,21 @@ def _flat_dim(features: nn.Module, input_shape: tuple[int, ...]) -> int:
 
 
 def _cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None, widths: tuple[int, int],
-         hidden: int, name: str) -> Model:
+         hidden: int, name: str, batch_norm: bool = False) -> Model:
     if len(input_shape) not in (2, 3):
         raise ValueError(f"{name} needs image inputs (H, W) or (C, H, W), got shape {input_shape}")
     c = 1 if len(input_shape) == 2 else input_shape[0]
+
+    def norm(n: int) -> list[nn.Module]:
+        return [BatchNorm(n)] if batch_norm else []
+
     features = nn.Sequential(
-        nn.Conv2d(c, widths[0], 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(widths[0], widths[1], 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Conv2d(c, widths[0], 5), *norm(widths[0]), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(widths[0], widths[1], 5), *norm(widths[1]), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
     )
     out = 1 if num_classes == 2 else num_classes
     flat = _flat_dim(features, input_shape)
-    net = nn.Sequential(features, nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, out))
+    net = nn.Sequential(features, nn.Linear(flat, hidden), *norm(hidden), nn.ReLU(), nn.Linear(hidden, out))
     return Model(net, "binary" if num_classes == 2 else "multiclass", num_classes, name=name,
                  input_transform=input_transform_for(input_shape, meta, flatten=False), prefer_loop_on_cpu=True,
                  head=default_head(net))  # the head: the last dense layer
@@ -45,6 +52,11 @@ def _cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object]
 def femnist_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
                 hidden: int = 2048) -> Model:
     return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_femnist")
+
+
+def bn_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
+           hidden: int = 2048) -> Model:
+    return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_bn", batch_norm=True)
 
 
 def cifar_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
