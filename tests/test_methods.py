@@ -26,7 +26,7 @@ from fedmtl.algorithms import (
     Scaffold,
 )
 from fedmtl.algorithms.base import Context
-from fedmtl.algorithms.perfedavg import role_batch
+from fedmtl.algorithms.perfedavg import role_batch, role_batches
 from fedmtl.data.synthetic import permuted_groups
 from fedmtl.engine.evaluation import summarize
 from fedmtl.model import ModelError
@@ -452,6 +452,18 @@ def test_perfedavg_meta_step_t_takes_batch_t_of_each_role():
         for t in range(4):
             x, _, _ = role_batch(b, role, t)
             assert torch.equal(x, b.x[2 * role + t % 2])
+    # all steps at once, under vmap, for clients with different numbers of non-empty batches (one gather)
+    half = b.mask * torch.tensor([1.0, 0.0] * 3).unsqueeze(-1)  # the second client: one batch per role
+    two = Batches(*(torch.stack([u, v]) for u, v in zip(b[:5], b._replace(mask=half)[:5], strict=True)))
+    xs, _, ms = torch.vmap(lambda *f: role_batches(Batches(*f), 5))(*two[:5])
+    for role in range(3):
+        for t in range(5):
+            assert torch.equal(xs[0, role, t], b.x[2 * role + t % 2])
+            assert torch.equal(xs[1, role, t], b.x[2 * role]) and bool(ms[1, role, t].all())
+    # one batch per role: the same batch every step, without a gather
+    one = _batches(n_steps=3)
+    xs, _, _ = role_batches(one, 4)
+    assert all(torch.equal(xs[r, t], one.x[r]) for r in range(3) for t in range(4))
 
 
 def test_perfedavg_hf_step_approximates_the_exact_hessian_step():

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .algorithms import FedAvg, FedEM
+from .algorithms import FedAvg, FedEM, PerFedAvg
 from .data.federated import FederatedData
 from .data.synthetic import fedem_synthetic
 from .engine.driver import make_engine
@@ -127,6 +127,8 @@ def _bench(args: argparse.Namespace, which: str) -> int:
             ev = _time_rounds(lambda sim=sim, st=st: sim.evaluate(st), 3)
             res["eval_all_clients_s"] = statistics.median(ev)
             res["eval_examples"] = int(data.seen.test.counts.sum() + data.seen.train.counts.sum())
+    if which == "fedem":
+        res.update(_perfedavg_ratios(data, model, rounds))
     base = PerClientBaseline(data, components=1 if which == "engine" else 3)
     ts = _time_rounds(base.round, max(2, rounds // 3))
     res["per_client_round_s"] = statistics.median(ts)
@@ -137,6 +139,24 @@ def _bench(args: argparse.Namespace, which: str) -> int:
     for k, v in res.items():
         print(f"{k:32s} {v:.4f}" if isinstance(v, float) else f"{k:32s} {v}")
     return 0
+
+
+def _perfedavg_ratios(data: FederatedData, model: Any, rounds: int) -> dict[str, Any]:
+    """Per-FedAvg (FO and HF, the synthetic config's alpha = beta = 0.01, tau = 10 meta-steps) against FedAvg, round
+    times on the default (vmap) runner measured in the same run, and the ratio of examples each processes per round
+    (FedAvg: one epoch; Per-FedAvg: tau meta-steps x 2 batches (FO) or x 3 batches, D'' twice (HF))."""
+    out: dict[str, Any] = {}
+    for name, alg in (("fedavg", FedAvg()), ("perfedavg_fo", PerFedAvg(alpha=0.01, beta=0.01, variant="fo")),
+                      ("perfedavg_hf", PerFedAvg(alpha=0.01, beta=0.01, variant="hf"))):
+        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner="vmap"))
+        st = sim.init_state()
+        out[f"{name}_round_s"] = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), rounds))
+    n = data.seen.train.counts.double()
+    batch = n.clamp_max(128)
+    for v, grads in (("fo", 2), ("hf", 4)):
+        out[f"perfedavg_{v}_vs_fedavg"] = out[f"perfedavg_{v}_round_s"] / out["fedavg_round_s"]
+        out[f"perfedavg_{v}_examples_vs_fedavg"] = float(10 * grads * batch.sum() / n.sum())
+    return out
 
 
 def _out(path: str) -> Any:

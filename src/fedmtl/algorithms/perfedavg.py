@@ -45,18 +45,32 @@ from .base import Algorithm, Context, GlobalModel, check_positive
 ROLES = 3  # D, D', D''
 
 
-def role_batch(batches: Batches, role: int, t: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Batch ``t`` (cycling over the client's non-empty batches) of the permutation of ``role`` (vmap-safe)."""
-    if isinstance(batches.x, list):  # loop runner: every listed batch is real
+def role_batches(batches: Batches, steps: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x, y, mask of every meta-step's batches at once, shaped (ROLES, steps, B, ...): entry [r, t] is batch ``t``
+    (cycling over the client's non-empty batches) of the permutation of role ``r``.  One gather for the whole round
+    (vmap-safe): selecting the 3 x ``steps`` batches one at a time cost more than the meta-steps' gradients.  Entry
+    [r][t] indexes both forms (nested lists of the loop runner's ragged batches)."""
+    if isinstance(batches.x, list):  # loop runner: every listed batch is real (and sized as it is: nested lists)
         per = len(batches.x) // ROLES
-        j = role * per + t % per
-        return batches.x[j], batches.y[j], batches.mask[j]
+        return tuple([[f[r * per + t % per] for t in range(steps)] for r in range(ROLES)]  # type: ignore[return-value]
+                     for f in (batches.x, batches.y, batches.mask))
     per = batches.x.shape[0] // ROLES
-    seg = (batches.mask[role * per:(role + 1) * per].sum(-1) > 0).to(torch.long)  # (per,) non-empty batches
-    k = torch.remainder(torch.tensor(t), seg.sum().clamp_min(1))
-    j = (torch.argmax((torch.cumsum(seg, 0) == k + 1).to(torch.long)) + role * per).reshape(1)
-    return (batches.x.index_select(0, j).squeeze(0), batches.y.index_select(0, j).squeeze(0),
-            batches.mask.index_select(0, j).squeeze(0))
+    if per == 1:  # every client of this call has one batch per role: no gather, a broadcast view
+        return tuple(t.reshape(ROLES, 1, *t.shape[1:]).expand(ROLES, steps, *t.shape[1:])  # type: ignore[return-value]
+                     for t in (batches.x, batches.y, batches.mask))
+    live = (batches.mask.reshape(ROLES, per, -1).sum(-1) > 0).to(torch.long)  # (ROLES, per) non-empty batches
+    k = torch.remainder(torch.arange(steps).unsqueeze(0), live.sum(1, keepdim=True).clamp_min(1))  # (ROLES, steps)
+    # the k-th non-empty batch of each role: its position where the running count of non-empty batches reaches k + 1
+    hit = torch.cumsum(live, 1).unsqueeze(1) == (k + 1).unsqueeze(-1)  # (ROLES, steps, per)
+    j = (torch.argmax(hit.to(torch.long), -1) + per * torch.arange(ROLES).unsqueeze(1)).reshape(-1)
+    out = [t.index_select(0, j) for t in (batches.x, batches.y, batches.mask)]
+    return tuple(o.reshape(ROLES, steps, *o.shape[1:]) for o in out)  # type: ignore[return-value]
+
+
+def role_batch(batches: Batches, role: int, t: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch ``t`` of the permutation of ``role`` (``role_batches`` for one step)."""
+    x, y, mask = role_batches(batches, t + 1)
+    return x[role][t], y[role][t], mask[role][t]
 
 
 @dataclass(frozen=True)
@@ -105,10 +119,11 @@ class PerFedAvg(Algorithm):
 
     @staticmethod
     def hvp_fd(ctx: Context, w: Params, v: Params, batch: tuple[Tensor, Tensor, Tensor], delta: float) -> Params:
-        """Finite-difference Hessian-vector product H(w) v ~ [g(w + delta v) - g(w - delta v)] / (2 delta)."""
-        gp, _ = ctx.model.value_and_grad(T.add(w, T.scale(v, delta)), *batch)
-        gm, _ = ctx.model.value_and_grad(T.sub(w, T.scale(v, delta)), *batch)
-        return T.scale(T.sub(gp, gm), 1.0 / (2 * delta))
+        """Finite-difference Hessian-vector product H(w) v ~ [g(w + delta v) - g(w - delta v)] / (2 delta); both
+        gradients in one call, the two points stacked as two models on the same batch."""
+        pts = T.tmap(lambda a, b: torch.stack([a + delta * b, a - delta * b]), w, v)
+        g, _ = ctx.model.value_and_grad_stacked(pts, *batch)
+        return T.tmap(lambda gg: (gg[0] - gg[1]) / (2 * delta), g)
 
     @staticmethod
     def hvp_exact(ctx: Context, w: Params, v: Params, batch: tuple[Tensor, Tensor, Tensor]) -> Params:
@@ -133,8 +148,9 @@ class PerFedAvg(Algorithm):
         limit = batches.limit
         loss_sum = torch.zeros(())
         count = torch.zeros(())
+        xs, ys, ms = role_batches(batches, self.local_steps)
         for t in range(self.local_steps):
-            new, loss = self.meta_step(ctx, w, *(role_batch(batches, r, t) for r in range(ROLES)))
+            new, loss = self.meta_step(ctx, w, *((xs[r][t], ys[r][t], ms[r][t]) for r in range(ROLES)))
             active = torch.ones((), dtype=torch.bool) if limit is None else torch.tensor(t) < limit
             w = T.tmap(lambda a, b, active=active: torch.where(active, a, b), new, w)
             loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
