@@ -1,7 +1,7 @@
 import pytest
 import torch
 from torch import nn
-from torch.func import grad_and_value
+from torch.func import functional_call, grad_and_value
 
 from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches, local_sgd
@@ -76,8 +76,12 @@ def test_bad_optimizer_values():
 
 
 @pytest.mark.parametrize("classes", [2, 4])
-def test_stacked_linear_gradient_equals_per_component_autograd(classes):
-    m = build_model("linear", 5, classes)
+@pytest.mark.parametrize("name", ["linear", "mlp"])
+def test_stacked_dense_gradient_equals_autograd_of_the_module(classes, name):
+    # the hand-written backpropagation (models.stacked), for one model and M = 3 stacked ones, against autograd
+    # through the nn.Module itself, with padding and sample weights
+    m = build_model(name, 5, classes, **({"hidden": (7, 6)} if name == "mlp" else {}))
+    assert m.stacks and m.analytic_grad is not None
     comps = {k: torch.stack([m.init(s)[k] for s in range(3)]) for k in m.init(0)}
     g = torch.Generator().manual_seed(1)
     x = torch.randn(11, 5, generator=g)
@@ -85,12 +89,25 @@ def test_stacked_linear_gradient_equals_per_component_autograd(classes):
     mask = torch.ones(11)
     mask[-2:] = 0
     q = torch.rand(3, 11, generator=g)
+
+    def module_loss(p, w):
+        out = functional_call(m.module, p, (x,))
+        out = out.squeeze(-1) if classes == 2 else out
+        return (m.nll(out, y) * mask * w).sum() / mask.sum()
+
     gs, ls = m.value_and_grad_stacked(comps, x, y, mask, q)
     out = m.apply_stacked(comps, x)
     for j in range(3):
         pj = {k: v[j] for k, v in comps.items()}
-        gj, lj = grad_and_value(m.loss)(pj, x, y, mask, q[j])
+        gj, lj = grad_and_value(module_loss)(pj, q[j])
         assert torch.allclose(ls[j], lj, atol=1e-6)
-        assert torch.allclose(out[j], m.apply(pj, x), atol=1e-6)
+        ref_out = functional_call(m.module, pj, (x,))
+        assert torch.allclose(out[j], ref_out.squeeze(-1) if classes == 2 else ref_out, atol=1e-5)
         for k in pj:
-            assert torch.allclose(gs[k][j], gj[k], atol=1e-6)
+            assert torch.allclose(gs[k][j], gj[k], atol=1e-5), k
+        g1, l1 = m.value_and_grad(pj, x, y, mask, q[j])  # one model
+        assert torch.allclose(l1, lj, atol=1e-6)
+        assert all(torch.allclose(g1[k], gj[k], atol=1e-5) for k in pj)
+    # under vmap over clients (each client's own weights), as the engine runs it
+    gv, lv = torch.func.vmap(m.value_and_grad, in_dims=(0, None, None, None, 0))(comps, x, y, mask, q)
+    assert torch.allclose(lv, ls, atol=1e-6) and all(torch.allclose(gv[k], gs[k], atol=1e-5) for k in gs)

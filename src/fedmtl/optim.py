@@ -117,11 +117,14 @@ Carry = TypeVar("Carry")
 
 
 def masked_steps(
-    batches: Batches, step: Callable[[Carry, int], tuple[Carry, Tensor]], carry: Carry, steps: slice | None = None
+    batches: Batches, step: Callable[..., tuple[Carry, Tensor]], carry: Carry, steps: slice | None = None,
+    masks_itself: bool = False,
 ) -> tuple[Carry, Tensor]:
     """The one local-step loop: ``step(carry, s) -> (carry', loss)`` for every step ``s`` of the client's
     batches, a step that is not live (all padding, or past the straggler ``limit``) leaving ``carry`` and the
-    loss average untouched.  Returns (carry, mean loss over the live steps).
+    loss average untouched.  Returns (carry, mean loss over the live steps).  ``masks_itself``: ``step`` is called
+    as ``step(carry, s, active)`` and returns the carry unchanged itself where ``active`` is False (``local_sgd``
+    folds it into its update, saving a pass over the parameters per step).
 
     vmap-safe: a fixed number of steps, ``torch.where`` instead of branching, nothing updated in place.
     ``loss`` may be a vector (FedEM's M components); the mean is taken per entry.
@@ -131,9 +134,12 @@ def masked_steps(
     count = torch.zeros((), dtype=torch.float32)
     rng = range(len(batches.x)) if steps is None else range(*steps.indices(len(batches.x)))
     for s in rng:
-        new, loss = step(carry, s)
         active = live[s]
-        carry = tmap(lambda a, b, active=active: torch.where(active, a, b), new, carry)
+        if masks_itself:
+            carry, loss = step(carry, s, active)
+        else:
+            new, loss = step(carry, s)
+            carry = tmap(lambda a, b, active=active: torch.where(active, a, b), new, carry)
         loss_sum = loss_sum + torch.where(active, loss, torch.zeros_like(loss))
         count = count + active.to(count.dtype)
     return carry, loss_sum / count.clamp_min(1.0)
@@ -165,32 +171,33 @@ def local_sgd(
     """
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
-    def step(carry: tuple[Params, Params], s: int) -> tuple[tuple[Params, Params], Tensor]:
+    def step(carry: tuple[Params, Params], s: int, active: Tensor) -> tuple[tuple[Params, Params], Tensor]:
         p, buf = carry  # buf: momentum buffers ({} without momentum)
         w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
         g, loss = grad_fn(p, batches.x[s], batches.y[s], batches.mask[s], w)
+        rate = -lr * active.to(torch.float32)  # 0 on a step that is not live: parameters unchanged exactly
         new_p, new_buf = {}, {}
         for k, v in p.items():
             if is_statistic(k):
-                new_p[k] = g[k]
+                new_p[k] = torch.where(active, g[k], v)
                 if mom > 0:
                     new_buf[k] = buf[k]
                 continue
-            d = g[k]
+            d = g[k]  # fused updates (torch.add with alpha): one pass over the parameters per term
             if wd:
-                d = d + wd * v
+                d = torch.add(d, v, alpha=wd)
             if mu:
                 d = d + mu * (v - prox_center[k])  # type: ignore[index]
             if grad_shift is not None:
                 d = d + grad_shift[k]
             if mom > 0:
-                d = mom * buf[k] + d
-                new_buf[k] = d
-            new_p[k] = v - lr * d
+                d = torch.add(d, buf[k], alpha=mom)
+                new_buf[k] = torch.where(active, d, buf[k])
+            new_p[k] = torch.addcmul(v, d, rate.to(v.dtype))
         return (new_p, new_buf), loss
 
     buf0 = {k: torch.zeros_like(v) for k, v in params.items()} if mom > 0 else {}
-    (params, _), loss = masked_steps(batches, step, (params, buf0), steps)
+    (params, _), loss = masked_steps(batches, step, (params, buf0), steps, masks_itself=True)
     return params, loss
 
 

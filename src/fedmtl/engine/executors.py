@@ -104,8 +104,16 @@ class VmapExecutor(Executor):
         if len(outs) == 1:
             inverse = torch.argsort(where[0]).to(batches.device)
             return T.tmap(lambda x: x[inverse], outs[0])
-        inverse = torch.argsort(torch.cat(where)).to(batches.device)
-        return T.tmap(lambda *xs: torch.cat(xs)[inverse], *outs)
+        k = len(batches.counts)
+        dst = [w.to(batches.device) for w in where]
+
+        def place(*xs: Tensor) -> Tensor:  # each bucket's rows copied once into their clients' positions
+            out = xs[0].new_empty((k, *xs[0].shape[1:]))
+            for d, x in zip(dst, xs, strict=True):
+                out.index_copy_(0, d, x)
+            return out
+
+        return T.tmap(place, *outs)
 
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
         return vmap(fn, in_dims=(None, *_in_dims(*stacked)), randomness="error")(shared, *stacked)

@@ -1,11 +1,13 @@
-"""Dense models: ``linear`` (closed-form gradient; FedEM's M components in one matrix product) and ``mlp``."""
+"""Dense models: ``linear`` and ``mlp``, both on the stacked-layer fast path (``models.stacked``: hand-written
+backpropagation as batched matrix products, FedEM's M components in the batch axis of each product)."""
 
 from __future__ import annotations
 
 import numpy as np
 from torch import nn
 
-from ..model import Model, _linear_grad, default_head, input_transform_for
+from ..model import Model, default_head, input_transform_for
+from .stacked import mlp_functions
 
 
 def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
@@ -14,8 +16,9 @@ def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, objec
     out_dim = 1 if num_classes == 2 else num_classes
     output = "binary" if num_classes == 2 else "multiclass"
     d = int(np.prod(input_shape))
-    return Model(nn.Linear(d, out_dim, bias=bias), output, num_classes, name="linear",
-                 analytic_grad=_linear_grad, input_transform=input_transform_for(input_shape, meta, True))
+    forward, grad = mlp_functions([("weight", "bias" if bias else None)], output == "binary")
+    return Model(nn.Linear(d, out_dim, bias=bias), output, num_classes, name="linear", forward=forward,
+                 analytic_grad=grad, stacks=True, input_transform=input_transform_for(input_shape, meta, True))
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
@@ -30,5 +33,7 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] 
     layers.append(nn.Linear(d, out_dim))
     output = "binary" if num_classes == 2 else "multiclass"
     net = nn.Sequential(*layers)  # the head: the last dense layer
+    dense = [(f"{i}.weight", f"{i}.bias") for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
+    forward, grad = mlp_functions(dense, output == "binary")
     return Model(net, output, num_classes, name="mlp", input_transform=input_transform_for(input_shape, meta, True),
-                 head=default_head(net) if hidden else None)
+                 head=default_head(net) if hidden else None, forward=forward, analytic_grad=grad, stacks=True)

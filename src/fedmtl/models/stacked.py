@@ -1,0 +1,103 @@
+"""The stacked-layer fast path of dense networks: forward and backward of a ReLU MLP written as batched matrix
+products, with no autograd.
+
+One function serves one model (weights (out, in)) and M stacked models on the same inputs (weights (M, out, in),
+FedEM's components: the M axis is the batch axis of every product).  Under ``torch.func.vmap`` over the sampled
+clients each product becomes one batched GEMM over clients (and components) -- the forward ``baddbmm`` per layer,
+the backward two -- instead of the per-operation graph that ``torch.func.grad`` records and replays.  The first
+layer's input gradient is never formed (nothing needs it), which saves a third of that layer's backward.
+
+Equal to autograd's gradient of ``Model.loss`` (tested to 1e-5 for one and for stacked models, binary and
+multiclass, with padding and sample weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..tree import Params
+
+Layers = Sequence[tuple[str, str | None]]  # (weight name, bias name or None) of each dense layer, input first
+
+
+def _affine(a: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """a @ w^T + b for a (..., n, in) and w (..., out, in); broadcasts a shared (n, in) input over stacked weights."""
+    if a.dim() == 2 and w.dim() == 3:  # a shared input, M stacked layers: one GEMM against all M x out rows
+        m, o, i = w.shape
+        flat = w.reshape(m * o, i).T
+        z = a @ flat if b is None else torch.addmm(b.reshape(m * o), a, flat)
+        return z.reshape(a.shape[0], m, o).transpose(0, 1)  # (M, n, out), a view
+    wt = w.transpose(-1, -2)
+    if b is None:
+        return a @ wt
+    if a.dim() == 3:  # stacked activations and weights: one fused batched GEMM
+        return torch.baddbmm(b.unsqueeze(-2), a, wt)
+    return torch.addmm(b, a, wt)
+
+
+def mlp_forward(params: Params, x: Tensor, layers: Layers, binary: bool) -> tuple[Tensor, list[Tensor]]:
+    """(logits, pre-activations of the hidden layers): logits (n, out) or (M, n, out) for stacked weights; binary
+    models drop the trailing axis of size 1."""
+    a, pre = x, []
+    for i, (wn, bn) in enumerate(layers):
+        z = _affine(a, params[wn], params[bn] if bn else None)
+        if i < len(layers) - 1:
+            pre.append(z)
+            a = F.relu(z)
+        else:
+            a = z
+    return (a.squeeze(-1) if binary else a), pre
+
+
+def head_residual(z: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None, binary: bool,
+                  num_out: int) -> tuple[Tensor, Tensor]:
+    """(loss, d loss / d logits) of the mean (sample-weighted) logistic or softmax loss over the real samples:
+    ``loss = sum(w * nll) / count``, the residual (p - onehot(y)) w / count shaped (..., n, out)."""
+    wt = mask.to(z.dtype) if weight is None else mask.to(z.dtype) * weight  # (n,) or (M, n)
+    count = mask.to(z.dtype).sum().clamp_min(1.0)
+    if binary:
+        yf = y.to(z.dtype)
+        loss = ((F.softplus(z) - yf * z) * wt).sum(-1) / count
+        return loss, ((torch.sigmoid(z) - yf) * wt / count).unsqueeze(-1)
+    logp = F.log_softmax(z, dim=-1)
+    nll = -torch.gather(logp, -1, y.long().expand(z.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    loss = (nll * wt).sum(-1) / count
+    return loss, (logp.exp() - F.one_hot(y.long(), num_out).to(z.dtype)) * (wt / count).unsqueeze(-1)
+
+
+def mlp_value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None, layers: Layers,
+                       binary: bool) -> tuple[Params, Tensor]:
+    """(gradients, loss) of the MLP's loss by hand-written backpropagation; loss (M,) for stacked weights."""
+    z, pre = mlp_forward(params, x, layers, binary)
+    num_out = params[layers[-1][0]].shape[-2]
+    loss, r = head_residual(z, y, mask, weight, binary, num_out)
+    grads: Params = {}
+    for i in range(len(layers) - 1, -1, -1):
+        wn, bn = layers[i]
+        a = x if i == 0 else F.relu(pre[i - 1])
+        rt = r.transpose(-1, -2)  # (..., out, n)
+        grads[wn] = rt @ a  # a shared input (n, in) folds the M stacked residuals into one GEMM
+        if bn:
+            grads[bn] = r.sum(-2)
+        if i > 0:  # the input gradient of the first layer is never needed
+            r = (r @ params[wn]) * (pre[i - 1] > 0).to(r.dtype)
+    return {k: grads[k] for k in params}, loss
+
+
+def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tensor], Tensor],
+                                                          Callable[..., tuple[Params, Tensor]]]:
+    """(forward, value_and_grad) of an MLP with these dense layers, for ``Model(forward=..., analytic_grad=...)``."""
+    layers = tuple(layers)
+
+    def forward(params: Params, x: Tensor) -> Tensor:
+        return mlp_forward(params, x, layers, binary)[0]
+
+    def value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
+                       ) -> tuple[Params, Tensor]:
+        return mlp_value_and_grad(params, x, y, mask, weight, layers, binary)
+
+    return forward, value_and_grad
