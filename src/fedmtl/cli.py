@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=10)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--fraction", type=float, default=0.25, help="models: fraction of Fashion-MNIST used")
-    b.add_argument("--models", default="cnn,lstm", help="models: which workloads (cnn, lstm)")
+    b.add_argument("--models", default="mlp,cnn,lstm", help="models: which workloads (mlp, cnn, lstm)")
     b.add_argument("--clients", type=int, default=100, help="flower: clients of the FedAvg workload")
     b.add_argument("--sizes", default="1000,10000,100000", help="networked: graph sizes (nodes)")
     b.add_argument("--cvxpy-max", type=int, default=10000, help="networked: largest graph CVXPY solves")

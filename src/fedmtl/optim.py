@@ -196,8 +196,43 @@ def local_sgd(
             new_p[k] = torch.addcmul(v, d, rate.to(v.dtype))
         return (new_p, new_buf), loss
 
+    owned: set[str] = set()  # eager path: parameters this call allocated (updated in place from then on)
+
+    def eager_step(carry: tuple[Params, Params], s: int, active: Tensor) -> tuple[tuple[Params, Params], Tensor]:
+        """The same step outside torch.func transforms (the loop runner): a dead step is skipped, and the update
+        allocates one tensor per parameter (the direction) instead of four, updating its own tensors in place."""
+        if not bool(active):
+            return carry, torch.zeros(())
+        p, buf = carry
+        w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
+        g, loss = grad_fn(p, batches.x[s], batches.y[s], batches.mask[s], w)
+        new_p, new_buf = {}, {}
+        for k, v in p.items():
+            if is_statistic(k):
+                new_p[k] = g[k]
+                if mom > 0:
+                    new_buf[k] = buf[k]
+                continue
+            d = torch.add(g[k], v, alpha=wd) if wd else g[k]  # g[k] itself is never written
+            if mu:
+                d = d + mu * (v - prox_center[k])  # type: ignore[index]
+            if grad_shift is not None:
+                d = d + grad_shift[k]
+            if mom > 0:
+                d = torch.add(d, buf[k], alpha=mom) if d is g[k] else d.add_(buf[k], alpha=mom)
+                new_buf[k] = d
+            step_ = torch.as_tensor(lr, dtype=v.dtype, device=v.device)
+            if k in owned:
+                new_p[k] = v.addcmul_(d, step_, value=-1.0)
+            else:
+                new_p[k] = torch.addcmul(v, d, step_, value=-1.0)
+                owned.add(k)
+        return (new_p, new_buf), loss
+
     buf0 = {k: torch.zeros_like(v) for k, v in params.items()} if mom > 0 else {}
-    (params, _), loss = masked_steps(batches, step, (params, buf0), steps, masks_itself=True)
+    eager = torch._C._functorch.peek_interpreter_stack() is None
+    (params, _), loss = masked_steps(batches, eager_step if eager else step, (params, buf0), steps,
+                                     masks_itself=True)
     return params, loss
 
 
