@@ -42,11 +42,21 @@ def _time_rounds(step: Callable[[], Any], rounds: int, warmup: int = 1) -> list[
     for _ in range(warmup):
         step()
     out = []
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(rounds):
         t0 = time.perf_counter()
         step()
+        if cuda:  # queued kernels belong to the round
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _device_name(device: str) -> str:
+    """The device as recorded in every benchmark's JSON (the GPU's name on CUDA)."""
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 def _peak_rss_mb() -> float:
@@ -56,23 +66,26 @@ def _peak_rss_mb() -> float:
 class PerClientBaseline:
     """One module + optimizer + DataLoader per client (and per component for FedEM), stepped serially."""
 
-    def __init__(self, data: FederatedData, components: int, batch_size: int = 128, seed: int = 0):
+    def __init__(self, data: FederatedData, components: int, batch_size: int = 128, seed: int = 0,
+                 device: str = "cpu"):
         train = data.seen.train
         self.m = components
         self.clients = []
+        dev = torch.device(device)
         for k in range(train.num_clients):
             x, y = train.client(k)
-            ds = TensorDataset(x, y.float(), torch.arange(len(y)))
+            x, y = x.to(dev, torch.float32), y.to(dev)
+            ds = TensorDataset(x, y.float(), torch.arange(len(y), device=dev))
             models = []
             for j in range(components):
                 torch.manual_seed(seed + j)
-                models.append(nn.Linear(x.shape[1], 1))
+                models.append(nn.Linear(x.shape[1], 1).to(dev))
             opts = [torch.optim.SGD(mm.parameters(), lr=OPT.lr, momentum=OPT.momentum,
                                     weight_decay=OPT.weight_decay) for mm in models]
             loader = DataLoader(ds, batch_size=batch_size, shuffle=True)
             full = DataLoader(ds, batch_size=batch_size, shuffle=False)
             self.clients.append([models, opts, loader, full, len(ds), torch.full((components,), 1 / components)])
-        self.global_models = [nn.Linear(train.x.shape[1], 1) for _ in range(components)]
+        self.global_models = [nn.Linear(train.x.shape[1], 1).to(dev) for _ in range(components)]
         self.total = float(train.counts.sum())
         self.bce = nn.BCEWithLogitsLoss(reduction="none")
 
@@ -116,10 +129,10 @@ def _bench(args: argparse.Namespace, which: str) -> int:
         "benchmark": which, "algorithm": alg.name, "clients": data.num_clients, "batch_size": 128,
         "local_epochs": 1, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.machine(), "cpu_count": os.cpu_count(), "rounds_timed": rounds,
-        "data_generation_s": gen_s,
+        "data_generation_s": gen_s, "device": _device_name(args.device),
     }
     for runner in ("vmap", "loop"):
-        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner=runner))
+        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner=runner, device=args.device))
         st = sim.init_state()
         ts = _time_rounds(lambda sim=sim, st=st: sim.round(st), rounds)
         res[f"{runner}_round_s"] = statistics.median(ts)
@@ -129,8 +142,8 @@ def _bench(args: argparse.Namespace, which: str) -> int:
             res["eval_all_clients_s"] = statistics.median(ev)
             res["eval_examples"] = int(data.seen.test.counts.sum() + data.seen.train.counts.sum())
     if which == "fedem":
-        res.update(_perfedavg_ratios(data, model, rounds))
-    base = PerClientBaseline(data, components=1 if which == "engine" else 3)
+        res.update(_perfedavg_ratios(data, model, rounds, args.device))
+    base = PerClientBaseline(data, components=1 if which == "engine" else 3, device=args.device)
     ts = _time_rounds(base.round, max(2, rounds // 3))
     res["per_client_round_s"] = statistics.median(ts)
     res["speedup_vmap_vs_per_client"] = res["per_client_round_s"] / res["vmap_round_s"]
@@ -142,14 +155,14 @@ def _bench(args: argparse.Namespace, which: str) -> int:
     return 0
 
 
-def _perfedavg_ratios(data: FederatedData, model: Any, rounds: int) -> dict[str, Any]:
+def _perfedavg_ratios(data: FederatedData, model: Any, rounds: int, device: str = "cpu") -> dict[str, Any]:
     """Per-FedAvg (FO and HF, the synthetic config's alpha = beta = 0.01, tau = 10 meta-steps) against FedAvg, round
     times on the default (vmap) runner measured in the same run, and the ratio of examples each processes per round
     (FedAvg: one epoch; Per-FedAvg: tau meta-steps x 2 batches (FO) or x 3 batches, D'' twice (HF))."""
     out: dict[str, Any] = {}
     for name, alg in (("fedavg", FedAvg()), ("perfedavg_fo", PerFedAvg(alpha=0.01, beta=0.01, variant="fo")),
                       ("perfedavg_hf", PerFedAvg(alpha=0.01, beta=0.01, variant="hf"))):
-        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner="vmap"))
+        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner="vmap", device=device))
         st = sim.init_state()
         out[f"{name}_round_s"] = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), rounds))
     n = data.seen.train.counts.double()
@@ -177,14 +190,21 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], int]] = {
 # ------------------------------------------------------------------------------------------ models
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
-    """This machine's fp32 matrix-multiply rate (GFLOP/s) with the current thread setting."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(n: int = 2048, reps: int = 5, device: str = "cpu") -> float:
+    """The device's fp32 matrix-multiply rate (GFLOP/s) with the current thread setting."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
+    _sync(device)
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
 
 
 def forward_macs(model: Any, x: torch.Tensor) -> int:
@@ -211,8 +231,10 @@ def forward_macs(model: Any, x: torch.Tensor) -> int:
     return macs
 
 
-def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size: int, transform: Any) -> None:
-    """One FedAvg round the way peer libraries run it: module + optimizer + DataLoader per client."""
+def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size: int, transform: Any,
+                             device: torch.device | None = None) -> None:
+    """One FedAvg round the way peer libraries run it: module + optimizer + DataLoader per client (the client's
+    data moved to ``device`` first, as a peer library's client holds its data there)."""
     train = data.seen.train
     global_state = {k: v.clone() for k, v in module.state_dict().items()}
     acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
@@ -221,6 +243,8 @@ def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size:
         module.load_state_dict(global_state)
         opt = torch.optim.SGD(module.parameters(), lr=0.01)
         x, y = train.client(k)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
         for xb, yb in DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True):
             opt.zero_grad()
             nn.functional.cross_entropy(module(transform(xb)), yb).backward()
@@ -237,7 +261,8 @@ def _bench_models(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                           "cpu_count": os.cpu_count(), "matmul_gflops": matmul_gflops(), "rounds_timed": args.rounds}
+                           "cpu_count": os.cpu_count(), "device": _device_name(args.device),
+                           "matmul_gflops": matmul_gflops(device=args.device), "rounds_timed": args.rounds}
     rss0 = _peak_rss_mb()
     fm = fashion_mnist(num_clients=100, partition="label_groups", fraction=args.fraction, download=False)
     res["fmnist_federation_bytes"] = int(sum(s.x.numel() * s.x.element_size() + s.y.numel() * 8
@@ -260,37 +285,52 @@ def _bench_models(args: argparse.Namespace) -> int:
     }
     workloads = {k: v for k, v in workloads.items() if k in args.models.split(",")}
     opt = SGD(lr=0.01)
+    dev = torch.device(args.device)
+    times: dict[str, dict[str, float]] = {k: {} for k in workloads}
+
+    def timed(key: str, runner: str) -> None:
+        data, model, bsz, chunk = workloads[key]
+        if runner == "per_client":
+            tx = model.input_transform or (lambda x: x)
+            model.module.to(dev)
+            t = _time_rounds(lambda m=model.module, d=data, b=bsz, t=tx: _per_client_module_round(m, d, b, t, dev),
+                             max(1, args.rounds), 0)
+        else:
+            sim = make_engine(FedAvg(), model, data, opt, RunConfig(rounds=10, runner=runner, batch_size=bsz,
+                                                                   chunk_size=chunk, device=args.device))
+            st = sim.init_state()
+            t = _time_rounds(lambda sim=sim, st=st: sim.round(st), args.rounds, 0)
+        times[key][runner] = statistics.median(t)
+        print(f"{key} {runner}: {times[key][runner]:.2f} s/round", flush=True)
+
+    default = {k: make_executor("auto", v[1], dev).name for k, v in workloads.items()}
+    # the default path and the per-client modules of every workload first: the peak RSS up to here is the default
+    # path's (the vmap runner of the CNN and LSTM holds every client's activations and peaks far higher on a CPU)
+    for key in workloads:
+        timed(key, default[key])
+        timed(key, "per_client")
+    res["peak_rss_mb_default_path"] = _peak_rss_mb()
+    for key in workloads:
+        for runner in ("vmap", "loop"):
+            if runner != default[key]:
+                timed(key, runner)
     for key, (data, model, bsz, chunk) in workloads.items():
         n_train = int(data.seen.train.counts.sum())
-        sample = data.seen.train.x[:8]
         tx = model.input_transform or (lambda x: x)
-        macs = forward_macs(model.module, tx(sample)) / 8 * n_train * 3  # forward + backward ~ 3 forwards
+        macs = forward_macs(model.module.cpu(), tx(data.seen.train.x[:8])) / 8 * n_train * 3  # fwd + bwd ~ 3 fwd
         res[f"{key}_train_examples"] = n_train
         res[f"{key}_round_macs"] = macs
         res[f"{key}_floor_s"] = 2 * macs / (res["matmul_gflops"] * 1e9)
-        times = {}
-        for runner in ("vmap", "loop", "auto"):
-            if runner == "auto":
-                times["auto_is"] = make_executor("auto", model, torch.device("cpu")).name
-                continue
-            sim = make_engine(FedAvg(), model, data, opt,
-                              RunConfig(rounds=10, runner=runner, batch_size=bsz, chunk_size=chunk))
-            st = sim.init_state()
-            times[runner] = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), args.rounds, 0))
-            print(f"{key} {runner}: {times[runner]:.2f} s/round", flush=True)
-        times["per_client"] = statistics.median(_time_rounds(
-            lambda m=model.module, d=data, b=bsz, t=tx: _per_client_module_round(m, d, b, t), max(1, args.rounds), 0))
-        print(f"{key} per_client: {times['per_client']:.2f} s/round", flush=True)
-        default = times[str(times["auto_is"])]
-        res[f"{key}_round_s"] = {k: v for k, v in times.items() if k != "auto_is"}
+        res[f"{key}_round_s"] = times[key]
         res[f"{key}_batch_size"] = bsz
         res[f"{key}_vmap_chunk"] = chunk
-        res[f"{key}_default_runner"] = times["auto_is"]
-        res[f"{key}_floor_ratio"] = default / res[f"{key}_floor_s"]
-        res[f"speedup_default_vs_per_client_{key}"] = times["per_client"] / default
+        res[f"{key}_default_runner"] = default[key]
+        res[f"{key}_floor_ratio"] = times[key][default[key]] / res[f"{key}_floor_s"]
+        res[f"speedup_default_vs_per_client_{key}"] = times[key]["per_client"] / times[key][default[key]]
+        res[f"speedup_vmap_vs_per_client_{key}"] = times[key]["per_client"] / times[key]["vmap"]
     if "mlp" in args.models.split(","):  # all 70,000 images (56,000 training examples), as the issue's figures
         full = fashion_mnist(num_clients=100, partition="label_groups", download=False)
-        res.update(_bench_mlp(full, args.rounds, res["matmul_gflops"]))
+        res.update(_bench_mlp(full, args.rounds, res["matmul_gflops"], args.device))
     res["peak_rss_mb"] = _peak_rss_mb()
     write_json(_out(args.out), res)
     for k, v in res.items():
@@ -298,22 +338,22 @@ def _bench_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_mlp(fm: FederatedData, rounds: int, gflops: float) -> dict[str, Any]:
+def _bench_mlp(fm: FederatedData, rounds: int, gflops: float, device: str = "cpu") -> dict[str, Any]:
     """FedAvg and FedEM (M = 3) rounds with the MLP 784-200-10 on the Fashion-MNIST federation (batch 128, one
     epoch, momentum SGD) on the default runner, against their FLOP floors: 6 FLOPs per parameter per training
     example (forward 2, backward 4) for FedAvg; FedEM trains M components (6 M) and its E-step runs their forward
     passes on the local data (2 M): 24 FLOPs per parameter per example.  Also the same rounds with autograd
     (``torch.func.grad``) instead of the stacked-layer path, measured in the same run."""
-    model = build_model("mlp", fm.feature_shape, 10, fm.meta, hidden=(200,))
+    model = build_model("mlp", fm.feature_shape, fm.num_classes, fm.meta, hidden=(200,))
     autograd = dataclasses.replace(model, forward=None, analytic_grad=None, stacks=False)
     n = int(fm.seen.train.counts.sum())
     params = sum(v.numel() for v in model.init(0).values())
     out: dict[str, Any] = {"mlp_train_examples": n, "mlp_params": params, "mlp_batch_size": 128,
-                           "mlp_default_runner": make_executor("auto", model, torch.device("cpu")).name}
+                           "mlp_default_runner": make_executor("auto", model, torch.device(device)).name}
     for alg, flops in ((FedAvg(), 6), (FedEM(num_components=3), 24)):
         floor = flops * params * n / (gflops * 1e9)
         for tag, m in (("", model), ("_autograd", autograd)):
-            sim = make_engine(alg, m, fm, SGD(0.05, 0.9, 5e-4), RunConfig(rounds=10, batch_size=128))
+            sim = make_engine(alg, m, fm, SGD(0.05, 0.9, 5e-4), RunConfig(rounds=10, batch_size=128, device=device))
             st = sim.init_state()
             t = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), rounds))
             out[f"mlp_{alg.name}_round_s{tag}"] = t

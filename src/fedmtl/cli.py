@@ -187,8 +187,18 @@ def _cmd_flower(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from .bench import BENCHMARKS
 
+    dev = args.device
+    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        print(f"error: --device must be cpu, cuda or cuda:N, got {dev!r}", file=sys.stderr)
+        return 2
+    if dev != "cpu" and not torch.cuda.is_available():
+        print(f"error: --device {dev}: this machine has no CUDA device (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
     return BENCHMARKS[args.which](args)
 
 
@@ -276,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True)
     b.add_argument("--rounds", type=int, default=10)
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--device", default="cpu", help="engine, fedem, models: cpu or cuda[:i]")
     b.add_argument("--fraction", type=float, default=0.25, help="models: fraction of Fashion-MNIST used")
     b.add_argument("--models", default="mlp,cnn,lstm", help="models: which workloads (mlp, cnn, lstm)")
     b.add_argument("--clients", type=int, default=100, help="flower: clients of the FedAvg workload")

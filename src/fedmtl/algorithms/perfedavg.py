@@ -59,10 +59,11 @@ def role_batches(batches: Batches, steps: int) -> tuple[Tensor, Tensor, Tensor]:
         return tuple(t.reshape(ROLES, 1, *t.shape[1:]).expand(ROLES, steps, *t.shape[1:])  # type: ignore[return-value]
                      for t in (batches.x, batches.y, batches.mask))
     live = (batches.mask.reshape(ROLES, per, -1).sum(-1) > 0).to(torch.long)  # (ROLES, per) non-empty batches
-    k = torch.remainder(torch.arange(steps).unsqueeze(0), live.sum(1, keepdim=True).clamp_min(1))  # (ROLES, steps)
+    k = torch.remainder(torch.arange(steps, device=live.device).unsqueeze(0),
+                        live.sum(1, keepdim=True).clamp_min(1))  # (ROLES, steps)
     # the k-th non-empty batch of each role: its position where the running count of non-empty batches reaches k + 1
     hit = torch.cumsum(live, 1).unsqueeze(1) == (k + 1).unsqueeze(-1)  # (ROLES, steps, per)
-    j = (torch.argmax(hit.to(torch.long), -1) + per * torch.arange(ROLES).unsqueeze(1)).reshape(-1)
+    j = (torch.argmax(hit.to(torch.long), -1) + per * torch.arange(ROLES, device=live.device).unsqueeze(1)).reshape(-1)
     out = [t.index_select(0, j) for t in (batches.x, batches.y, batches.mask)]
     return tuple(o.reshape(ROLES, steps, *o.shape[1:]) for o in out)  # type: ignore[return-value]
 

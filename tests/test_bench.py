@@ -1,0 +1,43 @@
+"""The speed benchmarks' plumbing (their figures are measured by ``fedmtl bench``, never asserted): device checks,
+and the keys the Per-FedAvg and MLP workloads write, on a toy federation."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedmtl.bench import _bench_mlp, _perfedavg_ratios
+from fedmtl.models import build_model
+from fedmtl.testing import toy_data
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("device, msg", [("cuda", "no CUDA device"), ("gpu", "cpu, cuda or cuda:N")])
+def test_bench_refuses_a_device_it_cannot_use(tmp_path, device, msg):
+    r = subprocess.run([sys.executable, "-m", "fedmtl", "bench", "engine", "--device", device,
+                        "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and msg in r.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_perfedavg_ratios_are_measured_against_fedavg_in_the_same_run():
+    data = toy_data()
+    out = _perfedavg_ratios(data, build_model("linear", 10, 2), rounds=1)
+    for v in ("fo", "hf"):
+        assert out[f"perfedavg_{v}_vs_fedavg"] == out[f"perfedavg_{v}_round_s"] / out["fedavg_round_s"] > 0
+    n = data.seen.train.counts.double()
+    assert out["perfedavg_fo_examples_vs_fedavg"] == pytest.approx(float(20 * n.clamp_max(128).sum() / n.sum()))
+    assert out["perfedavg_hf_examples_vs_fedavg"] == pytest.approx(2 * out["perfedavg_fo_examples_vs_fedavg"])
+
+
+def test_mlp_workload_reports_floor_ratios_for_fedavg_and_fedem():
+    data = toy_data()
+    out = _bench_mlp(data, rounds=1, gflops=100.0)
+    params = 10 * 200 + 200 + 200 * 1 + 1  # binary: one logit
+    assert out["mlp_params"] == params and out["mlp_default_runner"] == "vmap"
+    for alg, flops in (("fedavg", 6), ("fedem", 24)):
+        floor = flops * params * int(data.seen.train.counts.sum()) / 100e9
+        assert out[f"mlp_{alg}_floor_s"] == pytest.approx(floor)
+        assert out[f"mlp_{alg}_floor_ratio"] == pytest.approx(out[f"mlp_{alg}_round_s"] / floor)
+        assert out[f"mlp_{alg}_speedup_vs_autograd"] > 0
