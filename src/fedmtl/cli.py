@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu", help="engine, fedem, models: cpu or cuda[:i]")
     b.add_argument("--fraction", type=float, default=0.25, help="models: fraction of Fashion-MNIST used")
     b.add_argument("--models", default="mlp,cnn,lstm", help="models: which workloads (mlp, cnn, lstm)")
+    b.add_argument("--runners", choices=("all", "default"), default="all",
+                   help="models: also time the non-default runner of the CNN and LSTM (on a CPU their vmap rounds "
+                        "take minutes and ~10 GB), or only the default one")
     b.add_argument("--clients", type=int, default=100, help="flower: clients of the FedAvg workload")
     b.add_argument("--sizes", default="1000,10000,100000", help="networked: graph sizes (nodes)")
     b.add_argument("--cvxpy-max", type=int, default=10000, help="networked: largest graph CVXPY solves")
