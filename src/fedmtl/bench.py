@@ -290,16 +290,17 @@ def _bench_models(args: argparse.Namespace) -> int:
 
     def timed(key: str, runner: str) -> None:
         data, model, bsz, chunk = workloads[key]
+        warmup = 0 if runner == "vmap" and dev.type == "cpu" else 1  # one untimed round (a CPU vmap round: minutes)
         if runner == "per_client":
             tx = model.input_transform or (lambda x: x)
             model.module.to(dev)
             t = _time_rounds(lambda m=model.module, d=data, b=bsz, t=tx: _per_client_module_round(m, d, b, t, dev),
-                             max(1, args.rounds), 0)
+                             max(1, args.rounds), warmup)
         else:
             sim = make_engine(FedAvg(), model, data, opt, RunConfig(rounds=10, runner=runner, batch_size=bsz,
                                                                    chunk_size=chunk, device=args.device))
             st = sim.init_state()
-            t = _time_rounds(lambda sim=sim, st=st: sim.round(st), args.rounds, 0)
+            t = _time_rounds(lambda sim=sim, st=st: sim.round(st), args.rounds, warmup)
         times[key][runner] = statistics.median(t)
         print(f"{key} {runner}: {times[key][runner]:.2f} s/round", flush=True)
 
