@@ -296,13 +296,13 @@ class Model:
             return out, loss.detach()
         return grad_and_value(self.loss)(params, x, y, mask, weight)
 
-
     def _value_and_grad_bn(
         self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None
     ) -> tuple[Params, Tensor]:
         """``value_and_grad`` of a model with ``BatchNorm``: the loss in training mode (batch statistics of the real
         samples); the entries of the running statistics hold their updated values instead of a gradient, which
         ``local_sgd`` assigns (``fedmtl.batchnorm``)."""
+
         def loss_and_stats(p: Params) -> tuple[Tensor, dict[str, Tensor]]:
             with batchnorm.training(mask) as updates:
                 loss = self.loss(p, x, y, mask, weight)

@@ -357,7 +357,7 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
 
 #: the body/head methods against Local and FedAvg on Fashion-MNIST's label-skewed split with FedEM's FEMNIST CNN
 #: (``configs/fmnist_cnn/fedavg.toml``); FedBN and its FedAvg baseline with the batch-norm variant ``cnn_bn``.
-#: FedRep trains its head for 2 epochs per round (the paper's 10 would make its rounds ~4x FedAvg's on this CPU).  A
+#: FedRep trains its head for 2 epochs per round (the paper's 10 would make its rounds ~4x FedAvg's on this CPU).
 #: 15% of the 70,000 images (``data.fraction = 0.15``, ~84 training images per client) keeps a CNN round under 20 s on
 #: one CPU thread; few samples per client is the regime the body/head papers target.
 _BN = ["model.name=cnn_bn"]
