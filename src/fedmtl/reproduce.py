@@ -400,7 +400,8 @@ def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
         avg = 100 * s["final"]["seen_test_acc_mean"]
         rows[n] = {"model": model, "avg": avg, "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
                    "minus_local": avg - local, "rounds": s["rounds"], "seconds_per_round": s["seconds_per_round"]}
-    title = (f"Fashion-MNIST ({100 * FMNIST_CNN_FRACTION:.0f}% of the images), 100 clients, 3 label groups by "
+    frac, clients = (0.02, 10) if quick else (FMNIST_CNN_FRACTION, 100)
+    title = (f"Fashion-MNIST ({100 * frac:.0f}% of the images), {clients} clients, 3 label groups by "
              "Dirichlet(0.4), FEMNIST CNN")
     md = (f"# {title}: test accuracy (%) after the last round, seed 1234\n\n"
           + markdown_table(["method", "model", "avg", "p10", "minus Local", "rounds", "time/round"],
