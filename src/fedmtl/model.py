@@ -108,8 +108,7 @@ class Model:
 
     def split(self, params: Params, method: str = "this method") -> tuple[Params, Params]:
         """(body, head) of ``params`` (``head_names``), both in the model's parameter order."""
-        head = set(self.head_names(method))
-        return ({k: v for k, v in params.items() if k not in head}, {k: v for k, v in params.items() if k in head})
+        return split_names(params, self.head_names(method))
 
     def head_module(self) -> nn.Module:
         """The sub-module that owns the head's parameters (its input is the representation)."""
@@ -325,6 +324,13 @@ class Model:
 
 class _Captured(Exception):
     """Stops a forward pass once the head's input is captured (``Model.features``)."""
+
+
+def split_names(params: Params, names: tuple[str, ...]) -> tuple[Params, Params]:
+    """(the entries not in ``names``, the entries in ``names``), both in ``params``' order (body/head, FedBN's
+    shared/local split)."""
+    chosen = set(names)
+    return ({k: v for k, v in params.items() if k not in chosen}, {k: v for k, v in params.items() if k in chosen})
 
 
 def default_head(module: nn.Module) -> tuple[str, ...] | None:

@@ -206,6 +206,8 @@ def local_sgd(
         p, buf = carry
         w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
         g, loss = grad_fn(p, batches.x[s], batches.y[s], batches.mask[s], w)
+        first = next(iter(p.values()))
+        rate = torch.as_tensor(lr, dtype=first.dtype, device=first.device)  # once per step, not per parameter
         new_p, new_buf = {}, {}
         for k, v in p.items():
             if is_statistic(k):
@@ -221,11 +223,10 @@ def local_sgd(
             if mom > 0:
                 d = torch.add(d, buf[k], alpha=mom) if d is g[k] else d.add_(buf[k], alpha=mom)
                 new_buf[k] = d
-            step_ = torch.as_tensor(lr, dtype=v.dtype, device=v.device)
             if k in owned:
-                new_p[k] = v.addcmul_(d, step_, value=-1.0)
+                new_p[k] = v.addcmul_(d, rate.to(v.dtype), value=-1.0)
             else:
-                new_p[k] = torch.addcmul(v, d, step_, value=-1.0)
+                new_p[k] = torch.addcmul(v, d, rate.to(v.dtype), value=-1.0)
                 owned.add(k)
         return (new_p, new_buf), loss
 

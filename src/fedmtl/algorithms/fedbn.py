@@ -24,7 +24,7 @@ from typing import ClassVar, NamedTuple
 
 from torch import Tensor
 
-from ..model import Model, ModelError
+from ..model import Model, ModelError, split_names
 from ..optim import Batches, local_sgd
 from ..tree import Params
 from .base import Algorithm, Context, check_positive
@@ -35,11 +35,6 @@ class LocalNorm(NamedTuple):
     """Client state: the client's own batch-norm layers (affine weights and running statistics)."""
 
     bn: Params
-
-
-def _split(model: Model, params: Params) -> tuple[Params, Params]:
-    bn = set(model.batch_norm)
-    return {k: v for k, v in params.items() if k not in bn}, {k: v for k, v in params.items() if k in bn}
 
 
 @dataclass(frozen=True)
@@ -67,7 +62,7 @@ class FedBN(Algorithm):
                              "'cnn_bn', or a module with fedmtl.BatchNorm layers")
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> SplitModel:
-        shared, bn = _split(ctx.model, params)
+        shared, bn = split_names(params, ctx.model.batch_norm)
         return SplitModel(shared, bn)
 
     def payload(self, server: SplitModel) -> Params:
@@ -80,7 +75,7 @@ class FedBN(Algorithm):
         self, ctx: Context, payload: Params, state: LocalNorm, batches: Batches, lr: float
     ) -> tuple[Params, LocalNorm, Tensor]:
         new, loss = local_sgd(ctx.model.value_and_grad, {**payload, **state.bn}, batches, lr, ctx.opt)
-        shared, bn = _split(ctx.model, new)
+        shared, bn = split_names(new, ctx.model.batch_norm)
         return shared, LocalNorm(bn), loss
 
     def personalize(
