@@ -212,3 +212,13 @@ def test_fedbn_beats_fedavg_on_clients_with_shifted_features():
     # FedAvg's averaged statistics normalize no client's features well; FedBN's local layers do
     assert acc["fedbn"] > acc["fedavg"] + 0.1, acc
     assert acc["fedbn"] > 0.8, acc
+
+
+def test_mlp_batch_norm_option_builds_the_bn_network_on_the_generic_path():
+    m = build_model("mlp", 10, 3, hidden=(8, 6), batch_norm=True)
+    assert m.batch_norm and len(m.batch_norm) == 8  # two BatchNorm layers: weight, bias, running mean and var
+    assert not m.stacks and m.head is not None
+    plain = build_model("mlp", 10, 3, hidden=(8,))
+    assert plain.stacks and not plain.batch_norm
+    with pytest.raises(ValueError, match="batch_norm"):
+        build_model("mlp", 10, 3, hidden=(8,), batch_norm="yes")

@@ -294,6 +294,7 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
 #: the model into a body and a head need a model with a body: they (and a FedAvg and a Local row for comparison) run
 #: an MLP with one hidden layer of 32 units; the others the linear model of the config.
 _MLP = ["model.name=mlp", "model.hidden=[32]"]
+_MLP_BN = [*_MLP, "model.batch_norm=true"]
 PERSONALIZATION_METHODS: dict[str, list[str]] = {
     "fedavg": ["algorithm.name=fedavg"],
     "local": ["algorithm.name=local"],
@@ -321,8 +322,18 @@ PERSONALIZATION_METHODS: dict[str, list[str]] = {
     "moon": ["algorithm.name=moon", *_MLP],
     # one gradient query per round: 4x the rounds, a larger step
     "omnifedge": ["algorithm.name=omnifedge", "algorithm.lam=0.5", "run.rounds=400", "optim.lr=0.3", *_MLP],
+    # FedBN keeps batch-norm layers local: it and its FedAvg baseline run the MLP + BatchNorm
+    "fedavg (mlp-bn)": ["algorithm.name=fedavg", *_MLP_BN],
+    "fedbn": ["algorithm.name=fedbn", *_MLP_BN],
 }
 PERSONALIZATION_SEEDS = [1, 2, 3]
+
+
+def _personalization_model(overrides: list[str]) -> str:
+    """The model column of the personalization table for one method's overrides."""
+    if "model.batch_norm=true" in overrides:
+        return "mlp-bn"
+    return "mlp" if "model.name=mlp" in overrides else "linear"
 
 
 def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
@@ -332,11 +343,11 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
     ov = ["run.rounds=10", "run.eval_every=5"] if quick else []
     res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov,
                       seeds=PERSONALIZATION_SEEDS)
-    fedavg = {"linear": 100 * res["fedavg"]["final"]["seen_test_acc_mean"],
-              "mlp": 100 * res["fedavg (mlp)"]["final"]["seen_test_acc_mean"]}
+    baseline = {"linear": "fedavg", "mlp": "fedavg (mlp)", "mlp-bn": "fedavg (mlp-bn)"}
+    fedavg = {m: 100 * res[n]["final"]["seen_test_acc_mean"] for m, n in baseline.items() if n in res}
     rows = {}
     for n, s in res.items():
-        model = "mlp" if "model.name=mlp" in PERSONALIZATION_METHODS[n] else "linear"
+        model = _personalization_model(PERSONALIZATION_METHODS[n])
         avg = 100 * s["final"]["seen_test_acc_mean"]
         rows[n] = {"model": model, "avg": avg, "avg_std": 100 * s["final_std"]["seen_test_acc_mean"],
                    "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],

@@ -59,7 +59,7 @@ class FedBN(Algorithm):
     def check_model(self, model: Model) -> None:
         if not model.batch_norm:
             raise ModelError(f"fedbn keeps the batch-norm layers local, but model {model.name!r} has none: use "
-                             "'cnn_bn', or a module with fedmtl.BatchNorm layers")
+                             "'cnn_bn', 'mlp' with batch_norm = true, or a module with fedmtl.BatchNorm layers")
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> SplitModel:
         shared, bn = split_names(params, ctx.model.batch_norm)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
+from ..batchnorm import BatchNorm
 from ..model import Model, default_head, input_transform_for
 from .stacked import mlp_functions
 
@@ -22,18 +23,26 @@ def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, objec
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-        hidden: tuple[int, ...] | list[int] = (64,)) -> Model:
-    """Fully connected ReLU network with the given hidden widths."""
+        hidden: tuple[int, ...] | list[int] = (64,), batch_norm: bool = False) -> Model:
+    """Fully connected ReLU network with the given hidden widths; ``batch_norm`` puts a ``fedmtl.BatchNorm`` after
+    each hidden dense layer, before its ReLU (for FedBN; that variant runs the generic autograd path, not the
+    stacked one)."""
+    if not isinstance(batch_norm, bool):
+        raise ValueError(f"mlp batch_norm must be true or false, got {batch_norm!r}")
     layers: list[nn.Module] = []
     d = int(np.prod(input_shape))
     for h in hidden:
-        layers += [nn.Linear(d, h), nn.ReLU()]
+        layers += [nn.Linear(d, h), *([BatchNorm(h)] if batch_norm else []), nn.ReLU()]
         d = h
     out_dim = 1 if num_classes == 2 else num_classes
     layers.append(nn.Linear(d, out_dim))
     output = "binary" if num_classes == 2 else "multiclass"
     net = nn.Sequential(*layers)  # the head: the last dense layer
+    transform = input_transform_for(input_shape, meta, True)
+    head = default_head(net) if hidden else None
+    if batch_norm and hidden:
+        return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head)
     dense = [(f"{i}.weight", f"{i}.bias") for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
     forward, grad = mlp_functions(dense, output == "binary")
-    return Model(net, output, num_classes, name="mlp", input_transform=input_transform_for(input_shape, meta, True),
-                 head=default_head(net) if hidden else None, forward=forward, analytic_grad=grad, stacks=True)
+    return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head, forward=forward,
+                 analytic_grad=grad, stacks=True)
