@@ -285,3 +285,22 @@ def test_seeds_memory_check_counts_every_replica(monkeypatch):
     run_experiment(cfg, None, progress=False)  # one seed fits
     with pytest.raises(ValueError, match=r"x 3 replicas \(seeds\)"):
         run_seeds(cfg, [1, 2, 3], progress=False)
+
+
+@pytest.mark.slow
+def test_main_job_quick_reports_every_method_with_seed_spread(tmp_path):
+    """``fedmtl main --quick``: the paper's Table 1 rows and the added linear-model methods, mean ± std over the
+    3 seeds, marked quick."""
+    from fedmtl.reproduce import MAIN_EXTRA, MAIN_METHODS, MAIN_SEEDS
+
+    assert main(["-q", "main", "--quick", "--out", str(tmp_path / "res")]) == 0
+    table = (tmp_path / "res" / "table.md").read_text()
+    assert "QUICK" in table.splitlines()[0]
+    summary = json.loads((tmp_path / "res" / "summary.json").read_text())
+    assert list(summary) == [*MAIN_METHODS, *MAIN_EXTRA]
+    for name, row in summary.items():
+        assert f"| {name} | " in table
+        assert len(row["avg_per_seed"]) == len(MAIN_SEEDS)
+        assert row["avg"]["std"] == pytest.approx(float(np.std(row["avg_per_seed"], ddof=1)), abs=1e-6)
+        assert 10 < row["avg"]["mean"] < 100
+    assert summary["fedem"]["paper"] is not None and summary["ifca"]["paper"] is None
