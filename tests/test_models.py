@@ -1,5 +1,7 @@
 """Models: functional forms equal their modules; vmap over clients equals a loop."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.func import vmap
@@ -54,6 +56,32 @@ def test_femnist_cnn_has_the_paper_architecture():
     shapes = {k: tuple(v.shape) for k, v in m.init(0).items()}
     assert shapes["0.0.weight"] == (32, 1, 5, 5) and shapes["0.3.weight"] == (64, 32, 5, 5)
     assert shapes["1.weight"] == (2048, 1024) and shapes["3.weight"] == (62, 2048)
+
+
+@pytest.mark.parametrize("name,shape", [("cnn_femnist", (28, 28)), ("cnn_bn", (28, 28)), ("cnn_cifar", (3, 32, 32))])
+def test_channels_last_cnn_step_equals_the_default_layout(name, shape):
+    """The loop runner runs CNNs channels-last on CPU: loss, gradients (and batch-norm statistics) equal the default
+    layout's (a plain Model without the option), and the gradients come back in the parameters' layout."""
+    c = 1 if len(shape) == 2 else 3
+    meta = {"input": "image", "mean": (0.5,) * c if c > 1 else 0.5, "std": (0.25,) * c if c > 1 else 0.25}
+    m = build_model(name, shape, 10, meta, hidden=32)
+    assert m.channels_last
+    plain = dataclasses.replace(m, channels_last=False)
+    assert plain.batch_norm == m.batch_norm
+    p = m.init(3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (12, *shape), dtype=torch.uint8, generator=g)
+    y = torch.randint(0, 10, (12,), generator=g)
+    mask = torch.ones(12)
+    mask[-3:] = 0
+    g_cl, l_cl = m.value_and_grad(p, x, y, mask)
+    g_ref, l_ref = plain.value_and_grad(p, x, y, mask)
+    assert torch.allclose(l_cl, l_ref, atol=1e-6)
+    for k in p:
+        assert torch.allclose(g_cl[k], g_ref[k], atol=1e-5, rtol=1e-4), k
+        assert g_cl[k].is_contiguous(), k
+    with torch.no_grad():
+        assert torch.allclose(m.apply(p, x), plain.apply(p, x), atol=1e-5)
 
 
 def _image_data(n_clients=4, per=24, seed=0):

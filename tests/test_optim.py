@@ -1,7 +1,7 @@
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value
+from torch.func import functional_call, grad_and_value, vmap
 
 from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches, local_sgd
@@ -111,3 +111,39 @@ def test_stacked_dense_gradient_equals_autograd_of_the_module(classes, name):
     # under vmap over clients (each client's own weights), as the engine runs it
     gv, lv = torch.func.vmap(m.value_and_grad, in_dims=(0, None, None, None, 0))(comps, x, y, mask, q)
     assert torch.allclose(lv, ls, atol=1e-6) and all(torch.allclose(gv[k], gs[k], atol=1e-5) for k in gs)
+
+
+@pytest.mark.parametrize("opt,prox", [(SGD(0.1, 0.9, 1e-3), False), (SGD(0.1, 0.0, 0.0), False),
+                                      (SGD(0.05, 0.5, 0.0), True)])
+def test_vmapped_in_place_steps_equal_the_functional_steps_bit_for_bit(monkeypatch, opt, prox):
+    """Under vmap, local_sgd updates the tensors it allocated in place after its first step; the results equal the
+    functional steps exactly, dead steps (padding, a limit) included, and the inputs are never written."""
+    import fedmtl.optim as optim
+
+    m = build_model("mlp", 6, 3, hidden=(5,))
+    p = m.init(0)
+    p0 = {k: v.clone() for k, v in p.items()}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 5, 6, generator=g)
+    y = torch.randint(0, 3, (3, 4, 5), generator=g)
+    mask = torch.ones(3, 4, 5)
+    mask[1, 2:] = 0  # client 1: two dead steps at the end
+    mask[2, 1] = 0  # client 2: a dead step in the middle
+    mask[2, 3, 2:] = 0  # and a short last batch
+    pos = torch.zeros(3, 4, 5, dtype=torch.long)
+    parts = (x, y, mask, pos, mask.sum((1, 2)), torch.tensor([4, 4, 2]))
+    kw = {"prox_center": p, "prox_mu": 0.3} if prox else {}
+
+    def run() -> dict[str, torch.Tensor]:
+        return vmap(lambda *bb: local_sgd(m.value_and_grad, p, Batches(*bb), 0.1, opt, **kw)[0])(*parts)
+
+    fast = run()
+    monkeypatch.setattr(optim, "_only_vmap", lambda: False)
+    ref = run()
+    for k in p:
+        assert torch.equal(fast[k], ref[k]), k
+        assert torch.equal(p[k], p0[k])  # the shared input untouched
+    for c in range(3):  # and each client equals its own eager run
+        one = local_sgd(m.value_and_grad, p, Batches(*(t[c] for t in parts)), 0.1, opt, **kw)[0]
+        for k in p:
+            assert torch.allclose(fast[k][c], one[k], atol=1e-6), (c, k)

@@ -12,6 +12,7 @@ client and runs the E-step over a non-shuffled loader, as the reference implemen
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import platform
@@ -231,10 +232,16 @@ def forward_macs(model: Any, x: torch.Tensor) -> int:
     return macs
 
 
+def model_channels_last(model: Any, device: torch.device) -> bool:
+    """Whether the loop runner runs ``model`` channels-last on ``device`` (``Model.channels_last``: CPU only)."""
+    return bool(model.channels_last) and device.type == "cpu"
+
+
 def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size: int, transform: Any,
-                             device: torch.device | None = None) -> None:
+                             device: torch.device | None = None, channels_last: bool = False) -> None:
     """One FedAvg round the way peer libraries run it: module + optimizer + DataLoader per client (the client's
-    data moved to ``device`` first, as a peer library's client holds its data there)."""
+    data moved to ``device`` first, as a peer library's client holds its data there).  ``channels_last``: the
+    module (already converted by the caller) gets its batches in the channels-last layout (a tuned plain loop)."""
     train = data.seen.train
     global_state = {k: v.clone() for k, v in module.state_dict().items()}
     acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
@@ -247,7 +254,10 @@ def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size:
             x, y = x.to(device), y.to(device)
         for xb, yb in DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True):
             opt.zero_grad()
-            nn.functional.cross_entropy(module(transform(xb)), yb).backward()
+            xb = transform(xb)
+            if channels_last:
+                xb = xb.clone(memory_format=torch.channels_last)
+            nn.functional.cross_entropy(module(xb), yb).backward()
             opt.step()
         w = len(y) / total
         for name, v in module.state_dict().items():
@@ -291,10 +301,11 @@ def _bench_models(args: argparse.Namespace) -> int:
     def timed(key: str, runner: str) -> None:
         data, model, bsz, chunk = workloads[key]
         warmup = 0 if runner == "vmap" and dev.type == "cpu" else 1  # one untimed round (a CPU vmap round: minutes)
-        if runner == "per_client":
+        if runner.startswith("per_client"):
             tx = model.input_transform or (lambda x: x)
-            model.module.to(dev)
-            t = _time_rounds(lambda m=model.module, d=data, b=bsz, t=tx: _per_client_module_round(m, d, b, t, dev),
+            cl = runner == "per_client_channels_last"
+            mod = copy.deepcopy(model.module).to(dev, memory_format=torch.channels_last) if cl else model.module.to(dev)
+            t = _time_rounds(lambda m=mod, d=data, b=bsz, t=tx, cl=cl: _per_client_module_round(m, d, b, t, dev, cl),
                              max(1, args.rounds), warmup)
         else:
             sim = make_engine(FedAvg(), model, data, opt, RunConfig(rounds=10, runner=runner, batch_size=bsz,
@@ -311,6 +322,10 @@ def _bench_models(args: argparse.Namespace) -> int:
         timed(key, default[key])
         timed(key, "per_client")
     res["peak_rss_mb_default_path"] = _peak_rss_mb()
+    if "cnn" in workloads and model_channels_last(workloads["cnn"][1], dev):
+        # the default path runs the CNN channels-last (Model.channels_last); a plain loop tuned the same way, for
+        # an honest comparison of what the engine itself adds
+        timed("cnn", "per_client_channels_last")
     for key in workloads:
         for runner in ("vmap", "loop"):
             if runner != default[key] and args.runners == "all":
@@ -328,6 +343,9 @@ def _bench_models(args: argparse.Namespace) -> int:
         res[f"{key}_default_runner"] = default[key]
         res[f"{key}_floor_ratio"] = times[key][default[key]] / res[f"{key}_floor_s"]
         res[f"speedup_default_vs_per_client_{key}"] = times[key]["per_client"] / times[key][default[key]]
+        if "per_client_channels_last" in times[key]:
+            res[f"speedup_default_vs_per_client_channels_last_{key}"] = (times[key]["per_client_channels_last"]
+                                                                         / times[key][default[key]])
         if "vmap" in times[key]:
             res[f"speedup_vmap_vs_per_client_{key}"] = times[key]["per_client"] / times[key]["vmap"]
     if "mlp" in args.models.split(","):  # all 70,000 images (56,000 training examples), as the issue's figures

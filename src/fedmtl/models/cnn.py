@@ -46,7 +46,7 @@ def _cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object]
     net = nn.Sequential(features, nn.Linear(flat, hidden), *norm(hidden), nn.ReLU(), nn.Linear(hidden, out))
     return Model(net, "binary" if num_classes == 2 else "multiclass", num_classes, name=name,
                  input_transform=input_transform_for(input_shape, meta, flatten=False), prefer_loop_on_cpu=True,
-                 head=default_head(net))  # the head: the last dense layer
+                 channels_last=True, head=default_head(net))  # the head: the last dense layer
 
 
 def femnist_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
