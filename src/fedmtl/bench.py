@@ -232,11 +232,6 @@ def forward_macs(model: Any, x: torch.Tensor) -> int:
     return macs
 
 
-def model_channels_last(model: Any, device: torch.device) -> bool:
-    """Whether the loop runner runs ``model`` channels-last on ``device`` (``Model.channels_last``: CPU only)."""
-    return bool(model.channels_last) and device.type == "cpu"
-
-
 def _per_client_module_round(module: nn.Module, data: FederatedData, batch_size: int, transform: Any,
                              device: torch.device | None = None, channels_last: bool = False) -> None:
     """One FedAvg round the way peer libraries run it: module + optimizer + DataLoader per client (the client's
@@ -322,7 +317,7 @@ def _bench_models(args: argparse.Namespace) -> int:
         timed(key, default[key])
         timed(key, "per_client")
     res["peak_rss_mb_default_path"] = _peak_rss_mb()
-    if "cnn" in workloads and model_channels_last(workloads["cnn"][1], dev):
+    if "cnn" in workloads and workloads["cnn"][1].runs_channels_last(dev):
         # the default path runs the CNN channels-last (Model.channels_last); a plain loop tuned the same way, for
         # an honest comparison of what the engine itself adds
         timed("cnn", "per_client_channels_last")

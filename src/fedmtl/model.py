@@ -224,7 +224,7 @@ class Model:
             x = self.input_transform(x)
         if self.forward is not None and not (self.module_when_eager and _eager()):
             out = self.forward(params, x)
-        elif self.channels_last and x.dim() == 4 and x.device.type == "cpu" and _eager():
+        elif x.dim() == 4 and self.runs_channels_last(x.device) and _eager():
             # clone, not contiguous(): a 1-channel tensor already counts as channels-last without its strides
             cl = torch.channels_last
             params = {k: v.clone(memory_format=cl) if v.dim() == 4 else v for k, v in params.items()}
@@ -234,6 +234,10 @@ class Model:
         if self.output == "binary" and out.dim() > 1 and out.shape[-1] == 1:
             return out.reshape(out.shape[:-1])
         return out
+
+    def runs_channels_last(self, device: torch.device) -> bool:
+        """Whether the module runs channels-last on ``device`` outside transforms (``channels_last``: CPU only)."""
+        return self.channels_last and device.type == "cpu"
 
     def nll(self, out: Tensor, y: Tensor) -> Tensor:
         """Per-sample negative log-likelihood, shape out.shape[:-1] (multiclass) or out.shape (binary).
@@ -259,10 +263,15 @@ class Model:
         Divides by the number of real samples, as a DataLoader batch mean would.  With ``weight`` =
         FedEM responsibilities this is the reference q-weighted loss ``sum(q * l) / batch_size``.
         """
-        out = self.apply(params, x)
-        w = mask.to(out.dtype) if weight is None else mask.to(out.dtype) * weight
-        count = mask.to(out.dtype).sum().clamp_min(1.0)
-        return (self.nll(out, y) * w).sum() / count
+        return self.masked_mean(self.nll(self.apply(params, x), y), mask, weight)
+
+    @staticmethod
+    def masked_mean(nll: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
+        """``loss``'s reduction of per-sample values ``nll`` (..., n): the sum of ``weight * nll`` over the real
+        samples divided by their number, per leading entry (one loss per stacked model for (M, n))."""
+        m = mask.to(nll.dtype)
+        w = m if weight is None else m * weight
+        return (nll * w).sum(-1) / m.sum().clamp_min(1.0)
 
 
     def apply_stacked(self, params: Params, x: Tensor) -> Tensor:

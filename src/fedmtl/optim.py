@@ -228,7 +228,6 @@ def local_sgd(
                 owned.add(k)
         return (new_p, new_buf), loss
 
-
     def eager_step(carry: tuple[Params, Params], s: int, active: Tensor) -> tuple[tuple[Params, Params], Tensor]:
         """The same step outside torch.func transforms (the loop runner): a dead step is skipped, and the update
         allocates one tensor per parameter (the direction) instead of four, updating its own tensors in place."""

@@ -64,11 +64,8 @@ class IFCA(Algorithm):
 
     def _best(self, ctx: Context, models: Params, batches: Batches, epochs: int) -> Tensor:
         x, y, mask = first_epoch(batches, epochs)
-        # all k models in one stacked forward pass (one matrix product per layer for linear/mlp), then Model.loss's
-        # masked mean per model
-        nll = ctx.model.nll(ctx.model.apply_stacked(models, x), y)  # (k, n)
-        w = mask.to(nll.dtype)
-        losses = (nll * w).sum(-1) / w.sum().clamp_min(1.0)  # (k,)
+        # all k models in one stacked forward pass (one matrix product per layer for linear/mlp)
+        losses = ctx.model.masked_mean(ctx.model.nll(ctx.model.apply_stacked(models, x), y), mask)  # (k,)
         return torch.argmin(losses)
 
     def client_update(
