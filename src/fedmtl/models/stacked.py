@@ -24,13 +24,31 @@ from ..tree import Params
 Layers = Sequence[tuple[str, str | None]]  # (weight name, bias name or None) of each dense layer, input first
 
 
+# At most this many output rows (M x out), a layer's product is formed transposed, w @ a^T: a GEMM with a few long
+# rows runs at twice the speed of a @ w^T with a few short columns under vmap on CPU (measured, 100-300 clients x
+# 128 x 150: 1.6 against 3.2-3.7 ms for 1 and 3 rows; from 10 rows the usual layout is faster).  Same sums.
+NARROW = 4
+
+
 def _affine(a: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """a @ w^T + b for a (..., n, in) and w (..., out, in); broadcasts a shared (n, in) input over stacked weights."""
+    """a @ w^T + b for a (..., n, in) and w (..., out, in); broadcasts a shared (n, in) input over stacked weights.
+    Narrow layers (binary heads, FedEM's linear components) return a transposed view of w @ a^T + b."""
     if a.dim() == 2 and w.dim() == 3:  # a shared input, M stacked layers: one GEMM against all M x out rows
         m, o, i = w.shape
+        if m * o <= NARROW:
+            flat = w.reshape(m * o, i)
+            zt = flat @ a.T if b is None else torch.addmm(b.reshape(m * o, 1), flat, a.T)
+            return zt.reshape(m, o, a.shape[0]).transpose(1, 2)  # (M, n, out), a view
         flat = w.reshape(m * o, i).T
         z = a @ flat if b is None else torch.addmm(b.reshape(m * o), a, flat)
         return z.reshape(a.shape[0], m, o).transpose(0, 1)  # (M, n, out), a view
+    if w.shape[-2] <= NARROW:
+        at = a.transpose(-1, -2)
+        if b is None:
+            return (w @ at).transpose(-1, -2)
+        if a.dim() == 3:
+            return torch.baddbmm(b.unsqueeze(-1), w, at).transpose(-1, -2)
+        return torch.addmm(b.unsqueeze(-1), w, at).transpose(-1, -2)
     wt = w.transpose(-1, -2)
     if b is None:
         return a @ wt
@@ -80,7 +98,11 @@ def mlp_value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weigh
         wn, bn = layers[i]
         a = x if i == 0 else F.relu(pre[i - 1])
         rt = r.transpose(-1, -2)  # (..., out, n)
-        grads[wn] = rt @ a  # a shared input (n, in) folds the M stacked residuals into one GEMM
+        if rt.dim() == 3 and a.dim() == 2:  # a shared input (n, in): the M stacked residuals as one GEMM's rows
+            m, o, n = rt.shape
+            grads[wn] = (rt.reshape(m * o, n) @ a).reshape(m, o, a.shape[-1])
+        else:
+            grads[wn] = rt @ a
         if bn:
             grads[bn] = r.sum(-2)
         if i > 0:  # the input gradient of the first layer is never needed
