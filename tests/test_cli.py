@@ -164,18 +164,3 @@ def test_every_shipped_config_validates():
     for c in configs:
         load(c)  # raises ConfigError on any unknown key or wrong type
 
-
-def test_allocator_tuning_is_set_on_glibc_and_can_be_declined(monkeypatch):
-    # the fedmtl command raises glibc's mmap threshold (fedmtl.memory); FEDMTL_MALLOC=default declines it
-    import ctypes
-
-    from fedmtl.memory import tune_allocator
-
-    monkeypatch.setenv("FEDMTL_MALLOC", "default")
-    assert tune_allocator() is False
-    monkeypatch.delenv("FEDMTL_MALLOC")
-    try:
-        ctypes.CDLL("libc.so.6").mallopt  # noqa: B018
-    except (OSError, AttributeError):
-        pytest.skip("not glibc")
-    assert tune_allocator() is True

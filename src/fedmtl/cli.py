@@ -318,9 +318,6 @@ def _plugins_arg(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .memory import tune_allocator
-
-    tune_allocator()  # large gathers served from the heap, not page-faulted in afresh (fedmtl.memory)
     load_plugins()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
