@@ -163,4 +163,3 @@ def test_every_shipped_config_validates():
     assert len(configs) >= 10
     for c in configs:
         load(c)  # raises ConfigError on any unknown key or wrong type
-
