@@ -127,7 +127,7 @@ def test_vmapped_in_place_steps_equal_the_functional_steps_bit_for_bit(monkeypat
     x = torch.randn(3, 4, 5, 6, generator=g)
     y = torch.randint(0, 3, (3, 4, 5), generator=g)
     mask = torch.ones(3, 4, 5)
-    mask[1, 2:] = 0  # client 1: two dead steps at the end
+    mask[1, 3:] = 0  # client 1: a dead step at the end
     mask[2, 1] = 0  # client 2: a dead step in the middle
     mask[2, 3, 2:] = 0  # and a short last batch
     pos = torch.zeros(3, 4, 5, dtype=torch.long)
@@ -138,10 +138,21 @@ def test_vmapped_in_place_steps_equal_the_functional_steps_bit_for_bit(monkeypat
         return vmap(lambda *bb: local_sgd(m.value_and_grad, p, Batches(*bb), 0.1, opt, **kw)[0])(*parts)
 
     fast = run()
+    stacked = Batches(*parts)
+    seen = []
+    known = optim._known_live
+    monkeypatch.setattr(optim, "_known_live", lambda b: seen.append(known(b)) or seen[-1])
+    with optim.known_live_steps(stacked):  # steps 0 and 2 are live for all three clients: run without masking
+        hinted = run()
+    assert seen == [(True, False, True, False)]
+    with optim.known_live_steps(stacked._replace(mask=mask.clone())):  # a hint for other batches is not taken
+        run()
+    assert seen[-1] is None
     monkeypatch.setattr(optim, "_only_vmap", lambda: False)
     ref = run()
     for k in p:
         assert torch.equal(fast[k], ref[k]), k
+        assert torch.equal(hinted[k], ref[k]), k
         assert torch.equal(p[k], p0[k])  # the shared input untouched
     for c in range(3):  # and each client equals its own eager run
         one = local_sgd(m.value_and_grad, p, Batches(*(t[c] for t in parts)), 0.1, opt, **kw)[0]

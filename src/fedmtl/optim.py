@@ -10,7 +10,9 @@ that loop, shared by every method with its own local step (APFL, pFedMe).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -60,6 +62,45 @@ def live_steps(batches: Batches) -> Tensor:
     if batches.limit is None:
         return nonempty
     return nonempty & (torch.cumsum(nonempty.to(torch.long), 0) <= batches.limit)
+
+
+_KNOWN_LIVE: ContextVar[tuple[tuple[Tensor, Tensor | None, int, tuple[bool, ...]], ...]] = ContextVar(
+    "fedmtl_known_live", default=())
+
+
+@contextmanager
+def known_live_steps(batches: Batches) -> Iterator[None]:
+    """While active, ``local_sgd`` under vmap knows which steps of these stacked (K, S, B) batches are live for all
+    K clients, and runs those steps without the per-client masking of dead steps (half the update's memory
+    traffic).  Liveness is a function of the mask and the limit alone, so the hint is keyed on the identity (and
+    version) of exactly these two tensors: a call on any other batches -- an algorithm's own -- sees no hint."""
+    nonempty = batches.mask.sum(-1) > 0  # (K, S)
+    live = nonempty
+    if batches.limit is not None:
+        live = nonempty & (torch.cumsum(nonempty.to(torch.long), 1) <= batches.limit.unsqueeze(1))
+    flags = tuple(bool(f) for f in live.all(0).tolist())
+    token = _KNOWN_LIVE.set((*_KNOWN_LIVE.get(), (batches.mask, batches.limit, batches.mask._version, flags)))
+    try:
+        yield
+    finally:
+        _KNOWN_LIVE.reset(token)
+
+
+def _known_live(batches: Batches) -> tuple[bool, ...] | None:
+    """The steps of one client's ``batches`` (inside vmap) known live for every client of the call, if any."""
+    hints = _KNOWN_LIVE.get()
+    if not hints or isinstance(batches.mask, list):
+        return None
+    f = torch._C._functorch
+
+    def base(t: Tensor | None) -> Tensor | None:  # the stacked tensor under one level of vmap
+        return f.get_unwrapped(t) if t is not None and f.is_batchedtensor(t) else None
+
+    mask, limit = base(batches.mask), base(batches.limit)
+    for m, lim, version, flags in reversed(hints):
+        if mask is m and limit is lim and m._version == version:
+            return flags
+    return None
 
 
 @dataclass(frozen=True)
@@ -188,6 +229,7 @@ def local_sgd(
 
     owned: set[str] = set()  # parameters (and momentum buffers) this call allocated: updated in place from then on
     in_place = _only_vmap()
+    known = _known_live(batches) if in_place else None  # steps live for every client of the enclosing vmap call
 
     def step(carry: tuple[Params, Params], s: int, active: Tensor) -> tuple[tuple[Params, Params], Tensor]:
         p, buf = carry  # buf: momentum buffers ({} without momentum)
@@ -208,6 +250,19 @@ def local_sgd(
                 d = d + mu * (v - prox_center[k])  # type: ignore[index]
             if grad_shift is not None:
                 d = d + grad_shift[k]
+            if known is not None and known[s]:
+                # live for every client of the vmap call (``known_live_steps``): no masking, and the direction becomes
+                # the new momentum buffer -- 6 reads and writes of parameter-sized tensors where the masked update below
+                # makes 13 (with momentum), and 2 fresh tensors instead of 4 on a call's first step; the same bits as the
+                # masked update's live branch (buf * 0 + d is d for a finite buf; tested)
+                if mom > 0:
+                    d = new_buf[k] = torch.add(d, buf[k], alpha=mom) if d is g[k] else d.add_(buf[k], alpha=mom)
+                if isinstance(lr, float | int):
+                    new_p[k] = v.add_(d, alpha=-lr) if k in owned else torch.add(v, d, alpha=-lr)
+                else:
+                    new_p[k] = v.sub_(d * lr) if k in owned else v - d * lr
+                owned.add(k)  # known only where in_place
+                continue
             if k in owned:
                 # in place on this call's own tensors (a step over 100 clients' 784 x 200 weights: ~2x faster than
                 # four fresh tensors).  d is masked to 0 on a dead step, so v and buf stay exactly as they were; on a

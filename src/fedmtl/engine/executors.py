@@ -27,7 +27,7 @@ from torch.func import vmap
 from .. import tree as T
 from ..data.federated import Orders, Split, ragged_batches, round_batches, steps_per_epoch
 from ..model import Model
-from ..optim import Batches
+from ..optim import Batches, known_live_steps
 
 ExecutorName = Literal["auto", "vmap", "loop"]
 
@@ -97,9 +97,9 @@ class VmapExecutor(Executor):
                                                              randomness="error")
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
-            p = pos.to(batches.device)
-            outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), batches.padded(pos),
-                            lr))
+            p, b = pos.to(batches.device), batches.padded(pos)
+            with known_live_steps(b):  # steps live for the whole bucket skip local_sgd's dead-step masking
+                outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
             where.append(pos)
         if len(outs) == 1:
             inverse = torch.argsort(where[0]).to(batches.device)
