@@ -251,10 +251,10 @@ def local_sgd(
             if grad_shift is not None:
                 d = d + grad_shift[k]
             if known is not None and known[s]:
-                # live for every client of the vmap call (``known_live_steps``): no masking, and the direction becomes
-                # the new momentum buffer -- 6 reads and writes of parameter-sized tensors where the masked update below
-                # makes 13 (with momentum), and 2 fresh tensors instead of 4 on a call's first step; the same bits as the
-                # masked update's live branch (buf * 0 + d is d for a finite buf; tested)
+                # live for every client of the vmap call (``known_live_steps``): no masking, and the direction
+                # becomes the new momentum buffer -- 6 reads and writes of parameter-sized tensors where the masked
+                # update below makes 13 (with momentum), and 2 fresh tensors instead of 4 on a call's first step;
+                # the same bits as the masked update's live branch (buf * 0 + d is d for a finite buf; tested)
                 if mom > 0:
                     d = new_buf[k] = torch.add(d, buf[k], alpha=mom) if d is g[k] else d.add_(buf[k], alpha=mom)
                 if isinstance(lr, float | int):
