@@ -223,7 +223,10 @@ def local_sgd(
     Batch-norm running statistics (``fedmtl.batchnorm``) are not trained: ``grad_fn`` returns their updated values,
     which are assigned (no rate, weight decay, momentum, proximal term or shift).
     After its first step a call updates the parameters and buffers it allocated itself in place (under vmap and
-    outside transforms; never under ``grad``), never ``params``, ``grad_fn``'s outputs or any other input.
+    outside transforms; never under ``grad``), never ``params``, ``grad_fn``'s outputs or any other input.  Under
+    the vmap executor, the steps live for every client of the call skip the dead-step masking
+    (``known_live_steps``).  With a float ``lr`` all these forms give the same bits (tested); with a tensor ``lr`` they
+    agree to rounding.
     """
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
