@@ -253,13 +253,15 @@ def local_sgd(
                 d = d + mu * (v - prox_center[k])  # type: ignore[index]
             if grad_shift is not None:
                 d = d + grad_shift[k]
+            if mom > 0:  # d + mom buf, in place on d where d is this step's own tensor (never under grad)
+                d = d.add_(buf[k], alpha=mom) if in_place and d is not g[k] else torch.add(d, buf[k], alpha=mom)
             if known is not None and known[s]:
                 # live for every client of the vmap call (``known_live_steps``): no masking, and the direction
                 # becomes the new momentum buffer -- 6 reads and writes of parameter-sized tensors where the masked
                 # update below makes 13 (with momentum), and 2 fresh tensors instead of 4 on a call's first step;
                 # the same bits as the masked update's live branch (buf * 0 + d is d for a finite buf; tested)
                 if mom > 0:
-                    d = new_buf[k] = torch.add(d, buf[k], alpha=mom) if d is g[k] else d.add_(buf[k], alpha=mom)
+                    new_buf[k] = d
                 if isinstance(lr, float | int):
                     new_p[k] = v.add_(d, alpha=-lr) if k in owned else torch.add(v, d, alpha=-lr)
                 else:
@@ -270,8 +272,6 @@ def local_sgd(
                 # in place on this call's own tensors (a step over 100 clients' 784 x 200 weights: ~2x faster than
                 # four fresh tensors).  d is masked to 0 on a dead step, so v and buf stay exactly as they were; on a
                 # live step the results equal the functional branch's bit for bit (tested)
-                if mom > 0:
-                    d = torch.add(d, buf[k], alpha=mom) if d is g[k] else d.add_(buf[k], alpha=mom)
                 live = active.to(v.dtype)
                 d = d * live if d is g[k] else d.mul_(live)  # g[k] itself is never written
                 if mom > 0:
@@ -279,7 +279,6 @@ def local_sgd(
                 new_p[k] = v.add_(d, alpha=-lr) if isinstance(lr, float | int) else v.sub_(d.mul_(lr))
                 continue
             if mom > 0:
-                d = torch.add(d, buf[k], alpha=mom)
                 new_buf[k] = torch.where(active, d, buf[k])
             new_p[k] = torch.addcmul(v, d, rate.to(v.dtype))
             if in_place:
