@@ -26,13 +26,21 @@ BODY_HEAD = {"fedper", "fedrep", "lgfedavg", "fedbabu", "omnifedge", "knnper", "
 OPT = {"scaffold": SGD(0.1)}
 
 
+def toy_model(name: str) -> Model | None:
+    """The model each algorithm runs on the toy task (None: the contract suite's linear model); a fresh one each
+    call (an engine moves its model's module to the run's device)."""
+    if name == "mocha":
+        return build_model("linear", 10, 2, bias=False)
+    if name in BODY_HEAD:
+        return build_model("mlp", 10, 2, hidden=(16,))
+    if name == "fedbn":  # FedBN needs batch-norm layers
+        return Model.from_module(nn.Sequential(nn.Linear(10, 16), BatchNorm(16), nn.ReLU(), nn.Linear(16, 1)), 2)
+    return None
+
+
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_registered_algorithm_keeps_the_contract(name, small_data):
-    model = build_model("linear", 10, 2, bias=False) if name == "mocha" else None
-    if name in BODY_HEAD:
-        model = build_model("mlp", 10, 2, hidden=(16,))
-    if name == "fedbn":  # FedBN needs batch-norm layers
-        model = Model.from_module(nn.Sequential(nn.Linear(10, 16), BatchNorm(16), nn.ReLU(), nn.Linear(16, 1)), 2)
+    model = toy_model(name)
     res = check_algorithm(ALGORITHMS[name], TOY.get(name, {}), data=small_data, model=model, opt=OPT.get(name),
                           # Omni-Fedge: one gradient query a round; FedBABU: a frozen random head
                           toy_rounds=45 if name in ("omnifedge", "fedbabu") else 15)

@@ -49,6 +49,9 @@ class Model:
     forward: Callable[[Params, Tensor], Tensor] | None = field(default=None, compare=False)
     #: compute-bound on CPU (large convolutions): the ``auto`` runner loops over clients on CPU
     prefer_loop_on_cpu: bool = False
+    #: the same on a GPU: the ``auto`` runner loops over clients there too (a recurrent net, whose vmapped
+    #: recurrence dispatches thousands of small batched operations per step where cuDNN runs one fused kernel)
+    prefer_loop_on_cuda: bool = False
     #: outside torch.func transforms on CPU, run the module's convolutions in the channels-last memory format
     #: (inputs and 4-d weights re-laid out per call; gradients come back in the parameters' own layout).  PyTorch's
     #: CPU max-pooling and convolutions are much faster so (a FEMNIST CNN step: about 25% on one thread here); the
@@ -195,6 +198,7 @@ class Model:
             raise ModelError(f"model {self.name!r} reads integer token ids, but the data's features are {x.dtype} "
                              f"(shape {tuple(x.shape[1:])}); use a model for real-valued features (linear, mlp, cnn)")
         params = self.init(0)
+        x = x.to(self.device)  # the module may already sit on a run's device (an engine moves it there)
         try:
             with torch.no_grad():
                 out = self.apply(params, x)
@@ -210,13 +214,29 @@ class Model:
             raise ModelError(f"model {self.name!r} returns {out.dtype} logits; it must return floating point")
 
     def init(self, seed: int) -> Params:
-        """Fresh parameters from the module's own initializer, seeded without touching global RNG."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for m in self.module.modules():
-                if hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
-            return {k: v.detach().clone() for k, v in self.module.named_parameters()}
+        """Fresh parameters from the module's own initializer, seeded without touching global RNG, on the module's
+        device.  They are drawn on the CPU whatever that device is, so a run starts from the same model on a GPU
+        as on the CPU (CUDA's generator draws other numbers for the same seed)."""
+        dev = self.device
+        if dev.type != "cpu":
+            self.module.cpu()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                for m in self.module.modules():
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+                return {k: v.detach().clone().to(dev) for k, v in self.module.named_parameters()}
+        finally:
+            if dev.type != "cpu":
+                self.module.to(dev)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters (or, without any, its buffers) are: the CPU, or a run's device."""
+        for t in (*self.module.parameters(), *self.module.buffers()):
+            return t.device
+        return torch.device("cpu")
 
     def apply(self, params: Params, x: Tensor) -> Tensor:
         """Forward pass: (n, *features) -> (n,) logits (binary) or (n, C) logits."""

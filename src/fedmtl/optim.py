@@ -54,9 +54,11 @@ class Batches(NamedTuple):
 def live_steps(batches: Batches) -> Tensor:
     """(S,) bool: the steps a client actually runs — non-empty, and within its straggler ``limit``."""
     if isinstance(batches.x, list):
+        # on the CPU whatever the batches' device: the loop over one client's steps branches on it, and a flag on
+        # a GPU would stall the CPU once per step
         live = torch.ones(len(batches.x), dtype=torch.bool)
         if batches.limit is not None:
-            live &= torch.arange(len(batches.x)) < batches.limit
+            live &= torch.arange(len(batches.x)) < batches.limit.cpu()
         return live
     nonempty = batches.mask.sum(-1) > 0
     if batches.limit is None:

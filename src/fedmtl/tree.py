@@ -123,7 +123,13 @@ def all_finite_rows(stacked: Tree) -> Tensor:
 
 
 def to(tree: Tree, device: torch.device | str) -> Tree:
-    return tmap(lambda x: x.to(device), tree)
+    """Every leaf on ``device``.  Host-to-GPU copies do not wait for the GPU: a blocking copy synchronizes the
+    stream after each tensor, which stalls the CPU on the GPU's queued work once per client in a loop over clients
+    (CUDA stages a pageable source before the call returns, so the source may change right after; GPU-to-host
+    copies stay blocking, since their result is read at once)."""
+    device = torch.device(device)
+    h2d = device.type == "cuda"
+    return tmap(lambda x: x.to(device, non_blocking=h2d and x.device.type == "cpu"), tree)
 
 
 class TreeError(ValueError):

@@ -276,7 +276,9 @@ class Engine:
         """A fresh run (the clients' stores opened empty), or, with ``resume`` (a loaded checkpoint), the
         checkpoint's round, server and history with the clients' states restored."""
         params = T.to(self.model.init(self.cfg.seed), self.device)
-        server0 = self.alg.init_server(self.ctx, params, self.cfg.seed)
+        # an algorithm builds its server state's extra tensors (assignments, counters) where it likes; they live on
+        # the run's device from here on
+        server0 = T.to(self.alg.init_server(self.ctx, params, self.cfg.seed), self.device)
         self.server_opt.check(server0, self.alg.name)
         opt0 = self.server_opt.init(server0.params) if self.server_opt.enabled else {}
         if resume is None:
@@ -370,7 +372,7 @@ class Engine:
             if self.privacy.enabled:
                 ctx, updates = self._private(payload, updates, weights, r, plan.n_sampled)
             before = state.server
-            state.server = alg.aggregate(ctx, state.server, updates, weights.to(self.device), ids)
+            state.server = T.to(alg.aggregate(ctx, state.server, updates, weights.to(self.device), ids), self.device)
             if self.server_opt.enabled and state.server is not before:
                 params, state.server_opt = self.server_opt.step(before.params, state.server.params, state.server_opt)
                 state.server = state.server._replace(params=params)

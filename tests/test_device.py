@@ -1,0 +1,135 @@
+"""Every algorithm, model and command on a CUDA device, checked against the same run on the CPU.
+
+Skipped on a machine without CUDA (CI).  ``FEDMTL_TEST_DEVICE`` names the device to check (default ``cuda`` where
+one is available); ``FEDMTL_TEST_DEVICE=cpu`` runs the same checks CPU against CPU, which exercises the tests
+themselves on any machine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedmtl import tree as T
+from fedmtl.algorithms import ALGORITHMS, FedAvg, FedEM
+from fedmtl.cli import main
+from fedmtl.data.federated import ClientGroup, FederatedData, Split
+from fedmtl.engine.evaluation import summarize
+from fedmtl.models import build_model
+from fedmtl.testing import all_client_states, run_rounds, simulator
+
+from .test_contract import OPT, TOY, toy_model
+from .test_models import _image_data
+from .test_rundir import TINY
+
+DEVICE = os.environ.get("FEDMTL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
+pytestmark = pytest.mark.skipif(not DEVICE, reason="no CUDA device (FEDMTL_TEST_DEVICE names one to check)")
+
+# float sums on the device run in another order than on the CPU; a few rounds of SGD keep the difference small
+ATOL = 2e-4
+
+
+def _on(tree, device: str) -> None:
+    for leaf in T.leaves(tree):
+        assert leaf.device.type == torch.device(device).type, f"a state tensor is on {leaf.device}, not {device}"
+
+
+def _close(a, b, what: str, atol: float = ATOL) -> None:
+    la, lb = T.leaves(a), T.leaves(b)
+    assert len(la) == len(lb), what
+    for x, y in zip(la, lb, strict=True):
+        x, y = x.detach().cpu(), y.detach().cpu()
+        if x.dtype.is_floating_point:
+            torch.testing.assert_close(y, x, atol=atol, rtol=1e-3, equal_nan=True, msg=lambda m, w=what: f"{w}: {m}")
+        else:
+            assert torch.equal(x, y), what
+
+
+def _summaries_close(a: dict, b: dict, what: str, atol: float = ATOL) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        if np.isnan(a[k]) and np.isnan(b[k]):
+            continue
+        assert abs(a[k] - b[k]) <= atol * max(1.0, abs(a[k])), f"{what}: {k} cpu {a[k]} vs {DEVICE} {b[k]}"
+
+
+@pytest.mark.parametrize("runner", ["vmap", "loop"])
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_algorithm_on_the_device_equals_its_cpu_run(name, runner, small_data):
+    out = {}
+    for dev in ("cpu", DEVICE):
+        eng = simulator(ALGORITHMS[name](**TOY.get(name, {})), small_data, toy_model(name), OPT.get(name),
+                        runner=runner, sampling_rate=0.5, device=dev)
+        st, rows = run_rounds(eng, 3)
+        _on(st.server, dev)
+        out[dev] = (st.server, all_client_states(eng), [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
+    (sa, ca, la, ea), (sb, cb, lb, eb) = out["cpu"], out[DEVICE]
+    _close(sa, sb, f"{name} server state")
+    _close(ca, cb, f"{name} client states")
+    np.testing.assert_allclose(lb, la, atol=ATOL, rtol=1e-3, err_msg=f"{name} training losses")
+    _summaries_close(ea, eb, f"{name} evaluation")
+
+
+def _text_data() -> FederatedData:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 80, (n, 10), dtype=torch.uint8, generator=g) for n in (9, 14, 5)]
+    ys = [torch.randint(0, 80, (n,), generator=g) for n in (9, 14, 5)]
+    return FederatedData(ClientGroup(Split.from_lists(xs, ys), Split.from_lists(xs, ys)), 80)
+
+
+MODELS = {  # (data, model name, model options): the models of the benchmarks, small
+    "mlp": (_image_data, "mlp", {}),
+    "cnn_femnist": (_image_data, "cnn_femnist", {"hidden": 32}),
+    "lstm": (_text_data, "lstm", {"hidden": 16, "embed": 4}),
+}
+
+
+@pytest.fixture
+def no_tf32():
+    """cuDNN convolutions in full fp32 (their default TF32 rounds inputs to 10 mantissa bits): the comparison with
+    the CPU then checks the code path, not the precision setting."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("alg", ["fedavg", "fedem"])
+@pytest.mark.parametrize("runner", ["vmap", "loop"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_models_on_the_device_equal_their_cpu_runs(model, runner, alg, no_tf32):
+    make_data, mname, kw = MODELS[model]
+    data = make_data()
+    out = {}
+    for dev in ("cpu", DEVICE):
+        m = build_model(mname, data.feature_shape, data.num_classes, data.meta, **kw)
+        eng = simulator(FedAvg() if alg == "fedavg" else FedEM(num_components=2), data, m, runner=runner,
+                        batch_size=4, device=dev)
+        st, rows = run_rounds(eng, 2)
+        _on(st.server, dev)
+        out[dev] = (st.server, [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
+    _close(out["cpu"][0], out[DEVICE][0], f"{model} server state")
+    np.testing.assert_allclose(out[DEVICE][1], out["cpu"][1], atol=ATOL, rtol=1e-3)
+    _summaries_close(out["cpu"][2], out[DEVICE][2], f"{model} evaluation")
+
+
+def test_run_command_on_the_device_equals_the_cpu_run_and_resumes(tmp_path: Path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY.format(rounds=4, every=2))
+    finals = {}
+    for i, dev in enumerate(("cpu", DEVICE)):
+        out = tmp_path / f"run-{i}"
+        assert main(["run", str(cfg), "--out", str(out), "-q", "--device", dev, "--seeds", "1,2"]) == 0
+        finals[i] = json.loads((out / "summary.json").read_text())
+    a, b = finals[0]["final"], finals[1]["final"]
+    for k, v in a.items():
+        assert abs(v["mean"] - b[k]["mean"]) <= ATOL * max(1.0, abs(v["mean"])), k
+    # the checkpoint written on the device loads back onto it: --resume of the finished run evaluates it again
+    seed1 = json.loads((tmp_path / "run-1" / "seed-1" / "summary.json").read_text())["final"]
+    assert main(["run", str(cfg), "--out", str(tmp_path / "run-1"), "-q", "--device", DEVICE, "--seeds", "1,2",
+                 "--resume"]) == 0
+    assert json.loads((tmp_path / "run-1" / "seed-1" / "summary.json").read_text())["final"] == seed1
