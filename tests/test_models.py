@@ -9,6 +9,7 @@ from torch.func import vmap
 from fedmtl import tree as T
 from fedmtl.algorithms import FedAvg
 from fedmtl.data.federated import ClientGroup, FederatedData, Split
+from fedmtl.engine.executors import make_executor
 from fedmtl.models import build_model
 from fedmtl.models.lstm import lstm_forward
 
@@ -120,6 +121,9 @@ def test_lstm_loop_and_vmap_runners_agree():
     data = FederatedData(ClientGroup(Split.from_lists(xs, ys), Split.from_lists(xs, ys)), 80)
     model = build_model("lstm", (10,), 80, hidden=16, embed=4)
     assert model.prefer_loop_on_cpu and make_sim(FedAvg(), data, model=model).clients.executor.name == "loop"
+    # on a GPU as well (cuDNN's fused recurrence); the MLP vmaps on both
+    assert make_executor("auto", model, torch.device("cuda")).name == "loop"
+    assert make_executor("auto", build_model("mlp", (10,), 80), torch.device("cuda")).name == "vmap"
     states = []
     for runner in ("vmap", "loop"):
         st, _ = run_rounds(make_sim(FedAvg(), data, model=model, runner=runner, batch_size=4), 2)

@@ -12,7 +12,7 @@ That is all an executor does; the round loop (``engine.round``) decides what run
   of the two above.
 
 ``auto`` (``make_executor``) picks ``loop`` for models that declare ``prefer_loop_on_cpu`` (convolutions, the
-LSTM) on CPU and ``vmap`` otherwise.
+LSTM) on CPU or ``prefer_loop_on_cuda`` (the LSTM) on a GPU, and ``vmap`` otherwise.
 """
 
 from __future__ import annotations
@@ -141,9 +141,11 @@ class LoopExecutor(Executor):
 
 def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
                   bucketing: Literal["steps", "none"] = "steps") -> Executor:
-    """The executor ``name``; ``auto`` loops for compute-bound models (``prefer_loop_on_cpu``) on CPU."""
+    """The executor ``name``; ``auto`` loops where the model prefers it on this device (``prefer_loop_on_cpu``,
+    ``prefer_loop_on_cuda``), and vmaps otherwise."""
     if name == "auto":
-        name = "loop" if (model.prefer_loop_on_cpu and device.type == "cpu") else "vmap"
+        loop = model.prefer_loop_on_cuda if device.type == "cuda" else model.prefer_loop_on_cpu
+        name = "loop" if loop else "vmap"
     if name == "vmap":
         return VmapExecutor(chunk_size, bucketing)
     if name == "loop":

@@ -7,7 +7,10 @@ turns those into batched products.  It reads ``nn.LSTM``'s own parameters (gate 
 equals the module's output (tested).  Outside torch.func transforms (the loop runner, evaluation on
 one client) the module itself runs, with nn.LSTM's fused CPU kernel and plain autograd: on 2 CPU cores
 that is ~5x faster than any batched form written with matmuls here, so the ``auto`` runner loops over
-clients for this model on CPU.  The prediction is made from the last time step.
+clients for this model on CPU.  On a GPU too: vmapped, each step dispatches the recurrence's small batched
+operations one by one (thousands per step) where cuDNN runs one fused kernel per client (an H100, 100
+Shakespeare clients: the vmap runner 2.8 s a round against 2.1 s for the loop).  The prediction is made from the
+last time step.
 """
 
 from __future__ import annotations
@@ -65,5 +68,5 @@ def char_lstm(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, ob
               embed: int = 8, hidden: int = 256, layers: int = 2) -> Model:
     module = CharLSTM(num_classes, embed, hidden, layers)
     return Model(module, "multiclass", num_classes, name="lstm", forward=lambda p, x: lstm_forward(p, x, layers),
-                 module_when_eager=True, prefer_loop_on_cpu=True, token_input=True,
+                 module_when_eager=True, prefer_loop_on_cpu=True, prefer_loop_on_cuda=True, token_input=True,
                  head=("decoder.weight", "decoder.bias"), embed=lambda p, x: lstm_features(p, x, layers))
