@@ -458,7 +458,8 @@ def _bench_seeds(args: argparse.Namespace) -> int:
             for n in (1, 5):
                 out = Path(tmp) / f"r{rep}-s{n}"
                 cmd = [sys.executable, "-m", "fedmtl", "-q", "run", config, "--out", str(out),
-                       "--set", f"run.threads={args.threads}"] + (["--seeds", "1-5"] if n == 5 else [])
+                       "--set", f"run.threads={args.threads}", "--device", args.device]
+                cmd += ["--seeds", "1-5"] if n == 5 else []
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
                 times[n].append(time.perf_counter() - t0)
@@ -468,7 +469,8 @@ def _bench_seeds(args: argparse.Namespace) -> int:
     t1, t5 = statistics.median(times[1]), statistics.median(times[5])
     res = {
         "benchmark": "seeds", "config": "configs/synthetic/fedem.toml", "rounds": 200, "seeds": [1, 2, 3, 4, 5],
-        "torch_threads": args.threads, "torch": torch.__version__, "device": "cpu", "machine": platform.machine(),
+        "torch_threads": args.threads, "torch": torch.__version__, "device": _device_name(args.device),
+        "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "repeats": args.repeats,
         "one_seed_s": t1, "five_seeds_s": t5, "one_seed_all_s": times[1], "five_seeds_all_s": times[5],
         "one_seed_train_s": statistics.median(train[1]), "five_seeds_train_s": statistics.median(train[5]),

@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True)
     b.add_argument("--rounds", type=int, default=10)
     b.add_argument("--threads", type=int, default=2)
-    b.add_argument("--device", default="cpu", help="engine, fedem, models: cpu or cuda[:i]")
+    b.add_argument("--device", default="cpu", help="engine, fedem, models, seeds: cpu or cuda[:i]")
     b.add_argument("--fraction", type=float, default=0.25, help="models: fraction of Fashion-MNIST used")
     b.add_argument("--models", default="mlp,cnn,lstm", help="models: which workloads (mlp, cnn, lstm)")
     b.add_argument("--runners", choices=("all", "default"), default="all",
