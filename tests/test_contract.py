@@ -45,7 +45,7 @@ def test_every_registered_algorithm_keeps_the_contract(name, small_data):
                           # Omni-Fedge: one gradient query a round; FedBABU: a frozen random head
                           toy_rounds=45 if name in ("omnifedge", "fedbabu") else 15)
     assert set(res) == {"capabilities", "loop_equals_vmap", "no_input_mutation", "deterministic", "learns",
-                        "checkpoint_round_trip", "nan_excluded"}
+                        "checkpoint_round_trip", "nan_excluded", "private_release"}
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,29 @@
-"""Config fuzzing: 200 seeded random mutations of a valid config through ``fedmtl run``.  Every case must end in
-bounded time either with a clear one-line error naming the file or the key (exit 2), or with a sane result
-(exit 0: finite metrics on a non-empty test set, at least one usable update per round).  Never a traceback,
-never a hang, never nonsense reported as a result.  Also: a model whose updates are always NaN is stopped."""
+"""Config fuzzing through ``fedmtl run``: cases generated from the config schema itself (every numeric key of every
+table, algorithm, dataset and model, at and beyond the ends of its declared range, ``fedmtl.schema``), so a new key
+is fuzzed without anyone writing a case; and 200 seeded random mutations of a valid config.  Every case must end in
+bounded time either with a clear one-line error naming the file and the key (exit 2), or with a sane result (exit 0:
+finite metrics on a non-empty test set, at least one usable update per round).  Never a traceback, never a hang,
+never nonsense reported as a result.  Also: a model whose updates are always NaN is stopped."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import random
 import signal
 import tomllib
+import typing
 
 import pytest
 import torch
 from torch import nn
 
 from fedmtl.cli import main
-from fedmtl.config import dumps
+from fedmtl.config import dumps, table_targets
+from fedmtl.registry import ALGORITHMS, DATASETS, MODELS
+from fedmtl.schema import MIN_MAGNITUDE, Range, range_of, strip, type_hints
 
 BASE = """
 [data]
@@ -108,32 +115,9 @@ def test_200_config_mutations_end_cleanly(tmp_path, capsys):
             if rng.random() < 0.3:  # a second mutation
                 raw, what2 = _mutate(rng, raw)
                 what += "; " + what2
-            text = _toml(raw)
-            cfg = tmp_path / f"case{case}.toml"
-            cfg.write_text(text)
-            out = tmp_path / f"out{case}"
-            signal.alarm(60)
-            try:
-                code = main(["run", str(cfg), "--out", str(out), "-q"])
-            except _Timeout:
-                pytest.fail(f"case {case} ({what}) ran past 60 s")
-            except BaseException as e:  # a traceback: a bug
-                pytest.fail(f"case {case} ({what}) raised {type(e).__name__}: {e}")
-            finally:
-                signal.alarm(0)
-            err = capsys.readouterr().err.strip()
-            if code == 0:
-                ok += 1
-                s = json.loads((out / "summary.json").read_text())
-                acc = s["final"].get("seen_test_acc_mean")
-                assert acc is not None and math.isfinite(acc), (case, what, s["final"])
-                assert s["excluded_updates"] < s["rounds"] * 6, (case, what)
-            else:
-                refused += 1
-                assert code == 2, (case, what, code, err)
-                lines = err.splitlines()
-                assert len(lines) == 1, (case, what, err)
-                assert str(cfg) in err, (case, what, err)  # the file, and (tested elsewhere) the key
+            code, _ = _run_case(tmp_path, capsys, case, raw, f"case {case} ({what})")
+            ok += code == 0
+            refused += code != 0
     finally:
         signal.signal(signal.SIGALRM, previous)
     assert ok >= 10 and refused >= 100, (ok, refused)  # the mutations exercise both outcomes
@@ -146,6 +130,11 @@ def test_200_config_mutations_end_cleanly(tmp_path, capsys):
     ("data.dim=100000000", "[data]"), ("data.noise=inf", "noise"), ("run.eval_chunk_elems=-1000", "eval_chunk_elems"),
     ("algorithm.unseen_tol=inf", "unseen_tol"), ("algorithm.unseen_tol=-inf", "unseen_tol"),
     ("algorithm.num_components=1000000", "num_components"), ("model.name=lstm", "token ids"),
+    # the second review's findings: values accepted that meant nothing
+    ("optim.lr=1e-320", "lr = 1e-320"), ("run.sampling_rate=1e-320", "sampling_rate"),
+    ("optim.lr_gamma=1e-320", "lr_gamma"),
+    ("optim.lr_milestones=[0.75, 0.5]", "strictly increasing"), ("algorithm.unseen_tol=-1.0", "unseen_tol"),
+    ("data.min_samples=0", "min_samples"), ("data.num_components=1000000", "num_components"),
 ])
 def test_the_reported_nonsense_is_refused_in_one_line(tmp_path, capsys, setting, named):
     cfg = tmp_path / "c.toml"
@@ -192,3 +181,178 @@ def test_a_run_whose_every_update_is_nan_stops_instead_of_reporting(tmp_path):
     with pytest.raises(TrainingDiverged, match="every client update was NaN/Inf"):
         fedmtl.run({"algorithm": {"name": "fedavg"}, "run": {"rounds": 10}}, data=data, model=model)
     torch.manual_seed(0)
+
+
+# ------------------------------------------------------------------------------------------ the schema's cases
+# the models an algorithm's in-range runs need (as the contract suite's toy models)
+BODY_HEAD = {"fedper", "fedrep", "lgfedavg", "fedbabu", "omnifedge", "knnper", "moon", "fedrod", "fedala"}
+SKIP_PARAMS = ("input_shape", "num_classes", "meta")
+
+
+def _numeric_keys(target) -> list[tuple[str, type, Range | None, object]]:
+    """(key, int or float, declared range, default) of every numeric key of a config dataclass or builder (list
+    and tuple keys: their items)."""
+    hints = type_hints(target)
+    if dataclasses.is_dataclass(target):
+        defaults = {f.name: f.default for f in dataclasses.fields(target) if f.init}
+    else:
+        defaults = {n: p.default for n, p in inspect.signature(target).parameters.items()
+                    if n not in SKIP_PARAMS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    out = []
+    for key, default in defaults.items():
+        tp = hints.get(key)
+        rng, base = range_of(tp), strip(tp)
+        if typing.get_origin(base) in (typing.Union, __import__("types").UnionType):
+            args = [a for a in typing.get_args(base) if a is not type(None)]
+            base = args[0]
+            rng, base = rng or range_of(base), strip(base)
+        if typing.get_origin(base) in (tuple, list) and typing.get_args(base):
+            item = typing.get_args(base)[0]
+            if strip(item) in (int, float):
+                out.append((key, list, range_of(item), default))
+            continue
+        if base in (int, float):
+            out.append((key, base, rng, default))
+    return out
+
+
+def _targets():
+    """(table, fixed keys, constructor): every table of the schema."""
+    out = [(t, {}, c) for t, c in table_targets().items()]
+    out += [("algorithm", {"name": n}, c) for n, c in sorted(ALGORITHMS.items())]
+    out += [("data", {"name": n}, f) for n, f in sorted(DATASETS.items())]
+    out += [("model", {"name": n}, f) for n, f in sorted(MODELS.items())]
+    return out
+
+
+def _outside(kind, rng: Range | None) -> list:
+    """Values every key of this kind and range must refuse."""
+    vals: list = ["x", True]
+    if kind is float:
+        vals += [float("nan"), float("inf"), float("-inf"), 1e-320, 1e300]
+    if kind is list:
+        vals += [["x"], 5]
+    if rng is not None and kind is not list:
+        if rng.lo is not None:
+            vals.append(rng.lo if rng.lo_open else (rng.lo - 1 if kind is int else rng.lo - max(1.0, abs(rng.lo))))
+        if rng.hi is not None:
+            vals.append(rng.hi if rng.hi_open else (rng.hi + 1 if kind is int else rng.hi + max(1.0, abs(rng.hi))))
+    if kind is list and rng is not None and rng.lo is not None:
+        vals.append([rng.lo if rng.lo_open else rng.lo - 1])
+    return vals
+
+
+def _inside(kind, rng: Range | None, default) -> list:
+    """Values at the cheap end of the range (the upper end of a count can be a run of 10^7 rounds: only its
+    refusal beyond is fuzzed) and the default."""
+    vals = [default] if kind is not list else []
+    if rng is not None and rng.lo is not None:
+        lo = rng.lo
+        if rng.lo_open:
+            lo = lo + 1 if isinstance(lo, int) and not rng.hi_open else (
+                lo + MIN_MAGNITUDE if lo == 0 else lo + 1e-6 * max(1.0, abs(lo)))
+        vals.append([lo] if kind is list else kind(lo))
+    return [v for i, v in enumerate(vals) if v not in vals[:i] and v is not None]
+
+
+def schema_cases() -> list[tuple[str, dict, str, object, bool]]:
+    """(table, the table's fixed keys, key, value, must be refused) for every numeric key of the schema."""
+    cases = []
+    for table, fixed, target in _targets():
+        for key, kind, rng, default in _numeric_keys(target):
+            for v in _outside(kind, rng):
+                cases.append((table, fixed, key, v, True))
+            for v in _inside(kind, rng, default):
+                cases.append((table, fixed, key, v, False))
+    return cases
+
+
+def test_every_numeric_key_declares_its_range():
+    """The schema is complete: a built-in key without a declared range is never fuzzed, so none may exist."""
+    missing = [f"{table}{'.' + fixed['name'] if fixed else ''}.{key}" for table, fixed, target in _targets()
+               for key, _, rng, _ in _numeric_keys(target) if rng is None and key != "strength"]
+    assert not missing, missing
+
+
+def _case_config(table: str, fixed: dict, key: str, value) -> dict:
+    raw = tomllib.loads(BASE)
+    raw["run"]["rounds"] = 1
+    raw["run"]["checkpoint_every"] = 0
+    if table == "algorithm" and fixed:
+        raw["algorithm"] = dict(fixed)
+        name = fixed["name"]
+        if name in BODY_HEAD:
+            raw["model"] = {"name": "mlp", "hidden": [4]}
+        elif name == "fedbn":
+            raw["model"] = {"name": "mlp", "hidden": [4], "batch_norm": True}
+        elif name == "mocha":
+            raw["model"] = {"name": "linear", "bias": False}
+    elif table in ("data", "model") and fixed:
+        base = raw[table]["name"]
+        if fixed["name"] != base:  # another dataset or model: its own keys alone
+            raw[table] = dict(fixed)
+    raw.setdefault(table, {})[key] = value
+    return raw
+
+
+def _run_case(tmp_path, capsys, i: int, raw: dict, what: str) -> tuple[int, str]:
+    """``fedmtl run`` on ``raw`` under a 60 s alarm: exit 0 with a sane result, or exit 2 with one line naming the
+    config file; never a traceback or a hang.  Returns (exit code, stderr)."""
+    cfg = tmp_path / f"s{i}.toml"
+    cfg.write_text(_toml(raw))
+    signal.alarm(60)
+    try:
+        code = main(["run", str(cfg), "--out", str(tmp_path / f"so{i}"), "-q"])
+    except _Timeout:
+        pytest.fail(f"{what} ran past 60 s")
+    except BaseException as e:  # a traceback: a bug
+        pytest.fail(f"{what} raised {type(e).__name__}: {e}")
+    finally:
+        signal.alarm(0)
+    err = capsys.readouterr().err.strip()
+    if code == 0:  # a sane result: finite accuracy, some usable update
+        s = json.loads((tmp_path / f"so{i}" / "summary.json").read_text())
+        acc = s["final"].get("seen_test_acc_mean")
+        acc = acc["mean"] if isinstance(acc, dict) else acc  # run.seeds: the statistics over seeds
+        assert acc is not None and math.isfinite(acc), (what, s["final"])
+        if "excluded_updates" in s:
+            assert s["excluded_updates"] < s["rounds"] * 6, (what, s["excluded_updates"])
+    else:
+        assert code == 2, (what, code, err)
+        assert len(err.splitlines()) == 1 and str(cfg) in err, (what, err)
+    return code, err
+
+
+def test_schema_fuzz_refuses_every_value_outside_a_declared_range(tmp_path, capsys):
+    """Every numeric key, beyond each end of its range, NaN, +-Inf, 1e-320, 1e300, a string and a bool: one line
+    naming the file and the key, exit 2, before any work (a case is one config through ``fedmtl run``)."""
+    cases = [c for c in schema_cases() if c[4]]
+    assert len(cases) >= 400, len(cases)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    try:
+        for i, (table, fixed, key, value, _) in enumerate(cases):
+            what = f"[{table}]{' ' + fixed['name'] if fixed else ''} {key} = {value!r}"
+            code, err = _run_case(tmp_path, capsys, i, _case_config(table, fixed, key, value), what)
+            assert code == 2, f"{what} was accepted"
+            assert key in err, (what, err)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.slow
+def test_schema_fuzz_runs_the_cheap_end_and_default_of_every_range(tmp_path, capsys):
+    """Every numeric key at the low end of its range and at its default (on the fuzz config; other datasets' keys
+    need their data and are only refused beyond their ranges): a sane result or a clean one-line refusal."""
+    cases = [c for c in schema_cases() if not c[4] and not (c[0] == "data" and c[1].get("name") != "fedem_synthetic")
+             and not (c[0] == "model" and c[1].get("name") not in ("linear", "mlp"))]
+    assert len(cases) >= 150, len(cases)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    ran = 0
+    try:
+        for i, (table, fixed, key, value, _) in enumerate(cases):
+            what = f"[{table}]{' ' + fixed['name'] if fixed else ''} {key} = {value!r}"
+            code, _ = _run_case(tmp_path, capsys, i, _case_config(table, fixed, key, value), what)
+            ran += code == 0
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert ran >= 0.8 * len(cases), (ran, len(cases))  # the ranges' own values are settings that run

@@ -107,6 +107,19 @@ def test_corrupt_and_malformed_directories_are_refused_by_name(data, tmp_path):
     (d / "client_one.npz").write_bytes(b"")
     with pytest.raises(DataError, match="client_one.npz"):
         load_dir(d)
+    # a FIFO where a file belongs is refused by its kind before it is opened (opening one would wait forever)
+    import os
+
+    d = _dir(tmp_path / "h", data)
+    (d / "client_1.npz").unlink()
+    os.mkfifo(d / "client_1.npz")
+    with pytest.raises(DataError, match=r"client_1.npz: a FIFO"):
+        load_dir(d)
+    d = _dir(tmp_path / "i", data)
+    (d / "dataset.json").unlink()
+    os.mkfifo(d / "dataset.json")
+    with pytest.raises(DataError, match="dataset.json"):
+        load_dir(d)
 
 
 def _info(ids, counts, shape=(5,), classes=3, sha=None):

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import math
 import tomllib
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 
 from fedmtl import tree as T
+from fedmtl.algorithms.feddyn import DynServer, FedDyn
 from fedmtl.config import ConfigError, validate
 from fedmtl.data.federated import FederatedData
 from fedmtl.engine.driver import run_experiment
 from fedmtl.privacy import Accountant, PrivacyConfig, dp_combine, epsilon
+from fedmtl.testing import ContractError, check_algorithm
 
 pytest.importorskip("dp_accounting")
 
@@ -128,3 +132,140 @@ def test_privacy_table_is_validated():
                         ('clip_norm = 1.0\nsampling = "sometimes"', "sampling")]:
         with pytest.raises(ConfigError, match=match):
             validate(tomllib.loads(CONFIG + f"\n[privacy]\n{body}\n"), "x.toml", data_given=True)
+
+
+def test_the_release_audit_catches_server_state_computed_from_raw_updates(small_data):
+    """FedDyn as it was: its server term h came from the plain mean of the clipped updates, not from the noised
+    sum; the contract's private_release check names that leaf.  The fixed FedDyn passes."""
+    @dataclass(frozen=True)
+    class LeakyDyn(FedDyn):
+        name: ClassVar[str] = "leaky_dyn"
+
+        def aggregate(self, ctx, server, updates, weights, clients):
+            ok = weights > 0
+            mean = ctx.combine(updates, ok.to(weights.dtype))
+            drift = T.sub(T.weighted_mean(updates, ok.to(weights.dtype)), server.params)
+            h = T.tmap(lambda hh, d: hh - self.alpha * float(ok.sum()) / ctx.num_clients * d, server.h, drift)
+            return DynServer(T.tmap(lambda m, hh: m - hh / self.alpha, mean, h), h)
+
+    with pytest.raises(ContractError, match=r"\.h\["):
+        check_algorithm(LeakyDyn, data=small_data, checks=("private_release",))
+    assert check_algorithm(FedDyn, data=small_data, checks=("private_release",)) == {"private_release": "ok"}
+
+
+def test_the_noise_cannot_be_recomputed_from_the_public_seed():
+    """Finding: the noise came from round_generator(run.seed, round, 5), so anyone who knew run.seed (config.toml,
+    summary.json) could subtract it.  Now it comes from the OS's CSPRNG: the same config twice gives different
+    private models, and the noise regenerated from the seed does not recover the noise-free aggregate.  Only
+    reproducible_noise = true (recorded in summary.json) repeats a run."""
+    from fedmtl.engine.round import round_generator
+
+    body = '\n[privacy]\nclip_norm = 0.5\nnoise_multiplier = 1.0\nsampling = "fixed"\n'
+    a, b = _run(body), _run(body)
+    assert not torch.equal(a.server.params["weight"], b.server.params["weight"])
+    assert a.summary["reproducible_noise"] is False
+    rep = [_run(body + "reproducible_noise = true\n") for _ in range(2)]
+    assert torch.equal(rep[0].server.params["weight"], rep[1].server.params["weight"])
+    assert rep[0].summary["reproducible_noise"] is True
+    # the attack of the finding, on one round: subtract the noise regenerated from (seed, round 0, stream 5)
+    one = CONFIG.replace("rounds = 5", "rounds = 1")
+    plain = run_experiment(validate(tomllib.loads(one + body.replace("1.0\n", "0.0\n")), data_given=True),
+                           progress=False, data=_equal_clients()).server.params
+
+    def recovered(extra: str) -> float:
+        noisy = run_experiment(validate(tomllib.loads(one + body + extra), data_given=True), progress=False,
+                               data=_equal_clients()).server.params
+        gen = round_generator(3, 0, 5)
+        gap = 0.0
+        for name, w in noisy.items():  # dp_combine's draws, leaf by leaf, scaled by sigma * clip / k
+            noise = torch.randn(w.shape, generator=gen, dtype=torch.float64) * 1.0 * 0.5 / 8
+            gap = max(gap, float((w.double() - noise - plain[name].double()).abs().max()))
+        return gap
+
+    assert recovered("reproducible_noise = true\n") < 1e-5  # the attack works on the insecure option...
+    assert recovered("") > 1e-2  # ...and not on the default
+
+
+@pytest.mark.parametrize("q,rounds", [(0.25, 30), (0.05, 30)])
+def test_epsilon_uses_the_true_poisson_rate(q, rounds):
+    """Finding: with q N not an integer the accountant was given round(q N) / N (N = 10, q = 0.25: 8.94 reported,
+    10.96 true).  The run's epsilon is dp-accounting's for PoissonSampled(q) composed over the rounds."""
+    import dp_accounting as dpa
+    from dp_accounting import rdp
+
+    cfg = validate(tomllib.loads(CONFIG.replace("rounds = 5", f"rounds = {rounds}").replace("seed = 3", "seed = 3\n"
+                   f"sampling_rate = {q}") + "\n[privacy]\nclip_norm = 1.0\nnoise_multiplier = 1.0\n"),
+                   data_given=True)
+    res = run_experiment(cfg, progress=False, data=_equal_clients(n=10))
+    acc = rdp.RdpAccountant()
+    acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(1.0)), rounds))
+    assert res.summary["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    if q == 0.25:
+        assert res.summary["epsilon"] == pytest.approx(10.96, abs=0.01)
+    else:  # N = 10, q = 0.05: most rounds sample nobody, and each of them still releases its noise
+        assert sum(row["clients"] == 0 for row in res.history) >= 10
+
+
+def test_fixed_size_sampling_is_accounted_without_replacement_and_events_are_written(tmp_path):
+    import json
+
+    import dp_accounting as dpa
+    from dp_accounting import NeighboringRelation, rdp
+
+    cfg = validate(tomllib.loads(CONFIG.replace("seed = 3", "seed = 3\nclients_per_round = 3")
+                                 + '\n[privacy]\nclip_norm = 1.0\nnoise_multiplier = 1.5\nsampling = "fixed"\n'),
+                   data_given=True)
+    res = run_experiment(cfg, tmp_path / "run", progress=False, data=_equal_clients())
+    acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    acc.compose(dpa.SelfComposedDpEvent(dpa.SampledWithoutReplacementDpEvent(8, 3, dpa.GaussianDpEvent(1.5)), 5))
+    assert res.summary["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    rec = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    assert rec["events"] == [{"rounds": [1, 5], "event": {
+        "class_name": "SampledWithoutReplacementDpEvent", "source_dataset_size": 8, "sample_size": 3,
+        "event": {"class_name": "GaussianDpEvent", "noise_multiplier": 1.5}}}]
+    assert rec["neighboring_relation"] == "replace_one" and rec["epsilon"] == res.summary["epsilon"]
+
+
+def test_a_private_run_resumes_reproducibly_only_with_reproducible_noise(tmp_path, monkeypatch):
+    """Killed after its round-2 checkpoint, a private run resumes: with reproducible noise to exactly the
+    uninterrupted run; with secure noise correctly (its accounting and rounds continue), its model differing only
+    through the noise of the rounds after the resume."""
+    from fedmtl.engine import driver
+
+    def run(body: str, out, kill: bool = False) -> object:
+        raw = CONFIG.replace("rounds = 5", "rounds = 4\ncheckpoint_every = 2") + body
+        cfg = validate(tomllib.loads(raw), data_given=True)
+        if kill:
+            calls = {"n": 0}
+            real = driver._checkpoint
+
+            def killed(*a, **k):
+                real(*a, **k)
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise KeyboardInterrupt("killed after the round-2 checkpoint")
+
+            monkeypatch.setattr(driver, "_checkpoint", killed)
+            with pytest.raises(KeyboardInterrupt):
+                run_experiment(cfg, out, progress=False, data=_equal_clients())
+            monkeypatch.undo()
+            return run_experiment(cfg, out, resume=True, progress=False, data=_equal_clients())
+        return run_experiment(cfg, out, progress=False, data=_equal_clients())
+
+    body = '\n[privacy]\nclip_norm = 0.5\nnoise_multiplier = 1.0\nsampling = "fixed"\n'
+    rep = body + "reproducible_noise = true\n"
+    whole, resumed = run(rep, tmp_path / "a"), run(rep, tmp_path / "b", kill=True)
+    assert torch.equal(whole.server.params["weight"], resumed.server.params["weight"])
+    assert whole.history == resumed.history
+    secure = run(body, tmp_path / "c", kill=True)
+    assert secure.summary["rounds"] == 4 and secure.summary["epsilon"] == pytest.approx(whole.summary["epsilon"])
+    assert [r["epsilon"] for r in secure.history] == [r["epsilon"] for r in whole.history]
+    assert not torch.equal(secure.server.params["weight"], whole.server.params["weight"])
+
+
+def test_a_robust_aggregator_and_privacy_exclude_each_other():
+    """The noised mean is the mechanism: a robust aggregator would replace it silently; it is refused instead."""
+    with pytest.raises(ValueError, match="robust.aggregator = 'median'"):
+        _run('\n[robust]\naggregator = "median"\n\n[privacy]\nclip_norm = 1.0\nnoise_multiplier = 1.0\n')
+    assert _run('\n[robust]\nclip_norm = 0.5\n\n[privacy]\nclip_norm = 1.0\nnoise_multiplier = 1.0\n').summary[
+        "epsilon"] > 0

@@ -82,13 +82,27 @@ def test_a_second_run_into_a_locked_directory_is_refused_and_stale_locks_are_tak
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
-@pytest.mark.parametrize("kind", ["garbage", "truncated", "pickle", "format", "nan", "round"])
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "pickle", "format", "nan", "round", "empty", "client_ids",
+                                  "client_shape", "client_nan", "fifo"])
 def test_corrupt_or_tampered_checkpoints_are_refused_in_one_line(tmp_path, capsys, kind):
     cfg2, out2 = _cfg(tmp_path, rounds=4, every=2), tmp_path / "o2"
+    cfg2.write_text(cfg2.read_text().replace('name = "fedavg"', 'name = "ditto"'))  # ditto: client states to tamper
     assert _run(cfg2, out2) == 0  # a finished run whose checkpoint is then damaged; --resume must refuse it
     ck = out2 / "checkpoint.pt"
     payload = torch.load(ck, weights_only=True)
-    if kind == "garbage":
+    clients = payload["clients"]
+    if kind == "empty":
+        ck.write_bytes(b"")
+    elif kind == "client_ids":
+        torch.save({**payload, "clients": {**clients, "ids": clients["ids"] + 1000}}, ck)
+    elif kind == "client_shape":
+        torch.save({**payload, "clients": {**clients, "leaf0": clients["leaf0"][..., :1]}}, ck)
+    elif kind == "client_nan":
+        torch.save({**payload, "clients": {**clients, "leaf0": clients["leaf0"] * float("nan")}}, ck)
+    elif kind == "fifo":
+        ck.unlink()
+        os.mkfifo(ck)
+    elif kind == "garbage":
         ck.write_bytes(os.urandom(300))
     elif kind == "truncated":
         ck.write_bytes(ck.read_bytes()[:200])
@@ -107,10 +121,63 @@ def test_corrupt_or_tampered_checkpoints_are_refused_in_one_line(tmp_path, capsy
         torch.save(payload, ck)
     else:
         torch.save({**payload, "round": 1000}, ck)
+    before = {f: (out2 / f).read_bytes() for f in ("summary.json", "metrics.csv", "config.toml", "clients.csv")}
+    damaged = None if kind == "fifo" else ck.read_bytes()
     assert _run(cfg2, out2, "--resume") == EXIT_INPUT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "checkpoint.pt" in err, err
+    if kind.startswith("client"):
+        assert {"client_ids": "out of range", "client_shape": "has shape", "client_nan": "NaN or Inf"}[kind] in err
     assert not (tmp_path / "pwned").exists()
+    # nothing overwritten: the refusal comes before any file of the run directory is touched
+    assert {f: (out2 / f).read_bytes() for f in before} == before
+    assert kind == "fifo" or ck.read_bytes() == damaged
+
+
+def _mmap_run(tmp_path: Path) -> tuple[Path, Path]:
+    cfg, out = _cfg(tmp_path, rounds=4, every=2), tmp_path / "m"
+    cfg.write_text(cfg.read_text().replace('name = "fedavg"', 'name = "fedem"\nnum_components = 2')
+                   + 'client_store = "mmap"\n')
+    assert _run(cfg, out) == 0
+    return cfg, out
+
+
+@pytest.mark.parametrize("kind", ["truncated", "padded", "header", "layout", "written", "nan", "journal", "missing"])
+def test_corrupt_memory_mapped_client_stores_are_refused_in_one_line(tmp_path, capsys, kind):
+    """Finding: with run.client_store = "mmap" a truncated leaf0.npy was accepted (numpy zero-extends a file opened
+    "r+") and other corruptions gave raw tracebacks.  Every file is checked (kind, header, exact size, finite written
+    rows, journal records) before the run resumes."""
+    import struct
+
+    import numpy as np
+
+    cfg, out = _mmap_run(tmp_path)
+    store = out / "client_store"
+    leaf = store / "leaf0.npy"
+    if kind == "truncated":
+        leaf.write_bytes(leaf.read_bytes()[:-8])
+    elif kind == "padded":
+        leaf.write_bytes(leaf.read_bytes() + b"\0" * 8)
+    elif kind == "header":
+        np.save(leaf, np.zeros((3, 3), np.float64))
+    elif kind == "layout":
+        (store / "layout.json").write_text("{not json")
+    elif kind == "written":
+        (store / "written.npy").write_bytes(b"garbage")
+    elif kind == "nan":
+        arr = np.load(leaf, mmap_mode="r+")
+        arr[:] = np.nan
+        arr.flush()
+        del arr
+    elif kind == "journal":  # a complete record that names a client outside the federation
+        (store / "undo.log").write_bytes(b"FMUL" + struct.pack("<qq", 4, 1) + struct.pack("<q", 10**6) + b"\0"
+                                         + b"\0" * 8 + b"END!")
+    else:
+        leaf.unlink()
+    assert _run(cfg, out, "--resume") == EXIT_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint.pt" in err, err
+    assert "Traceback" not in err
 
 
 def test_full_disk_ends_with_one_line_naming_the_checkpoint(tmp_path, capsys, monkeypatch):
@@ -169,3 +236,101 @@ def test_ctrl_c_and_sigterm_name_the_checkpoint_to_resume_from(tmp_path, sig, co
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "resume with fedmtl run" in lines[0] and "--resume" in lines[0], err
     assert not (out / ".lock").exists() and not list(out.glob(".*.tmp"))
+
+
+def _snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``out`` (the lock aside): contents and modification time."""
+    return {str(f.relative_to(out)): (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(out.rglob("*"))
+            if f.is_file() and f.name != ".lock"}
+
+
+def test_a_resume_that_does_not_fit_the_directory_touches_nothing(tmp_path, capsys):
+    """Finding: `fedmtl run ... --seeds 1,2 --resume` on a single-seed run directory deleted its checkpoint,
+    clients.csv and config.toml (exit code 0).  Every mismatch (single-seed vs seeds, other seeds, another config)
+    is refused before anything is touched, naming the command that resumes the directory, which then works."""
+    cfg = _cfg(tmp_path, rounds=4, every=2)
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    assert _run(cfg, single) == 0 and _run(cfg, multi, "--seeds", "1,2") == 0
+    capsys.readouterr()
+    cases = [(single, ("--seeds", "1,2", "--resume"), "single-seed run"),
+             (single, ("--seeds", "1,2"), "single-seed run"),
+             (multi, ("--resume",), "seeds [1, 2]"),
+             (multi, (), "seeds [1, 2]"),
+             (multi, ("--seeds", "1,2,3", "--resume"), "asks for seeds [1, 2, 3]"),
+             (multi, ("--seeds", "1,2", "--resume", "--set", "optim.lr=0.2"), "optim.lr: 0.1 -> 0.2"),
+             (single, ("--resume", "--set", "optim.lr=0.2"), "optim.lr: 0.1 -> 0.2")]
+    for out, extra, named in cases:
+        before = _snapshot(out)
+        assert _run(cfg, out, *extra) == EXIT_INPUT, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and named in err and f"--out {out} --resume" in err, (extra, err)
+        assert _snapshot(out) == before, extra
+        command = err.split("with: ")[-1].split(";")[0].split()
+        assert command[:2] == ["fedmtl", "run"]
+        assert main([*command[1:], "-q"]) == 0, command  # the command named resumes it (finished: evaluates again)
+        capsys.readouterr()
+
+
+def _seeds_cfg(tmp_path: Path) -> Path:
+    p = tmp_path / "s.toml"
+    p.write_text(TINY.format(rounds=6, every=2).replace('name = "fedavg"', 'name = "fedem"\nnum_components = 2'))
+    return p
+
+
+def _final_states(out: Path, seeds: tuple[int, ...]) -> list[dict]:
+    return [torch.load(out / f"seed-{s}" / "checkpoint.pt", weights_only=True) for s in seeds]
+
+
+@pytest.mark.parametrize("phase", ["written", "marked", "renamed"])
+def test_several_seeds_resume_exactly_wherever_a_kill_falls_in_their_checkpoint(tmp_path, monkeypatch, phase):
+    """Finding: with --seeds 1,2,3 a kill between the replicas' checkpoints left seed 3 a round behind, and the
+    resumed run differed by 2e-8 (seed 3 then trained alone, in other batched calls).  The replicas' checkpoints
+    are committed as a group; a kill at each phase of that commit (after one replica's new checkpoint is written;
+    after the group's marker; after one rename) resumes to a run byte-identical to an uninterrupted one."""
+    from fedmtl.engine import checkpoint as ck
+    from fedmtl.engine import driver
+
+    cfg, seeds = _seeds_cfg(tmp_path), ("--seeds", "1,2,3")
+    ref = tmp_path / "ref"
+    assert _run(cfg, ref, *seeds) == 0
+    out = tmp_path / "run"
+    state = {"n": 0}
+
+    def kill_after(fn, match):
+        def wrapped(*a, **k):
+            res = fn(*a, **k)
+            if match(*a):
+                state["n"] += 1
+                if state["n"] == 4:  # the second group commit (round 4): 3 replicas x the first, then this one
+                    raise KeyboardInterrupt("killed")
+            return res
+        return wrapped
+
+    if phase == "written":  # one replica's checkpoint.next.pt written, no marker yet
+        monkeypatch.setattr(ck, "save", kill_after(ck.save, lambda p, *a: Path(p).name == "checkpoint.next.pt"))
+    elif phase == "marked":  # the marker written, no rename yet
+        state["n"] = 2
+        marker = kill_after(driver.write_json, lambda p, *a: p.name == "seeds-commit.json")
+        monkeypatch.setattr(driver, "write_json", marker)
+    else:  # one replica renamed and committed
+        monkeypatch.setattr(driver, "_committed", kill_after(driver._committed, lambda *a: True))
+    assert _run(cfg, out, *seeds) == EXIT_INTERRUPTED
+    monkeypatch.undo()
+    rounds = {torch.load(out / f"seed-{s}" / "checkpoint.pt", weights_only=True)["round"] for s in (1, 2, 3)}
+    assert len(rounds) <= 2  # the kill left the replicas' files mid-commit ...
+    assert _run(cfg, out, *seeds, "--resume") == 0  # ... and the resume completes or undoes that commit
+    for got, want in zip(_final_states(out, (1, 2, 3)), _final_states(ref, (1, 2, 3)), strict=True):
+        assert got["round"] == want["round"] == 6
+        for k in want["server"]:
+            assert torch.equal(got["server"][k], want["server"][k]), k
+        assert got["history"] == want["history"]
+    assert not list(out.glob("seed-*/checkpoint.next.pt")) and not (out / "seeds-commit.json").exists()
+
+
+def test_config_diff_names_keys_and_reads_a_config_back_from_toml_as_equal():
+    from fedmtl.engine.rundir import config_diff
+
+    saved = {"run": {"rounds": 4, "seeds": [1, 2]}, "attack": {"kind": "ipm"}}
+    now = {"run": {"rounds": 5, "seeds": (1, 2)}, "attack": {"kind": "ipm", "strength": None}}
+    assert config_diff(saved, now) == ["run.rounds: 4 -> 5"]  # a tuple is a list, None is unset (TOML has none)
+    assert config_diff(now, now) == []

@@ -36,7 +36,7 @@ def _env() -> dict[str, str]:
     ("synthetic/fedem", ("run.sampling_rate=0.5",)),  # partial participation: every replica samples its own
     ("synthetic/ditto", ("run.runner=loop",)),  # the loop executor
     ("synthetic/fedavg", ("data.unseen_frac=0.25", "systems.drop_prob=0.2")),  # unseen clients, dropped clients
-    ("synthetic/fedavg", ("attack.kind=label_flip", "attack.fraction=0.25")),  # per-seed attackers, own data copies
+    ("synthetic/fedavg", ("attack.kind=labelflip", "attack.fraction=0.25")),  # per-seed attackers, own data copies
 ])
 def test_seeds_equal_separate_runs(name, extra):
     """Each replica of a batched several-seeds run is exactly the run with that seed alone."""
@@ -197,7 +197,7 @@ def test_list_algorithm_fields_all_documented(capsys):
         assert all(r[3] for r in rows), (name, [r[0] for r in rows if not r[3]])
     assert main(["list", "--algorithm", "fedem"]) == 0
     text = capsys.readouterr().out
-    assert "num_components" in text and "int = 3" in text and "shared component models" in text
+    assert "num_components" in text and "int in [1, 256] = 3" in text and "shared component models" in text
     assert "'participants' | 'all_clients'" in text
     assert main(["list"]) == 0
     text = capsys.readouterr().out

@@ -111,18 +111,40 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from .registry import describe, field_table
     from .resources import bundled_configs
 
+    def keys(target: object) -> None:
+        rows = field_table(target)
+        if not rows:
+            print("  (no keys)")
+        width = max((len(r[0]) for r in rows), default=0)
+        for name, tp, default, doc in rows:
+            print(f"  {name:{width}s}  {tp} = {default}" + (f"\n  {'':{width}s}  {doc}" if doc else ""))
+
     if args.algorithm:
         if args.algorithm not in ALGORITHMS:
             raise ConfigError(f"--algorithm {args.algorithm!r}: not one of {sorted(ALGORITHMS)}")
         cls = ALGORITHMS[args.algorithm]
         print(f"{args.algorithm}: {describe(cls)}")
-        rows = field_table(cls)
-        if not rows:
-            print("  (no hyperparameters)")
-        width = max((len(r[0]) for r in rows), default=0)
-        for name, tp, default, doc in rows:
-            print(f"  {name:{width}s}  {tp} = {default}\n  {'':{width}s}  {doc}")
+        keys(cls)
         return 0
+    if args.table:
+        from .config import table_targets
+
+        targets = table_targets()
+        if args.table not in targets:
+            raise ConfigError(f"--table {args.table!r}: not one of {sorted(targets)} (the [algorithm] table: "
+                              "--algorithm NAME; [data] and [model]: --dataset NAME, --model NAME)")
+        print(f"[{args.table}]: every key with its type, valid range and default")
+        keys(targets[args.table])
+        return 0
+    for flag, registry in (("dataset", DATASETS), ("model", MODELS)):
+        name = getattr(args, flag)
+        if name:
+            if name not in registry:
+                raise ConfigError(f"--{flag} {name!r}: not one of {sorted(registry)}")
+            print(f"[{'data' if flag == 'dataset' else 'model'}] name = {name!r}: its keys with type, valid range and "
+                  "default")
+            keys(registry[name])
+            return 0
     print("algorithms (fedmtl list --algorithm NAME for their hyperparameters):")
     for name, cls in sorted(ALGORITHMS.items()):
         print(f"  {name:12s} {describe(cls)}")
@@ -247,7 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(fn=_cmd_compare)
 
     ls = sub.add_parser("list", help="list algorithms, datasets, models and bundled configs")
-    ls.add_argument("--algorithm", metavar="NAME", help="each hyperparameter of one algorithm: type, default, doc")
+    ls.add_argument("--algorithm", metavar="NAME", help="each hyperparameter of one algorithm: type, valid range, "
+                    "default, doc")
+    ls.add_argument("--table", metavar="TABLE", help="each key of a config table (run, optim, systems, robust, attack, "
+                    "privacy, log, server_opt): type, valid range, default, doc")
+    ls.add_argument("--dataset", metavar="NAME", help="each [data] key of a dataset: type, valid range, default")
+    ls.add_argument("--model", metavar="NAME", help="each [model] key of a model: type, valid range, default")
     _plugins_arg(ls)
     ls.set_defaults(fn=_cmd_list)
 
@@ -381,12 +408,14 @@ def _resume_hint(args: argparse.Namespace) -> str:
     """'; the last checkpoint is round R of DIR: resume with ...' for the run that was cut short."""
     if getattr(args, "command", "") != "run":
         return ""
+    from .engine.rundir import layout, resume_command
+
     out = Path(args.out or Path("runs") / Path(args.config).stem)
+    lay = layout(out)
     ckpt = out / "checkpoint.pt"
     seeds = sorted(out.glob("seed-*/checkpoint.pt"))
-    if not ckpt.exists() and seeds:  # several seeds: each seed folder has its own checkpoint
-        return (f"; {len(seeds)} seed folder(s) of {out} hold a checkpoint: resume with fedmtl run {args.config} "
-                f"--out {out} --seeds {args.seeds or '...'} --resume")
+    if lay.kind == "seeds" and seeds:  # several seeds: each seed folder has its own checkpoint
+        return f"; {len(seeds)} seed folder(s) of {out} hold a checkpoint: resume with {resume_command(out, lay)}"
     if not ckpt.exists():
         return f"; no checkpoint was written to {out}"
     try:
@@ -395,7 +424,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
         rnd = load(ckpt)["round"]
     except Exception:  # noqa: BLE001 (a hint only)
         return f"; see {ckpt}"
-    return f"; the last checkpoint is round {rnd} in {ckpt}: resume with fedmtl run {args.config} --out {out} --resume"
+    return f"; the last checkpoint is round {rnd} in {ckpt}: resume with {resume_command(out, lay)}"
 
 
 if __name__ == "__main__":

@@ -8,15 +8,18 @@
     [optim]      fields of fedmtl.optim.SGD
     [run]        fields of fedmtl.engine.round.RunConfig
     [systems]    fields of fedmtl.engine.systems.SystemsModel (stragglers, drops, network for the time estimate)
-    [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm)
-    [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness
+    [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm,
+                 bucketing, cc_tau, cc_iterations)
+    [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness (scale, signflip,
+                 gaussian, labelflip, ipm, alie, minmax)
     [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
     [log]        fields of fedmtl.tblog.LogConfig (tensorboard = true: TensorBoard event files in the run directory)
     [server_opt] fields of fedmtl.server_opt.ServerOptConfig (name = sgd | avgm | adam | yogi | adagrad, lr, beta1,
                  beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
 
-Unknown tables or keys, wrong value types and values outside a field's ``Literal[...]`` choices raise
-``ConfigError`` naming the key and the file, before any data is built or any work is done.
+Unknown tables or keys, wrong value types, values outside a field's ``Literal[...]`` choices and numbers outside a
+key's declared range (``fedmtl.schema``; ``fedmtl list --table NAME``) raise ``ConfigError`` naming the key and the
+file, before any data is built or any work is done.
 ``--set table.key=value`` overrides use TOML syntax for the value (bare words are taken as strings).
 A Python caller that passes its own data (``fedmtl.run(..., data=...)``) may leave ``[data]`` out, and one that
 passes its own model may leave ``[model]`` out.
@@ -27,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import os
 import tomllib
 import types
@@ -47,6 +49,7 @@ from .privacy import PrivacyConfig
 from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
+from .schema import Range, check_number, range_of, strip, type_hints
 from .server_opt import ServerOptConfig
 from .tblog import LogConfig
 
@@ -54,22 +57,31 @@ TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "at
           "server_opt")
 
 
+def table_targets() -> dict[str, Any]:
+    """The constructor behind each fixed config table (``[algorithm]``, ``[data]`` and ``[model]`` depend on the
+    name they hold)."""
+    return {"optim": SGD, "run": RunConfig, "systems": SystemsModel, "robust": RobustConfig, "attack": AttackConfig,
+            "privacy": PrivacyConfig, "log": LogConfig, "server_opt": ServerOptConfig}
+
+
 class ConfigError(ValueError):
     """A configuration error; the message names the file and the key."""
 
 
-# Every number a config holds is finite and bounded: NaN, Inf and 1e300 are never a setting.  Sizes (clients,
-# dimensions, examples) have tighter, memory-based bounds (``check_sizes``).
-MAX_FLOAT = 1e30
-MAX_INT = 10**9
+# Every number a config holds is finite and bounded (NaN, Inf, 1e300 and 1e-320 are never a setting) and lies in
+# its key's declared range (``fedmtl.schema``).  Sizes (clients, dimensions, examples) also have memory-based bounds
+# (``check_data_table``).
 
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; returns the value converted where lossless."""
+def _coerce(value: Any, tp: Any, where: str, rng: Range | None = None) -> Any:
+    """Check ``value`` against the annotation ``tp`` (and its declared ``Range``, ``fedmtl.schema``); returns the
+    value converted where lossless."""
+    rng = range_of(tp) or rng
+    tp = strip(tp)
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
@@ -84,7 +96,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                     return None
                 continue
             try:
-                return _coerce(value, arg, where)
+                return _coerce(value, arg, where, rng)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
@@ -100,14 +112,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected float, got {type(value).__name__} {value!r}")
-        if not math.isfinite(value) or abs(value) > MAX_FLOAT:
-            raise ConfigError(f"{where}: must be a finite number of magnitude <= {MAX_FLOAT:g}, got {value!r}")
+        try:
+            check_number(float(value), rng, where)
+        except (ValueError, OverflowError) as e:
+            raise ConfigError(str(e) if isinstance(e, ValueError) else f"{where}: {value} is not a float") from None
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected int, got {type(value).__name__} {value!r}")
-        if abs(value) > MAX_INT:
-            raise ConfigError(f"{where}: {value} is beyond any sane size (|value| <= {MAX_INT:g})")
+        try:
+            check_number(value, rng, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -125,9 +141,9 @@ def _signature_types(fn: Callable[..., Any]) -> dict[str, Any]:
     if isinstance(fn, functools.partial):  # a builder with some arguments fixed
         return {k: v for k, v in _signature_types(fn.func).items() if k not in fn.keywords}
     if dataclasses.is_dataclass(fn):
-        hints = typing.get_type_hints(fn)
+        hints = type_hints(fn)
         return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(fn) if f.init}
-    hints = typing.get_type_hints(fn)
+    hints = type_hints(fn)
     return {n: hints.get(n, Any) for n, p in inspect.signature(fn).parameters.items()
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
@@ -218,30 +234,19 @@ _CLIENTS, _TRAIN, _TEST, _DIM = ("num_clients", "m"), ("max_samples", "n_train",
 
 
 def check_data_table(fn: Callable[..., Any], values: dict[str, Any], where: str) -> None:
-    """Ranges of a built-in dataset's ``[data]`` values before anything is built: counts and sizes are
-    non-negative, fractions in [0, 1), test sets non-empty, and the data fits in this machine's memory."""
+    """Sizes of a built-in dataset's ``[data]`` values before anything is built (each value already lies in its
+    declared range, ``fedmtl.schema``): the data must fit in this machine's memory."""
     if not getattr(fn, "__module__", "").startswith("fedmtl."):
         return  # a plugin's builder validates its own arguments
     params = {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
     full = {**params, **values}
-    for key, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            continue
-        if key.endswith("_frac"):
-            if not 0 <= v < 1:
-                raise ConfigError(f"{where}.{key} must be a fraction in [0, 1), got {v}")
-        elif v < 0:
-            raise ConfigError(f"{where}.{key} must be >= 0, got {v}")
-    for key in (*_CLIENTS, *_DIM, "n_test"):
-        if key in values and isinstance(values[key], int) and values[key] < 1:
-            raise ConfigError(f"{where}.{key} must be >= 1, got {values[key]}")
 
     def first(keys: tuple[str, ...]) -> int | None:
         return next((int(full[k]) for k in keys if isinstance(full.get(k), int)), None)
 
     clients, train, test, dim = first(_CLIENTS), first(_TRAIN), first(_TEST) or 0, first(_DIM)
     if clients is not None and train is not None and dim is not None:
-        need = clients * (train + test) * dim * 4
+        need = clients * (train + test) * dim * 4 + clients * int(full.get("num_components") or 1) * 8  # x, and pi
         have = physical_memory()
         if need > 0.8 * have:
             raise ConfigError(f"{where}: {clients} clients x ({train} + {test}) examples x {dim} features need about "
@@ -358,17 +363,16 @@ def load(path: str | Path, overrides: list[str] | None = None, data_given: bool 
 def read_toml(path: str | Path) -> dict[str, Any]:
     """The tables of a TOML config file (a path, or the name of a bundled config: ``synthetic/fedem``); a missing
     or malformed file is a ConfigError naming it."""
+    from .files import read_text
     from .resources import resolve_config
 
     path = resolve_config(path)
-    try:
-        text = path.read_text()
+    try:  # kind and size checked before a byte is read: a FIFO or /dev/zero is refused, not read
+        text = read_text(path, MAX_CONFIG_BYTES, "config", ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file (nor a bundled config of that name: fedmtl list)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the config ({e})") from None
-    if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: {len(text)} bytes; a config is at most {MAX_CONFIG_BYTES} bytes")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
     depth = max_nesting(text)
     if depth > MAX_NESTING:
         raise ConfigError(f"{path}: arrays or inline tables nested {depth} deep (at most {MAX_NESTING})")

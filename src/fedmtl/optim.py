@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .batchnorm import is_statistic
+from .schema import Annotated, Range, check_fields
 from .tree import Params, tmap
 
 
@@ -112,27 +113,26 @@ class SGD:
     (``lr_milestone_rounds = [100, 150]``: the rate decays after round 100 and after round 150, whatever
     ``run.rounds``); ``milestone_rounds`` resolves them (``summary.json`` records ``lr_decay_from_rounds``)."""
 
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    lr_milestones: tuple[float, ...] = ()
-    lr_gamma: float = 0.1
-    lr_milestone_rounds: tuple[int, ...] = ()
+    #: learning rate
+    lr: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.1
+    #: heavy-ball momentum
+    momentum: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
+    #: L2 weight decay
+    weight_decay: Annotated[float, Range(0, 1e3)] = 0.0
+    #: fractions of the rounds after which the rate is multiplied by lr_gamma (strictly increasing)
+    lr_milestones: tuple[Annotated[float, Range(0, 1, lo_open=True, hi_open=True)], ...] = ()
+    #: the decay factor at each milestone
+    lr_gamma: Annotated[float, Range(0, 1, lo_open=True)] = 0.1
+    #: rounds after which the rate decays (strictly increasing; instead of lr_milestones)
+    lr_milestone_rounds: tuple[Annotated[int, Range(1, 10**7)], ...] = ()
 
     def __post_init__(self) -> None:
-        # ranges: rates beyond these bounds diverge in one step on any model (every update non-finite)
-        if not 0 < self.lr <= 1e3:
-            raise ValueError(f"optim.lr must be in (0, 1000], got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"optim.momentum must be in [0, 1), got {self.momentum}")
-        if not 0 <= self.weight_decay <= 1e3:
-            raise ValueError(f"optim.weight_decay must be in [0, 1000], got {self.weight_decay}")
-        if not 0 < self.lr_gamma <= 1:
-            raise ValueError(f"optim.lr_gamma must be in (0, 1], got {self.lr_gamma}")
-        if any(not 0 < f < 1 for f in self.lr_milestones):
-            raise ValueError(f"optim.lr_milestones are fractions in (0, 1), got {self.lr_milestones}")
-        if any(r < 1 for r in self.lr_milestone_rounds):
-            raise ValueError(f"optim.lr_milestone_rounds are rounds >= 1, got {self.lr_milestone_rounds}")
+        # ranges (fedmtl.schema): rates beyond them diverge in one step on any model (every update non-finite)
+        check_fields(self, "optim")
+        for key in ("lr_milestones", "lr_milestone_rounds"):
+            v = getattr(self, key)
+            if any(b <= a for a, b in zip(v, v[1:], strict=False)):
+                raise ValueError(f"optim.{key} must be strictly increasing, got {list(v)}")
         if self.lr_milestones and self.lr_milestone_rounds:
             raise ValueError("give optim.lr_milestones (fractions of the rounds) or optim.lr_milestone_rounds "
                              "(rounds), not both")

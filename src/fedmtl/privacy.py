@@ -6,30 +6,49 @@ Mechanism (McMahan, Ramage, Talwar, Zhang, "Learning differentially private recu
 round's payload and clipped to L2 norm ``clip_norm`` (over all of it: FedEM's M components together); the server
 adds Gaussian noise of standard deviation ``noise_multiplier * clip_norm`` to each coordinate of the *sum* of the
 clipped deviations and divides by a fixed denominator: the expected number of participants ``q N`` with
-``sampling = "poisson"`` (each client joins a round independently with probability q), the number sampled with
-``sampling = "fixed"`` (a uniform subset of fixed size).  Clients count equally (no n_k weights: a weight would
-change the sensitivity).  The neighbouring relation is user-level: adding or removing one client's whole data
-(Poisson), replacing one client (fixed size).
+``sampling = "poisson"`` (each client joins a round independently with probability q, the true q: ``clients_per_round
+/ N`` or ``sampling_rate``, never a rounded count), the sample size k with ``sampling = "fixed"`` (a uniform subset of
+fixed size).  Clients count equally (no n_k weights: a weight would change the sensitivity).  The neighbouring
+relation is user-level: adding or removing one client's whole data (Poisson), replacing one client (fixed size).
+
+**Every round releases**: a round in which no client was sampled, or every sampled client dropped out or sent a
+non-finite update, still releases the noised sum (of nothing), exactly the mechanism the accountant composes; such
+clients count as having sent a zero deviation.
+
+**The noise comes from the operating system's CSPRNG**: each round's Gaussian noise is drawn from a generator seeded
+with 63 fresh bits of ``secrets`` (never derivable from ``run.seed``, which is public: it is in ``config.toml`` and
+``summary.json``).  ``reproducible_noise = true`` draws it from ``(run.seed, round)`` instead, so that tests and
+debugging can repeat a private run exactly; that is **insecure** (anyone who knows the seed can subtract the noise),
+logged as a warning and recorded in ``summary.json`` (``"reproducible_noise": true``).  A run resumed with secure
+noise continues correctly; only the noise of the rounds after the resume differs from an uninterrupted run.
 
 Accounting: each round is a subsampled Gaussian mechanism (``PoissonSampledDpEvent`` /
 ``SampledWithoutReplacementDpEvent`` of ``GaussianDpEvent(noise_multiplier)``), composed over rounds by the RDP
 accountant (``accountant = "rdp"``) or the PLD accountant (``"pld"``, Poisson sampling only); epsilon at
-``delta`` is reported every round (``metrics.csv`` column ``epsilon``, ``summary.json`` key ``"epsilon"``).
+``delta`` is reported every round (``metrics.csv`` column ``epsilon``, ``summary.json`` key ``"epsilon"``), and the
+composed events are written to the run directory (``privacy.json``).
 With ``noise_multiplier = 0`` the updates are clipped and averaged without noise and epsilon is infinite.
 ``target_epsilon`` (> 0) calibrates ``noise_multiplier`` *before the run* so that all ``run.rounds`` rounds
 spend at most that epsilon (the run then never stops early).
 
+What it covers: everything the server releases (the model it broadcasts and returns, and every other server state
+that reaches a client) is computed from the noised sum alone: ``fedmtl.testing.check_algorithm``'s
+``private_release`` check trains every method with no noise and with a huge noise and fails if any server state is
+the same in both, unless the method declares it public (``Algorithm.public_server_state``, with the reason).
+Methods whose server needs more than the noised mean (Clustered FL's bipartition of raw updates, ...) refuse
+``[privacy]`` with an error (``Algorithm.check_privacy``).
+
 What it does not cover: state a client keeps to itself (FedEM's mixture weights, Ditto's or pFedMe's personal
 models, APFL's local model) never leaves the client and costs no privacy; the *evaluation* the simulator reports
-(per-client test accuracy) is a measurement, not a release, and is not privatized; dropped, straggling or
-excluded clients are treated as having sent a zero deviation (the accounting holds for the sampling, which is
-what an attacker observes least favourably).
+(per-client test accuracy) is a measurement, not a release, and is not privatized.  Floating-point Gaussian
+sampling is not hardened against attacks on the noise's low-order bits (Mironov, CCS 2012).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,6 +56,7 @@ import torch
 from torch import Tensor
 
 from . import tree as T
+from .schema import Annotated, Range, check_fields
 from .tree import Tree
 
 
@@ -44,18 +64,24 @@ from .tree import Tree
 class PrivacyConfig:
     """The ``[privacy]`` table (``clip_norm = 0``: no differential privacy)."""
 
-    clip_norm: float = 0.0
-    noise_multiplier: float = 0.0
+    #: each client's update deviation is clipped to this L2 norm (0 = no differential privacy)
+    clip_norm: Annotated[float, Range(0)] = 0.0
+    #: Gaussian noise std = noise_multiplier * clip_norm on the sum of the clipped deviations
+    noise_multiplier: Annotated[float, Range(0, 1e6)] = 0.0
+    #: poisson: each client joins a round with probability q; fixed: a uniform subset of fixed size
     sampling: Literal["poisson", "fixed"] = "poisson"
+    #: rdp or pld (dp-accounting's accountants; pld with poisson sampling only)
     accountant: Literal["rdp", "pld"] = "rdp"
-    delta: float = 1e-5
-    target_epsilon: float = 0.0
+    #: the delta epsilon is reported at
+    delta: Annotated[float, Range(0, 1, lo_open=True, hi_open=True)] = 1e-5
+    #: > 0: calibrate noise_multiplier before the run to spend at most this epsilon over all rounds
+    target_epsilon: Annotated[float, Range(0, 1e6)] = 0.0
+    #: true: the noise is drawn from (run.seed, round), repeatable and INSECURE (anyone who knows the seed can
+    #: subtract it); for tests and debugging only.  false: from the operating system's CSPRNG
+    reproducible_noise: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("clip_norm", "noise_multiplier", "delta", "target_epsilon"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"privacy.{name} must be a finite number >= 0, got {v}")
+        check_fields(self, "privacy")
         if self.sampling not in ("poisson", "fixed"):
             raise ValueError(f"privacy.sampling must be 'poisson' or 'fixed', got {self.sampling!r}")
         if self.accountant not in ("rdp", "pld"):
@@ -66,8 +92,9 @@ class PrivacyConfig:
             if self.accountant == "pld" and self.sampling == "fixed":
                 raise ValueError("privacy.accountant = 'pld' supports sampling = 'poisson' only (dp-accounting's "
                                  "PLD accountant has no sampling without replacement); use accountant = 'rdp'")
-        elif self.noise_multiplier or self.target_epsilon:
-            raise ValueError("privacy: noise_multiplier / target_epsilon need clip_norm > 0 (the sensitivity)")
+        elif self.noise_multiplier or self.target_epsilon or self.reproducible_noise:
+            raise ValueError("privacy: noise_multiplier / target_epsilon / reproducible_noise need clip_norm > 0 "
+                             "(the sensitivity)")
 
     @property
     def enabled(self) -> bool:
@@ -163,6 +190,38 @@ class Accountant:
         orders, one = self._rdp
         return float(rdpa.compute_epsilon(orders, rounds * one, self.cfg.delta)[0])
 
+    def record(self, rounds: int) -> dict[str, Any]:
+        """What ``privacy.json`` holds: the accountant, the neighbouring relation, delta and the events composed
+        over ``rounds`` rounds (run-length encoded: every round is the same event), with the epsilon they spend."""
+        relation = "add_or_remove_one" if self.cfg.sampling == "poisson" else "replace_one"
+        return {
+            "accountant": self.cfg.accountant, "neighboring_relation": relation, "delta": self.cfg.delta,
+            "noise_multiplier": self.sigma, "clip_norm": self.cfg.clip_norm, "sampling": self.cfg.sampling,
+            "reproducible_noise": self.cfg.reproducible_noise,
+            "events": [{"rounds": [1, rounds], "event": _as_dict(self.event.to_named_tuple())}] if rounds else [],
+            "epsilon": self.epsilon_after(rounds),
+        }
+
+
+def _as_dict(nt: Any) -> Any:
+    """dp-accounting's ``to_named_tuple()`` form of an event, as plain JSON data."""
+    if hasattr(nt, "_asdict"):
+        return {k: _as_dict(v) for k, v in nt._asdict().items() if k != "module_name"}
+    return nt
+
+
+def sampling_probability(sampling_rate: float, clients_per_round: int, num_clients: int) -> float:
+    """q, the probability with which Poisson sampling includes each client in a round: ``clients_per_round / N``
+    when given, else ``sampling_rate`` (the exact value: the accountant and the noise's denominator ``q N`` use it
+    as it is, never a rounded count)."""
+    return min(clients_per_round / num_clients, 1.0) if clients_per_round else sampling_rate
+
+
+def secure_generator() -> torch.Generator:
+    """A generator seeded with 63 bits from the operating system's CSPRNG (``secrets``): its draws cannot be
+    recomputed from anything the run records."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
 
 def dp_combine(reference: Tree, clip_norm: float, sigma: float, denominator: float,
                generator: torch.Generator) -> Any:
@@ -182,4 +241,5 @@ def dp_combine(reference: Tree, clip_norm: float, sigma: float, denominator: flo
     return combine
 
 
-__all__ = ["Accountant", "PrivacyConfig", "calibrate", "dp_combine", "epsilon"]
+__all__ = ["Accountant", "PrivacyConfig", "calibrate", "dp_combine", "epsilon", "sampling_probability",
+           "secure_generator"]

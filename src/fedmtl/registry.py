@@ -175,22 +175,52 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def field_table(cls: type) -> list[tuple[str, str, str, str]]:
-    """(name, type, default, doc) of every hyperparameter (init field) of an algorithm dataclass."""
+def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, doc) of every hyperparameter (init field) of a config dataclass (an algorithm,
+    ``RunConfig``, ...) or keyword argument of a builder function; a declared range (``fedmtl.schema``) is part of
+    the type (``float in (0, 1000]``)."""
     import dataclasses
+    import inspect
+    import types
     import typing
 
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
+    from .schema import range_of, strip, type_hints
+
+    hints = type_hints(cls)
+    docs = field_docs(cls) if isinstance(cls, type) else {}
+    if dataclasses.is_dataclass(cls):
+        fields = [(f.name, f.default if f.default is not dataclasses.MISSING else
+                   f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+                  for f in dataclasses.fields(cls) if f.init]
+    else:
+        skip = ("input_shape", "num_classes", "meta")
+        fields = [(n, p.default if p.default is not p.empty else "(required)")
+                  for n, p in inspect.signature(cls).parameters.items()
+                  if n not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     rows = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        tp = hints.get(f.name, f.type)
-        literal = typing.get_origin(tp) is typing.Literal
-        name = (" | ".join(repr(a) for a in typing.get_args(tp)) if literal
-                else getattr(tp, "__name__", None) or str(tp).replace("typing.", ""))
-        default = f.default if f.default is not dataclasses.MISSING else "(required)"
-        rows.append((f.name, name, repr(default) if isinstance(default, str) else str(default).lower()
-                     if isinstance(default, bool) else str(default), docs.get(f.name, "")))
+    for name, default in fields:
+        tp = hints.get(name, Any)
+        rng = range_of(tp)
+        base = strip(tp)
+        optional = ""
+        if typing.get_origin(base) in (typing.Union, types.UnionType):  # tuple | list, float | None: the first
+            args = typing.get_args(base)
+            optional = " or None" if type(None) in args else ""
+            base = next(a for a in args if a is not type(None))
+            rng = rng or range_of(base)
+            base = strip(base)
+        if typing.get_origin(base) in (tuple, list) and typing.get_args(base):
+            rng = rng or range_of(typing.get_args(base)[0])
+            base = typing.get_origin(base)
+        if typing.get_origin(base) is typing.Literal:
+            text = " | ".join(repr(a) for a in typing.get_args(base))
+        else:
+            text = getattr(base, "__name__", None) or str(base).replace("typing.", "")
+        if rng is not None:
+            where = rng.text() if rng.text()[0] in "<>" else f"in {rng.text()}"
+            text += f" {where}" if base in (int, float) else f" of values {where}"
+        text += optional
+        shown = repr(default) if isinstance(default, str) and default != "(required)" else \
+            str(default).lower() if isinstance(default, bool) else str(default)
+        rows.append((name, text, shown, docs.get(name, "")))
     return rows

@@ -21,6 +21,7 @@ from .config import ConfigError, load
 from .engine.checkpoint import CheckpointError
 from .engine.driver import build_data, run_experiment
 from .engine.round import TrainingDiverged
+from .engine.rundir import RunDirError
 from .progress import Progress
 from .report import markdown_table, plot_bands, plot_curves, write_json, write_table
 from .resources import config_path, configs_root
@@ -54,7 +55,7 @@ def _run(cfg: Any, run_dir: Path, data: Any) -> dict[str, Any]:
     has_ckpt = (run_dir / "checkpoint.pt").exists()
     try:
         res = run_experiment(cfg, run_dir, resume=has_ckpt, overwrite=not has_ckpt, data=data)
-    except (ConfigError, CheckpointError):  # an older run with another config or format: start over
+    except (ConfigError, CheckpointError, RunDirError):  # an older run with another config or format: start over
         res = run_experiment(cfg, run_dir, overwrite=True, data=data)
     return {**res.summary, "history": res.history, "per_client": res.per_client}
 
@@ -64,9 +65,9 @@ def _run_seeds(cfg: Any, run_dir: Path, data: Any, seeds: list[int]) -> dict[str
     their std as ``final_std``, the per-round means as ``history`` (with ``*_std``)."""
     from .engine.seeds import history_stats, run_seeds
 
-    try:
-        res = run_seeds(cfg, seeds, run_dir, resume=True, overwrite=True, data=data)
-    except (ConfigError, CheckpointError):  # an older run with another config or format: start over
+    try:  # the seeds with a checkpoint continue, the others start
+        res = run_seeds(cfg, seeds, run_dir, resume=True, data=data)
+    except (ConfigError, CheckpointError, RunDirError):  # an older run with another config or format: start over
         res = run_seeds(cfg, seeds, run_dir, overwrite=True, data=data)
     hist = []
     for h in history_stats([r.history for r in res.runs]):

@@ -27,6 +27,7 @@ import torch
 
 from . import tree as T
 from .batchnorm import is_statistic
+from .schema import Annotated, Range, check_fields
 from .tree import Params
 
 ServerOptName = Literal["none", "sgd", "avgm", "adam", "yogi", "adagrad"]
@@ -39,24 +40,18 @@ class ServerOptConfig:
     #: none (the method's own server step), sgd, avgm (server momentum), adam, yogi or adagrad
     name: ServerOptName = "none"
     #: the server learning rate eta
-    lr: float = 1.0
+    lr: Annotated[float, Range(0, 1e3, lo_open=True)] = 1.0
     #: first-moment decay (avgm: the momentum)
-    beta1: float = 0.9
+    beta1: Annotated[float, Range(0, 1, hi_open=True)] = 0.9
     #: second-moment decay (adam, yogi)
-    beta2: float = 0.99
+    beta2: Annotated[float, Range(0, 1, hi_open=True)] = 0.99
     #: adaptivity tau (adam, yogi, adagrad): added to sqrt(v); v starts at tau^2
-    tau: float = 1e-3
+    tau: Annotated[float, Range(0, 1, lo_open=True)] = 1e-3
 
     def __post_init__(self) -> None:
         if self.name not in ("none", "sgd", "avgm", "adam", "yogi", "adagrad"):
             raise ValueError(f"server_opt.name must be one of none, sgd, avgm, adam, yogi, adagrad, got {self.name!r}")
-        if not 0 < self.lr <= 1e3:
-            raise ValueError(f"server_opt.lr must be in (0, 1000], got {self.lr}")
-        for key in ("beta1", "beta2"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ValueError(f"server_opt.{key} must be in [0, 1), got {getattr(self, key)}")
-        if not 0 < self.tau <= 1:
-            raise ValueError(f"server_opt.tau must be in (0, 1], got {self.tau}")
+        check_fields(self, "server_opt")
 
     @property
     def enabled(self) -> bool:

@@ -17,12 +17,18 @@ model, momentum SGD), each with tolerances that a wrong algorithm fails:
 * ``checkpoint_round_trip``: two rounds, a checkpoint written and read back (without pickle) and one more
   round equal three uninterrupted rounds;
 * ``nan_excluded``: a client whose update is NaN is excluded and counted, and nothing non-finite reaches the
-  server or any client's state.
+  server or any client's state;
+* ``private_release``: under ``[privacy]`` every server state that reaches a client or the released model comes from
+  the noised sum: trained with no noise and with a huge noise, every leaf of the server state differs between the
+  two runs, except those the algorithm declares public (``Algorithm.public_server_state``, with the reason); and a
+  round in which no client was sampled still releases (the broadcast model changes).  An algorithm that refuses
+  ``[privacy]`` (``Algorithm.check_privacy``) must be refused by the engine before any work.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +46,7 @@ from .engine.evaluation import summarize
 from .engine.round import Engine, RunConfig
 from .model import Model
 from .optim import SGD
+from .privacy import PrivacyConfig
 
 
 class ContractError(AssertionError):
@@ -61,8 +68,8 @@ def simulator(alg: Algorithm, data: FederatedData, model: Model | None = None, o
     model = model or build_model("linear", data.feature_shape, data.num_classes, data.meta)
     opt = opt or SGD(lr=0.1, momentum=0.9, weight_decay=5e-4, lr_milestones=(0.5, 0.75))
     cfg = {"rounds": 6, "batch_size": 32, "seed": 7, **run}
-    systems = cfg.pop("systems", None)
-    return make_engine(alg, model, data, opt, RunConfig(**cfg), systems)
+    systems, privacy = cfg.pop("systems", None), cfg.pop("privacy", None)
+    return make_engine(alg, model, data, opt, RunConfig(**cfg), systems, privacy=privacy)
 
 
 def run_rounds(engine: Engine, n: int) -> tuple[Any, list[dict[str, Any]]]:
@@ -125,6 +132,7 @@ def check_algorithm(
         "learns": lambda: _learns(sim, toy_rounds),
         "checkpoint_round_trip": lambda: _checkpoint_round_trip(sim),
         "nan_excluded": lambda: _nan_excluded(cls, kwargs, data, sim),
+        "private_release": lambda: _private_release(alg, sim),
     }
     done = {}
     for name, fn in suite.items():
@@ -271,3 +279,48 @@ def _nan_excluded(cls: type[Algorithm], kwargs: dict[str, Any], data: FederatedD
             raise ContractError("a NaN update reached the server or a client's state")
     if not np.isfinite(summarize(eng.evaluate(st))["seen_test_loss"]):
         raise ContractError("evaluation after a NaN update is not finite")
+
+
+def _private_release(alg: Algorithm, sim: Callable[..., Engine]) -> None:
+    try:
+        alg.check_privacy()
+    except ValueError:
+        try:
+            sim(privacy=PrivacyConfig(clip_norm=1.0, noise_multiplier=1.0))
+        except ValueError:
+            return  # refused before any work, as declared
+        raise ContractError("check_privacy refuses [privacy] but the engine accepted it") from None
+    public = dict(alg.public_server_state)
+
+    def field(path: str) -> str:  # ".fixed['2.weight']" -> "fixed": public state is declared per server-state field
+        m = re.match(r"\.(\w+)", path)
+        return m.group(1) if m else path
+
+    named = []
+    for sigma in (0.0, 1e3):
+        eng = sim(privacy=PrivacyConfig(clip_norm=1.0, noise_multiplier=sigma, sampling="fixed"), sampling_rate=0.5)
+        st, _ = run_rounds(eng, 1)  # one round: both runs' clients train from the same model, so anything computed
+        named.append(T.to_named(st.server))  # from their raw updates is equal in both
+    unknown = sorted(set(public) - {field(k) for k in named[0]})
+    if unknown:
+        raise ContractError(f"public_server_state names {unknown}, which are not fields of the server state "
+                            f"({sorted({field(k) for k in named[0]})})")
+    same = [k for k in named[0] if field(k) not in public and torch.equal(named[0][k], named[1][k])]
+    if same:
+        raise ContractError(f"under [privacy] the server state {same} is the same with no noise and with a huge "
+                            "noise: it is released without noise (derive it from the noised mean, declare it in "
+                            "public_server_state with the reason, or refuse [privacy] in check_privacy)")
+    # Poisson sampling with q = 1/16 of 16 clients: rounds without any client; each must still release
+    eng = sim(privacy=PrivacyConfig(clip_norm=1.0, noise_multiplier=1.0), sampling_rate=1 / 16, rounds=8)
+    st = eng.init_state()
+    empty = 0
+    for _ in range(8):
+        before = {k: v.clone() for k, v in T.to_named(st.server).items()}
+        row = eng.round(st)
+        empty += row["clients"] == 0
+        kept = [k for k, v in T.to_named(st.server).items() if field(k) not in public and torch.equal(before[k], v)]
+        if kept:
+            raise ContractError(f"round {row['round']} ({row['clients']} clients) under [privacy] left the server "
+                                f"state {kept} unchanged: a private round must release its noise")
+    if not empty:
+        raise ContractError("the toy Poisson run had no empty round to check (change its seed)")

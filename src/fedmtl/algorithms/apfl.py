@@ -19,8 +19,9 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, masked_steps
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel, check_positive
+from .base import Algorithm, Context, GlobalModel
 
 
 class APFLState(NamedTuple):
@@ -35,17 +36,11 @@ class APFL(Algorithm):
     name: ClassVar[str] = "apfl"
     keeps_client_state: ClassVar[bool] = True
     #: initial mixing weight a of the personal model in h = a v + (1 - a) w, in [0, 1]
-    alpha: float = 0.5
+    alpha: Annotated[float, Range(0, 1)] = 0.5
     #: learn each client's mixing weight a by projected gradient steps (the paper's adaptive APFL)
     adapt_alpha: bool = True
     #: step size of the mixing-weight update
-    alpha_lr: float = 0.01
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.alpha <= 1:
-            raise ValueError(f"algorithm.alpha must be in [0, 1], got {self.alpha}")
-        check_positive("alpha_lr", self.alpha_lr, strict=False)
+    alpha_lr: Annotated[float, Range(0, 1e3)] = 0.01
 
     def init_client(self, ctx: Context, server: GlobalModel) -> APFLState:
         return APFLState(server.params, torch.tensor(self.alpha))

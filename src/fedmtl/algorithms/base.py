@@ -36,6 +36,7 @@ from .. import tree as T
 from ..data.federated import Orders, epoch_orders, steps_per_epoch
 from ..model import Model
 from ..optim import SGD, Batches
+from ..schema import check_fields
 from ..tree import Params, Tree
 
 
@@ -52,6 +53,14 @@ class Context(NamedTuple):
     # how the server combines stacked updates (K, ...) with weights (K,): the weighted mean, or a robust
     # aggregator of the run's [robust] table (fedmtl.robust); aggregate() calls it wherever it averages
     combine: Callable[[Tree, Tensor], Tree] = T.weighted_mean
+    # > 0 in a round under [privacy] (fedmtl.privacy): the fixed denominator of the noised mean that ``combine``
+    # returns.  Such a round always releases: aggregate() must call combine even when no update is valid (or none
+    # was sent: K = 0 rows), and must compute what it releases from combine's output only
+    dp_denominator: float = 0.0
+
+    @property
+    def private(self) -> bool:
+        return self.dp_denominator > 0
 
 
 class GlobalModel(NamedTuple):
@@ -92,9 +101,21 @@ class Algorithm:
     #: running statistics are assigned, never stepped (``fedmtl.batchnorm``); methods with their own update rule or loss
     #: leave it False and refuse models with batch norm
     supports_batch_norm: ClassVar[bool] = False
+    #: fields of the server state (NamedTuple field names) that are released without noise under ``[privacy]``
+    #: because they do not depend on the clients' data, each with the reason (``fedmtl.testing``'s
+    #: ``private_release`` check accepts exactly these as equal with and without noise)
+    public_server_state: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         check_literals(self)
+        check_fields(self, "algorithm")  # the declared ranges (fedmtl.schema) of the numeric hyperparameters
+
+    def check_privacy(self) -> None:
+        """Refuse ``[privacy]`` (``ValueError``) where this method's server would release something not computed
+        from the noised mean alone.  The default allows methods that average updates (``averages_updates``)."""
+        if not self.averages_updates:
+            raise ValueError(f"[privacy]: {self.name} does not average client updates; user-level DP applies to "
+                             "methods whose server averages model updates")
 
     def check_model(self, model: Model) -> None:
         """Refuse, before any work, a model this method cannot use (body/head methods: a model without a head)."""
@@ -115,9 +136,14 @@ class Algorithm:
         """``weights`` (K,) are n_k for valid updates and 0 for excluded (NaN/Inf) ones; ``clients`` (K,)
         are the ids of the clients the updates come from.  The default replaces the ``params`` of the
         server state by the weighted mean of the updates and keeps every other field."""
-        if float(weights.sum()) <= 0:
+        if nobody(ctx, weights):
             return server
         return server._replace(params=ctx.combine(updates, weights))
+
+    def update_like(self, ctx: Context, payload: Tree) -> Tree:
+        """One client's update as far as its structure goes (leaf names, shapes, dtypes): under ``[privacy]`` a round
+        in which nobody trained aggregates zero rows of it.  Default: the payload's structure."""
+        return payload
 
     def sync(self, ctx: Context, server: Any, clients: Tree) -> tuple[Any, Tree]:
         """``syncs_clients`` methods: after aggregation, the stacked states of ALL clients (gossip)."""
@@ -164,6 +190,11 @@ class Algorithm:
         """(n, C) log class probabilities for one client."""
         return ctx.model.log_proba(ctx.model.apply(eval_state, x))
 
+
+
+def nobody(ctx: Context, weights: Tensor) -> bool:
+    """No valid update to aggregate, and no private release due (``Context.dp_denominator``): keep the server."""
+    return float(weights.sum()) <= 0 and not ctx.private
 
 
 def check_positive(name: str, value: float, strict: bool = True) -> None:

@@ -17,6 +17,10 @@ from ..optim import SGD, Batches, local_sgd
 from ..tree import Params
 from .base import Context
 
+#: ``SplitModel.fixed`` under ``[privacy]``: drawn from the run's seed before any training and never updated from
+#: client data, so releasing it costs no privacy (``Algorithm.public_server_state``)
+FIXED_IS_PUBLIC = {"fixed": "the non-averaged part's initial values, drawn from the run's seed and never updated"}
+
 
 class SplitModel(NamedTuple):
     """Server state of a body/head method: ``params``, the part the server averages (the body, or LG-FedAvg's

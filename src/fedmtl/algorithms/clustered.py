@@ -29,8 +29,9 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, first_epoch, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, ClientId, Context, check_positive, row
+from .base import Algorithm, ClientId, Context, row
 
 
 class Clusters(NamedTuple):
@@ -67,21 +68,19 @@ class ClusteredFL(Algorithm):
     name: ClassVar[str] = "clustered"
     needs_adaptation: ClassVar[bool] = True  # unseen clients choose a cluster on their training data
     #: split test: a cluster's mean update norm below this means it is near a stationary point
-    eps1: float = 0.4
+    eps1: Annotated[float, Range(0, lo_open=True)] = 0.4
     #: split test: some client's update norm above this means the cluster still disagrees
-    eps2: float = 1.6
+    eps2: Annotated[float, Range(0, lo_open=True)] = 1.6
     #: no split before this round (the reference demo's guard)
-    warmup_rounds: int = 20
+    warmup_rounds: Annotated[int, Range(0, 10**7)] = 20
     #: a cluster is split only if it has more clients than this
-    min_cluster_size: int = 3
+    min_cluster_size: Annotated[int, Range(1, 10**6)] = 3
     #: upper bound on the number of clusters (stacked server models)
-    max_clusters: int = 16
+    max_clusters: Annotated[int, Range(1, 1024)] = 16
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("eps1", self.eps1)
-        check_positive("eps2", self.eps2)
-        check_positive("max_clusters", self.max_clusters)
+    def check_privacy(self) -> None:
+        raise ValueError("[privacy]: clustered splits clusters by the cosine similarities of the clients' raw updates "
+                         "and releases the assignment, which the noised mean cannot privatize; it refuses [privacy]")
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> Clusters:
         return Clusters(T.stack([params]), torch.zeros(ctx.num_clients, dtype=torch.long),

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import tree as T
 from ..graph import Mixing, build
 from ..optim import Batches
+from ..schema import Annotated, Range
 from ..tree import Params, Tree
 from .base import Context
 from .fedavg import FedAvg
@@ -53,13 +54,13 @@ class _Gossip:
     #: communication graph: complete, ring, erdos_renyi or file (adjacency_file)
     topology: Literal["complete", "ring", "erdos_renyi", "file"] = "erdos_renyi"
     #: edge probability of the Erdos-Renyi graph
-    edge_prob: float = 0.5
+    edge_prob: Annotated[float, Range(0, 1, lo_open=True)] = 0.5
     #: doubly-stochastic mixing weights: metropolis (Metropolis-Hastings) or max_degree
     mixing: Literal["metropolis", "max_degree"] = "metropolis"
     #: topology = 'file': a text file of edges 'i j', one per line
     adjacency_file: str = ""
     #: seed of the random graph
-    graph_seed: int = 0
+    graph_seed: Annotated[int, Range(0, 2**63 - 1)] = 0
 
     syncs_clients: ClassVar[bool] = True
     averages_updates: ClassVar[bool] = False

@@ -18,8 +18,9 @@ from typing import ClassVar, NamedTuple
 from torch import Tensor
 
 from ..optim import Batches, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel, check_positive
+from .base import Algorithm, Context, GlobalModel
 
 
 class PersonalModel(NamedTuple):
@@ -35,11 +36,7 @@ class Ditto(Algorithm):
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: lambda, the pull of each personal model v towards the global model (0 = local training)
-    lam: float = 0.1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("lam", self.lam, strict=False)
+    lam: Annotated[float, Range(0, 1e4)] = 0.1
 
     def init_client(self, ctx: Context, server: GlobalModel) -> PersonalModel:
         return PersonalModel(server.params)

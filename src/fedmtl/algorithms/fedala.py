@@ -30,8 +30,9 @@ from torch import Tensor
 from .. import tree as T
 from ..model import Model
 from ..optim import Batches, live_steps, local_sgd, pick_batch
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel, check_positive
+from .base import Algorithm, Context, GlobalModel
 
 
 class ALAState(NamedTuple):
@@ -49,18 +50,11 @@ class FedALA(Algorithm):
     name: ClassVar[str] = "fedala"
     keeps_client_state: ClassVar[bool] = True
     #: eta, the step size of the aggregation weights
-    eta: float = 1.0
+    eta: Annotated[float, Range(0, 1e3, lo_open=True)] = 1.0
     #: share of a client's batches (%) used to learn the weights each round
-    rand_percent: float = 80.0
+    rand_percent: Annotated[float, Range(0, 100, lo_open=True)] = 80.0
     #: steps of weight learning in a client's first adaptation (its second round)
-    ala_first_steps: int = 20
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("eta", self.eta)
-        if not 0 < self.rand_percent <= 100:
-            raise ValueError(f"algorithm.rand_percent must be in (0, 100], got {self.rand_percent}")
-        check_positive("ala_first_steps", self.ala_first_steps)
+    ala_first_steps: Annotated[int, Range(1, 10**4)] = 20
 
     def check_model(self, model: Model) -> None:
         model.head_names(self.name)

@@ -18,8 +18,9 @@ from typing import ClassVar
 from torch import Tensor
 
 from ..optim import SGD, Batches, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
+from .base import Algorithm, Context
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,7 @@ class FedProx(FedAvg):
 
     name: ClassVar[str] = "fedprox"
     #: FedProx's proximal weight mu (0 = FedAvg)
-    mu: float = 0.01
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("mu", self.mu, strict=False)
+    mu: Annotated[float, Range(0, 1e4)] = 0.01
 
     def client_update(
         self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float
@@ -69,14 +66,9 @@ class FedAvgFT(FedAvg):
     name: ClassVar[str] = "fedavg+"
     needs_adaptation: ClassVar[bool] = True
     #: FedAvg+: epochs of local fine-tuning before each evaluation
-    finetune_epochs: int = 1
+    finetune_epochs: Annotated[int, Range(1, 1000)] = 1
     #: FedAvg+: fine-tuning learning rate (0 = the round's learning rate)
-    finetune_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("finetune_epochs", self.finetune_epochs)
-        check_positive("finetune_lr", self.finetune_lr, strict=False)
+    finetune_lr: Annotated[float, Range(0, 1e3)] = 0.0
 
     @property
     def adapt_epochs(self) -> int:  # type: ignore[override]

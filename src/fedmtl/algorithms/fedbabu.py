@@ -19,9 +19,10 @@ from torch import Tensor
 
 from ..model import Model
 from ..optim import SGD, Batches
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, split_server, train_part
+from .base import Algorithm, Context
+from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, train_part
 from .fedavg import finetune
 
 
@@ -30,19 +31,15 @@ class FedBABU(Algorithm):
     """FedBABU: train and average only the body under a frozen random head; fine-tune before evaluation."""
 
     name: ClassVar[str] = "fedbabu"
+    public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     #: epochs of fine-tuning on a client's training data before its evaluation
-    finetune_epochs: int = 5
+    finetune_epochs: Annotated[int, Range(1, 1000)] = 5
     #: what fine-tuning trains: the whole model (the paper's main setting) or only the head
     finetune: Literal["full", "head"] = "full"
     #: fine-tuning learning rate (0 = the round's learning rate)
-    finetune_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("finetune_epochs", self.finetune_epochs)
-        check_positive("finetune_lr", self.finetune_lr, strict=False)
+    finetune_lr: Annotated[float, Range(0, 1e3)] = 0.0
 
     @property
     def adapt_epochs(self) -> int:  # type: ignore[override]
@@ -56,6 +53,9 @@ class FedBABU(Algorithm):
 
     def payload(self, server: SplitModel) -> Params:
         return {**server.params, **server.fixed}
+
+    def update_like(self, ctx: Context, payload: Params) -> Params:
+        return ctx.model.split(payload, self.name)[0]  # the body: the head stays fixed
 
     def client_update(
         self, ctx: Context, payload: Params, state: tuple[()], batches: Batches, lr: float

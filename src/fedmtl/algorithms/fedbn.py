@@ -26,9 +26,10 @@ from torch import Tensor
 
 from ..model import Model, ModelError, split_names
 from ..optim import Batches, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, train_part
+from .base import Algorithm, Context
+from .bodyhead import FIXED_IS_PUBLIC, SplitModel, train_part
 
 
 class LocalNorm(NamedTuple):
@@ -42,15 +43,12 @@ class FedBN(Algorithm):
     """FedBN: FedAvg on every parameter but the batch-norm layers', which each client keeps."""
 
     name: ClassVar[str] = "fedbn"
+    public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit batch-norm layers first
     keeps_client_state: ClassVar[bool] = True
     #: unseen clients: epochs of batch-norm training (the shared weights fixed) on their training data before testing
-    unseen_bn_epochs: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("unseen_bn_epochs", self.unseen_bn_epochs)
+    unseen_bn_epochs: Annotated[int, Range(1, 1000)] = 1
 
     @property
     def adapt_epochs(self) -> int:  # type: ignore[override]

@@ -21,8 +21,9 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
+from .base import Algorithm, Context, nobody
 
 
 class DynServer(NamedTuple):
@@ -46,13 +47,9 @@ class FedDyn(Algorithm):
     name: ClassVar[str] = "feddyn"
     keeps_client_state: ClassVar[bool] = True
     #: alpha, the weight of the dynamic regularizer (0 = FedAvg; the paper tunes it in {0.1, 0.01, 0.001})
-    alpha: float = 0.1
+    alpha: Annotated[float, Range(0, 1e3)] = 0.1
     #: weight the server mean by sample counts instead of uniformly (the paper)
     weighted: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("alpha", self.alpha, strict=False)
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> DynServer:
         return DynServer(params, T.zeros_like(params))
@@ -74,11 +71,19 @@ class FedDyn(Algorithm):
     def aggregate(self, ctx: Context, server: DynServer, updates: Params, weights: Tensor,
                   clients: Tensor) -> DynServer:
         ok = weights > 0
-        if not bool(ok.any()):
+        if nobody(ctx, weights):
             return server
         mean = ctx.combine(updates, weights if self.weighted else ok.to(weights.dtype))
         if self.alpha == 0:
             return DynServer(mean, server.h)
-        drift = T.sub(T.weighted_mean(updates, ok.to(weights.dtype)), server.params)  # mean_{P_t}(theta_k - theta)
-        h = T.tmap(lambda hh, d: hh - self.alpha * float(ok.sum()) / ctx.num_clients * d, server.h, drift)
+        if ctx.private:
+            # under [privacy] h must come from the released (noised) quantities only: the noised mean is
+            # theta + (sum of clipped deviations + noise) / D, so (1/m) sum_{P_t}(theta_k - theta) is estimated by
+            # (D / m)(mean - theta); neither the participants nor their count enter (the plain mean of the updates
+            # and |P_t| would be released without noise)
+            drift, share = T.sub(mean, server.params), ctx.dp_denominator / ctx.num_clients
+        else:
+            drift = T.sub(T.weighted_mean(updates, ok.to(weights.dtype)), server.params)  # mean_{P_t}(theta_k - theta)
+            share = float(ok.sum()) / ctx.num_clients
+        h = T.tmap(lambda hh, d: hh - self.alpha * share * d, server.h, drift)
         return DynServer(T.tmap(lambda m, hh: m - hh / self.alpha, mean, h), h)

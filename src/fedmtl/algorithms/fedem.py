@@ -34,8 +34,9 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, first_epoch, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
+from .base import Algorithm, Context, nobody
 
 
 class Mixture(NamedTuple):
@@ -67,22 +68,20 @@ class FedEM(Algorithm):
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
     keeps_client_state: ClassVar[bool] = True
     #: M, the number of shared component models (at most 256)
-    num_components: int = 3
+    num_components: Annotated[int, Range(1, MAX_COMPONENTS)] = 3
     #: participants: average over the sampled clients (the paper); all_clients: the reference code (n-weighted mix
     #: with the old model)
     server_average: Literal["participants", "all_clients"] = "participants"
     #: unseen clients: EM for pi stops when pi moves less than this (L1)
-    unseen_tol: float = 1e-6
+    unseen_tol: Annotated[float, Range(0, 2)] = 1e-6
     #: unseen clients: at most this many EM iterations for pi
-    unseen_max_iter: int = 200
+    unseen_max_iter: Annotated[int, Range(1, 10**5)] = 200
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("num_components", self.num_components)
-        check_positive("unseen_max_iter", self.unseen_max_iter)
-        if self.num_components > MAX_COMPONENTS:  # every client trains all M each round: M x the cost of FedAvg
-            raise ValueError(f"algorithm.num_components must be <= {MAX_COMPONENTS} (each round trains every "
-                             f"component on every sampled client), got {self.num_components}")
+    def check_privacy(self) -> None:
+        super().check_privacy()
+        if self.server_average == "all_clients":
+            raise ValueError("[privacy]: fedem with server_average = 'all_clients' scales the noised mean by the "
+                             "participants' share of the examples, which is not private; use 'participants'")
 
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, ctx: Context, params: Params, seed: int) -> Mixture:
@@ -96,12 +95,11 @@ class FedEM(Algorithm):
         return server.components
 
     def aggregate(self, ctx: Context, server: Mixture, updates: Params, weights: Tensor, clients: Tensor) -> Mixture:
-        total = float(weights.sum())
-        if total <= 0:
+        if nobody(ctx, weights):
             return server
         new = ctx.combine(updates, weights)  # (M, ...) average over participants
         if self.server_average == "all_clients":
-            share = total / ctx.total_train  # n_participants / n
+            share = float(weights.sum()) / ctx.total_train  # n_participants / n
             new = T.tmap(lambda a, old: share * a + (1.0 - share) * old, new, server.components)
         return Mixture(new)
 

@@ -20,9 +20,10 @@ from torch import Tensor
 
 from ..model import Model
 from ..optim import Batches, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, split_server, with_personal_head
+from .base import Algorithm, Context
+from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, with_personal_head
 
 
 class PersonalHead(NamedTuple):
@@ -36,15 +37,12 @@ class FedPer(Algorithm):
     """FedPer: a shared body averaged by the server, a personal head trained with it and kept by each client."""
 
     name: ClassVar[str] = "fedper"
+    public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients train a head first
     keeps_client_state: ClassVar[bool] = True
     #: unseen clients: epochs of head training (body fixed) on their training data before testing
-    unseen_head_epochs: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("unseen_head_epochs", self.unseen_head_epochs)
+    unseen_head_epochs: Annotated[int, Range(1, 1000)] = 1
 
     @property
     def adapt_epochs(self) -> int:  # type: ignore[override]

@@ -20,9 +20,10 @@ from torch import Tensor
 
 from ..model import Model
 from ..optim import Batches
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, split_server, train_part, with_personal_head
+from .base import Algorithm, Context
+from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, train_part, with_personal_head
 from .fedper import PersonalHead
 
 
@@ -31,15 +32,12 @@ class FedRep(Algorithm):
     """FedRep: each round a client fits its own head on the shared body, then updates the body under that head."""
 
     name: ClassVar[str] = "fedrep"
+    public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: epochs of head training (body fixed) before the body epochs, each round; also for unseen clients
-    head_epochs: int = 10
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("head_epochs", self.head_epochs, strict=False)
+    head_epochs: Annotated[int, Range(0, 1000)] = 10
 
     @property
     def adapt_epochs(self) -> int:  # type: ignore[override]

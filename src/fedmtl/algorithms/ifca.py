@@ -22,8 +22,9 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, first_epoch, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive, row
+from .base import Algorithm, Context, row
 
 
 class ClusterModels(NamedTuple):
@@ -48,11 +49,7 @@ class IFCA(Algorithm):
     needs_adaptation: ClassVar[bool] = True  # evaluation picks the best model on the client's training data
     averages_updates: ClassVar[bool] = False
     #: k, the number of cluster models
-    num_clusters: int = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("num_clusters", self.num_clusters)
+    num_clusters: Annotated[int, Range(1, 256)] = 2
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> ClusterModels:
         dev = next(iter(params.values())).device

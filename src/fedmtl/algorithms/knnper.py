@@ -25,8 +25,9 @@ from torch import Tensor
 
 from ..model import Model
 from ..optim import Batches, first_epoch
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Context, check_positive
+from .base import Context
 from .fedavg import FedAvg
 
 
@@ -47,18 +48,11 @@ class KNNPer(FedAvg):
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # the datastore is built from the client's training data
     #: lambda, the weight of the kNN distribution in the interpolation (0 = the global model)
-    interpolation: float = 0.5
+    interpolation: Annotated[float, Range(0, 1)] = 0.5
     #: k, the number of neighbours
-    k: int = 10
+    k: Annotated[int, Range(1, 10**4)] = 10
     #: T, the temperature of the kNN weights exp(-d / T)
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.interpolation <= 1:
-            raise ValueError(f"algorithm.interpolation must be in [0, 1], got {self.interpolation}")
-        check_positive("k", self.k)
-        check_positive("temperature", self.temperature)
+    temperature: Annotated[float, Range(0, 1e6, lo_open=True)] = 1.0
 
     def check_model(self, model: Model) -> None:
         model.head_names(self.name)

@@ -21,9 +21,10 @@ from torch import Tensor
 
 from ..model import Model
 from ..optim import Batches, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
-from .bodyhead import SplitModel, split_server, train_part
+from .base import Algorithm, Context
+from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, train_part
 
 
 class PersonalBody(NamedTuple):
@@ -37,15 +38,12 @@ class LGFedAvg(Algorithm):
     """LG-FedAvg: personal bodies, a shared head averaged by the server."""
 
     name: ClassVar[str] = "lgfedavg"
+    public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: unseen clients: epochs of body training (head fixed) on their training data before testing
-    unseen_body_epochs: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("unseen_body_epochs", self.unseen_body_epochs)
+    unseen_body_epochs: Annotated[int, Range(1, 1000)] = 1
 
     @property
     def adapt_epochs(self) -> int:  # type: ignore[override]

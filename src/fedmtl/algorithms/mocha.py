@@ -38,8 +38,9 @@ from torch import Tensor
 from ..mtl.omega import build as build_regularizer
 from ..mtl.omega import sigma_prime
 from ..optim import Batches, first_epoch
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive, row
+from .base import Algorithm, Context, row
 
 
 class MochaServer(NamedTuple):
@@ -83,41 +84,29 @@ class Mocha(Algorithm):
     averages_updates: ClassVar[bool] = False
     keeps_client_state: ClassVar[bool] = True
     #: lambda, the weight of the task-relationship regularizer
-    lam: float = 1e-3
+    lam: Annotated[float, Range(0, 1e6, lo_open=True)] = 1e-3
     #: hinge or squared_hinge (the SDCA dual form of each)
     loss: Literal["hinge", "squared_hinge"] = "hinge"
     #: Omega's form: identity, mean (shared mean), task_covariance (learned, eq. 14), cluster, graphical (eq. 15)
     regularizer: Literal["identity", "mean", "task_covariance", "cluster", "graphical"] = "task_covariance"
     #: mean: the ridge eta; cluster: the relaxation's eta; graphical: eq. 15's 1/sigma^2 ridge on W
-    eta: float = 0.1
+    eta: Annotated[float, Range(0, 1e6)] = 0.1
     #: graphical: the graphical lasso's l1 weight alpha (eq. 15's lambda_2 = alpha lam d / 2)
-    sparsity: float = 0.1
+    sparsity: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.1
     #: cluster: the number of task clusters k
-    clusters: int = 2
+    clusters: Annotated[int, Range(1, 1000)] = 2
     #: W-step rounds between two Omega steps
-    omega_every: int = 100
+    omega_every: Annotated[int, Range(1, 10**7)] = 100
     #: SDCA coordinate steps per round, as a fraction of the node's examples
-    local_frac: float = 0.5
+    local_frac: Annotated[float, Range(0, 100, lo_open=True)] = 0.5
     #: the aggregation parameter gamma of the dual update (1 = adding)
-    gamma: float = 1.0
+    gamma: Annotated[float, Range(0, 1, lo_open=True)] = 1.0
     #: sigma' of the local subproblems: global (one for all tasks) or per_task
     sigma_mode: Literal["global", "per_task"] = "global"
     #: W += gamma Sigma dB / lam, the reference MATLAB code's stale update (the paper: W = Sigma B / lam)
     reference_w_update: bool = False
     #: SDCA steps per Gram-matrix chunk (speed only, results unchanged)
-    chunk: int = 64
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("lam", self.lam)
-        check_positive("omega_every", self.omega_every)
-        check_positive("local_frac", self.local_frac)
-        check_positive("chunk", self.chunk)
-        check_positive("sparsity", self.sparsity)
-        if self.eta < 0:
-            raise ValueError(f"algorithm.eta must be >= 0, got {self.eta}")
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"algorithm.gamma must be in (0, 1], got {self.gamma}")
+    chunk: Annotated[int, Range(1, 10**5)] = 64
 
     def _reg(self, m: int):  # type: ignore[no-untyped-def]
         return build_regularizer(self.regularizer, m, self.eta, self.clusters, alpha=self.sparsity)

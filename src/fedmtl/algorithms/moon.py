@@ -24,8 +24,9 @@ from torch import Tensor
 
 from ..model import Model, value_and_grad_of
 from ..optim import Batches, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel, check_positive
+from .base import Algorithm, Context, GlobalModel
 
 
 class PreviousModel(NamedTuple):
@@ -41,14 +42,9 @@ class Moon(Algorithm):
     name: ClassVar[str] = "moon"
     keeps_client_state: ClassVar[bool] = True
     #: mu, the weight of the model-contrastive loss (0 = FedAvg; the paper tunes it in {0.1, 1, 5, 10})
-    mu: float = 1.0
+    mu: Annotated[float, Range(0, 1e4)] = 1.0
     #: tau, the temperature of the contrastive loss
-    temperature: float = 0.5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("mu", self.mu, strict=False)
-        check_positive("temperature", self.temperature)
+    temperature: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.5
 
     def check_model(self, model: Model) -> None:
         model.head_names(self.name)

@@ -44,8 +44,9 @@ from torch.func import grad, vmap
 from .. import tree as T
 from ..model import Model
 from ..optim import Batches, first_epoch, pick_batch
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, ClientId, Context, check_positive, row
+from .base import Algorithm, ClientId, Context, row
 
 
 class OmniServer(NamedTuple):
@@ -95,16 +96,11 @@ class OmniFedge(Algorithm):
     averages_updates: ClassVar[bool] = False
     needs_adaptation: ClassVar[bool] = True
     #: lambda of the omega subproblem (the log-barrier weight; 1 in the poster)
-    lam: float = 1.0
+    lam: Annotated[float, Range(0, 1e6, lo_open=True)] = 1.0
     #: paper: omega_ij = lambda / L_ij (the poster's unconstrained bound); simplex: each row on the simplex
     omega: Literal["paper", "simplex"] = "paper"
     #: paper omega: losses below this floor count as the floor (a guard against infinite weights)
-    loss_floor: float = 1e-3
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("lam", self.lam)
-        check_positive("loss_floor", self.loss_floor)
+    loss_floor: Annotated[float, Range(0, 1e3, lo_open=True)] = 1e-3
 
     def check_model(self, model: Model) -> None:
         model.head_names(self.name)

@@ -39,8 +39,9 @@ from torch.func import grad, jvp
 from .. import tree as T
 from ..data.federated import Orders, epoch_orders
 from ..optim import Batches, pick_batch
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel, check_positive
+from .base import Algorithm, Context, GlobalModel
 
 ROLES = 3  # D, D', D''
 
@@ -79,25 +80,17 @@ class PerFedAvg(Algorithm):
     name: ClassVar[str] = "perfedavg"
     needs_adaptation: ClassVar[bool] = True
     #: alpha, the step of the inner (personalization) gradient step
-    alpha: float = 0.01
+    alpha: Annotated[float, Range(0, 1e3)] = 0.01
     #: beta, the outer (meta) step size
-    beta: float = 0.001
+    beta: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.001
     #: fo (first-order), hf (Hessian-free: finite-difference Hessian-vector product) or exact (autograd HVP)
     variant: Literal["fo", "hf", "exact"] = "fo"
     #: hf: the finite-difference step delta
-    delta: float = 1e-3
+    delta: Annotated[float, Range(0, 1, lo_open=True)] = 1e-3
     #: tau, local meta-steps per round
-    local_steps: int = 10
+    local_steps: Annotated[int, Range(1, 10**4)] = 10
     #: SGD steps of rate alpha on the client's training data before evaluation
-    eval_steps: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("alpha", self.alpha, strict=False)
-        check_positive("beta", self.beta)
-        check_positive("delta", self.delta)
-        check_positive("local_steps", self.local_steps)
-        check_positive("eval_steps", self.eval_steps, strict=False)
+    eval_steps: Annotated[int, Range(0, 10**4)] = 1
 
     def train_epochs(self, local_epochs: int) -> int:
         return ROLES

@@ -29,8 +29,9 @@ from torch import Tensor
 from .. import tree as T
 from ..model import value_and_grad_of
 from ..optim import Batches, local_sgd, pick_batch
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, ClientId, Context, check_positive, row
+from .base import Algorithm, ClientId, Context, row
 
 
 class HyperServer(NamedTuple):
@@ -52,25 +53,19 @@ class PFedHN(Algorithm):
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit an embedding
     averages_updates: ClassVar[bool] = False
     #: dimension of the client embeddings
-    embed_dim: int = 16
+    embed_dim: Annotated[int, Range(1, 4096)] = 16
     #: units of the hypernetwork's hidden layers
-    hn_hidden: int = 100
+    hn_hidden: Annotated[int, Range(1, 10**5)] = 100
     #: hidden layers of the hypernetwork
-    hn_depth: int = 2
+    hn_depth: Annotated[int, Range(1, 64)] = 2
     #: the server's step size on the hypernetwork and the embeddings (the paper's 1e-2 goes with 50 local steps)
-    hn_lr: float = 0.3
+    hn_lr: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.3
     #: scale of the output layers' initial weights (x 1/sqrt(hn_hidden)): how far the clients' first models differ
-    out_scale: float = 1.0
+    out_scale: Annotated[float, Range(0, 1e3, lo_open=True)] = 1.0
     #: unseen clients: SGD steps on their embedding
-    unseen_steps: int = 20
+    unseen_steps: Annotated[int, Range(0, 10**5)] = 20
     #: unseen clients: step size on their embedding
-    embed_lr: float = 0.1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("embed_dim", "hn_hidden", "hn_depth", "hn_lr", "embed_lr"):
-            check_positive(key, getattr(self, key))
-        check_positive("unseen_steps", self.unseen_steps, strict=False)
+    embed_lr: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.1
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> HyperServer:
         dev = next(iter(params.values())).device

@@ -36,8 +36,9 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, local_sgd, masked_steps
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel, check_positive
+from .base import Algorithm, Context, GlobalModel, check_positive, nobody
 
 
 class Theta(NamedTuple):
@@ -52,13 +53,13 @@ class PFedMe(Algorithm):
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: lambda, the Moreau-envelope regularization weight
-    lam: float = 15.0
+    lam: Annotated[float, Range(0, 1e4)] = 15.0
     #: step size of the inner steps that compute theta
-    personal_lr: float = 0.01
+    personal_lr: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.01
     #: K, gradient steps per batch on the personalized subproblem
-    inner_steps: int = 5
+    inner_steps: Annotated[int, Range(1, 1000)] = 5
     #: the server's mixing of the new average into the global model (1 = replace)
-    beta: float = 1.0
+    beta: Annotated[float, Range(0, 100, lo_open=True)] = 1.0
     #: weight the server average by sample counts (the official code) instead of uniformly (the paper)
     weighted: bool = False
     #: paper (Dinh et al.) or fedem_reference (the FedEM code's "pFedMe": own models with a prox term, lam = mu)
@@ -67,9 +68,6 @@ class PFedMe(Algorithm):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("lam", self.lam, strict=self.variant == "paper")  # the reference variant: mu = 0 is Local
-        check_positive("personal_lr", self.personal_lr)
-        check_positive("inner_steps", self.inner_steps)
-        check_positive("beta", self.beta)
 
     def init_client(self, ctx: Context, server: GlobalModel) -> Theta:
         return Theta(server.params)
@@ -101,7 +99,7 @@ class PFedMe(Algorithm):
 
     def aggregate(self, ctx: Context, server: GlobalModel, updates: Params, weights: Tensor,
                   clients: Tensor) -> GlobalModel:
-        if float(weights.sum()) <= 0:
+        if nobody(ctx, weights):
             return server
         if self.variant == "fedem_reference":  # the average of the clients' own models, by sample counts
             return GlobalModel(ctx.combine(updates, weights))

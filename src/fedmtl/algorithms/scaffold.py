@@ -23,8 +23,9 @@ from torch import Tensor
 
 from .. import tree as T
 from ..optim import Batches, live_steps, local_sgd
+from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, check_positive
+from .base import Algorithm, Context
 
 
 class ScaffoldServer(NamedTuple):
@@ -60,13 +61,9 @@ class Scaffold(Algorithm):
     keeps_client_state: ClassVar[bool] = True
     averages_updates: ClassVar[bool] = False  # the updates are steps, not models: robust aggregators do not apply
     #: eta_g, the server's step on the mean model update (1 = replace by the average)
-    server_lr: float = 1.0
+    server_lr: Annotated[float, Range(0, 1e3, lo_open=True)] = 1.0
     #: weight the model step by sample counts (as FedAvg here) instead of uniformly (the paper)
     weighted: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive("server_lr", self.server_lr)
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> ScaffoldServer:
         return ScaffoldServer(params, T.zeros_like(params))

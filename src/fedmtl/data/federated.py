@@ -169,9 +169,57 @@ class ClientGroup:
         return ClientGroup(self.train.subset(clients), self.test.subset(clients), val)
 
 
+#: ``meta`` keys a model builder reads (``fedmtl.model.input_transform_for``): what a node may always send
+#: the server and a site's export may always hold.  Every other key is private unless the dataset lists it in
+#: ``meta["public_keys"]``.
+MODEL_META_KEYS = ("input", "mean", "std")
+
+
+def _plain(v: Any) -> Any:
+    """``v`` as JSON-able data: tensors and arrays as (nested) lists, mappings with string keys."""
+    if isinstance(v, Tensor | np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return str(v)
+
+
+def public_meta(meta: dict[str, Any], name: str = "data") -> dict[str, Any]:
+    """The part of a dataset's ``meta`` that may leave the process holding the data (a site's export, a
+    SuperNode's reply to the server): the keys a model needs (``MODEL_META_KEYS``: input, mean, std) plus the
+    keys the dataset declares public in ``meta["public_keys"]`` (kept as ``public_keys``, listing those present),
+    as JSON-able values.  Everything else (a generator's true parameters, other clients' mixture weights, sizes
+    or latent labels) is dropped.  A ``public_keys`` that is not a list of key names is a ``DataError`` naming
+    the dataset ``name``."""
+    declared = meta.get("public_keys", [])
+    if isinstance(declared, str) or not isinstance(declared, list | tuple) or \
+            not all(isinstance(k, str) for k in declared):
+        raise DataError(f"{name}: meta['public_keys'] must be a list of key names, got {declared!r}"[:300])
+    extra = [k for k in dict.fromkeys(declared) if k in meta and k not in MODEL_META_KEYS and k != "public_keys"]
+    out = {k: _plain(meta[k]) for k in (*MODEL_META_KEYS, *extra) if k in meta}
+    if extra:
+        out["public_keys"] = extra
+    return out
+
+
 @dataclass(frozen=True)
 class FederatedData:
-    """Seen clients (trained on) and optional unseen clients (held out of training)."""
+    """Seen clients (trained on) and optional unseen clients (held out of training).
+
+    ``meta`` describes the dataset.  A model builder reads only ``meta["input"]`` ("image", "float16", ...),
+    ``meta["mean"]`` and ``meta["std"]`` (image normalization); a generator may add what it knows about every
+    client (the synthetic mixture's ``theta``, ``pi``, ``sizes`` and ``latent`` labels) for in-process analysis.
+    Only ``public_meta(meta)`` ever leaves the process: those three keys plus the keys listed in
+    ``meta["public_keys"]`` (a list of key names a dataset declares safe to share with the server and every
+    site, e.g. ``["partition"]``); ``fedmtl data export`` writes it to ``dataset.json`` and a SuperNode sends it to
+    the server.
+    """
 
     seen: ClientGroup
     num_classes: int

@@ -2,7 +2,8 @@
 
 Layout of a data directory::
 
-    dataset.json        {"format": "fedmtl-npz/1", "num_classes": C, "meta": {...}}   (meta optional)
+    dataset.json        {"format": "fedmtl-npz/1", "num_classes": C, "meta": {...}}   (meta optional: public
+                        metadata only, ``fedmtl.data.federated.public_meta``)
     client_<k>.npz      x_train, y_train, x_test, y_test[, x_val, y_val]  for client k (its federation-wide id)
 
 * ``k`` is a non-negative integer, the client's id in the whole federation; a node may hold any subset of
@@ -30,8 +31,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..files import check_file, read_text
 from ..report import atomic
-from .federated import DataError, FederatedData
+from .federated import DataError, FederatedData, public_meta
 
 FORMAT = "fedmtl-npz/1"
 _NAME = re.compile(r"client_(\d+)\.npz")
@@ -54,28 +56,25 @@ def parse_range(spec: str, n: int) -> list[int]:
     return sorted(out)
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, Tensor | np.ndarray):
-        return v.tolist()
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    if v is None or isinstance(v, bool | int | float | str):
-        return v
-    return str(v)
-
-
 def export(data: FederatedData, out: str | Path, clients: list[int]) -> Path:
     """Write the seen clients ``clients`` of ``data`` to ``out`` (one ``client_<k>.npz`` each, plus
-    ``dataset.json``); files are written atomically."""
+    ``dataset.json``); files are written atomically.  The export holds those clients' examples and nothing about
+    any other client: ``dataset.json`` gets the dataset's name, its number of classes and only its public
+    metadata (``public_meta``: what a model needs, plus keys the dataset lists in ``meta["public_keys"]``), never
+    a generator's parameters or other clients' sizes, mixture weights or latent labels.  A directory that
+    already holds other clients' files is refused."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     n = data.seen.num_clients
     bad = [k for k in clients if not 0 <= k < n]
     if bad:
         raise DataError(f"clients {bad[:5]} out of range: the federation has {n} seen clients")
-    info = {"format": FORMAT, "name": data.name, "num_classes": data.num_classes, "meta": _jsonable(data.meta)}
+    stale = sorted(f.name for f in out.iterdir() if (m := _NAME.fullmatch(f.name)) and int(m.group(1)) not in clients)
+    if stale:  # another export's clients: the directory would hold data that is not this site's
+        raise DataError(f"{out} already holds {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}, not among "
+                        "the clients to export; export a site's share into an empty directory")
+    info = {"format": FORMAT, "name": data.name, "num_classes": data.num_classes,
+            "meta": public_meta(data.meta, data.name)}
     with atomic(out / "dataset.json") as fh:
         fh.write(json.dumps(info, indent=1))
     for k in clients:
@@ -93,8 +92,10 @@ def _read_info(path: Path) -> dict[str, Any]:
     if not f.is_file():
         raise DataError(f"{path}: no dataset.json (a data directory holds dataset.json and client_<k>.npz files; "
                         "'fedmtl data export' writes one)")
-    try:
-        info = json.loads(f.read_text())
+    try:  # kind and size first: a FIFO or a device given as dataset.json is refused, not read
+        info = json.loads(read_text(f, 1 << 20, "dataset description", DataError))
+    except DataError:
+        raise
     except (OSError, ValueError) as e:
         raise DataError(f"{f}: not readable JSON ({e})") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
@@ -108,7 +109,10 @@ def _read_info(path: Path) -> dict[str, Any]:
 
 
 def _read_client(f: Path, train_only: bool = False) -> dict[str, np.ndarray]:
+    from ..config import physical_memory
+
     try:
+        check_file(f, physical_memory(), "client data (.npz)", DataError)  # never np.load a FIFO or a device
         with np.load(f, allow_pickle=False) as z:
             names = [n for n in z.files if not train_only or n in ("x_train", "y_train")]
             arrays = {name: z[name] for name in names}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..schema import Annotated, DataSeed, Fraction, Range
 from .federated import ClientGroup, FederatedData, Split, from_clients, tasks_to_federation
 
 
@@ -49,18 +50,18 @@ def _client_split(n: int, pi: np.ndarray, theta: np.ndarray, noise: float, rng: 
 
 
 def fedem_synthetic(
-    num_clients: int = 300,
-    dim: int = 150,
-    num_components: int = 3,
-    alpha: float = 0.4,
-    noise: float = 0.1,
-    n_test: int = 5000,
-    min_samples: int = 50,
-    max_samples: int = 1000,
-    seed: int = 12345,
+    num_clients: Annotated[int, Range(1, 10**7)] = 300,
+    dim: Annotated[int, Range(1, 10**6)] = 150,
+    num_components: Annotated[int, Range(1, 1000)] = 3,
+    alpha: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.4,
+    noise: Annotated[float, Range(0, 1e3)] = 0.1,
+    n_test: Annotated[int, Range(1, 10**7)] = 5000,
+    min_samples: Annotated[int, Range(1, 10**7)] = 50,
+    max_samples: Annotated[int, Range(1, 10**7)] = 1000,
+    seed: DataSeed = 12345,
     legacy: bool = False,
-    unseen_frac: float = 0.0,
-    val_frac: float = 0.0,
+    unseen_frac: Fraction = 0.0,
+    val_frac: Fraction = 0.0,
 ) -> FederatedData:
     """Generate FedEM's synthetic federation; see the module docstring.
 
@@ -101,13 +102,13 @@ def fedem_synthetic(
 
 
 def permuted_groups(
-    num_clients: int = 40,
-    num_groups: int = 2,
-    dim: int = 20,
-    num_classes: int = 4,
-    n_train: int = 100,
-    n_test: int = 200,
-    seed: int = 0,
+    num_clients: Annotated[int, Range(1, 10**7)] = 40,
+    num_groups: Annotated[int, Range(1, 10**4)] = 2,
+    dim: Annotated[int, Range(1, 10**6)] = 20,
+    num_classes: Annotated[int, Range(2, 10**4)] = 4,
+    n_train: Annotated[int, Range(1, 10**7)] = 100,
+    n_test: Annotated[int, Range(1, 10**7)] = 200,
+    seed: DataSeed = 0,
 ) -> FederatedData:
     """Data built to need personalization: one linear labelling rule y = argmax(x W), x ~ N(0, I),
     and clients in ``num_groups`` groups whose labels are permuted by a group-specific permutation
@@ -150,8 +151,15 @@ def related_task_arrays(m: int = 30, d: int = 20, clusters: int = 3, seed: int =
     return xs, ys
 
 
-def related_tasks(m: int = 30, d: int = 20, clusters: int = 3, seed: int = 0, noise: float = 0.05,
-                  test_frac: float = 0.25, split_seed: int = 0) -> FederatedData:
+def related_tasks(
+    m: Annotated[int, Range(1, 10**6)] = 30,
+    d: Annotated[int, Range(1, 10**6)] = 20,
+    clusters: Annotated[int, Range(1, 10**4)] = 3,
+    seed: DataSeed = 0,
+    noise: Annotated[float, Range(0, 1e3)] = 0.05,
+    test_frac: Fraction = 0.25,
+    split_seed: DataSeed = 0,
+) -> FederatedData:
     """``related_task_arrays`` as a federation (one binary task per client, class 1 = label +1), each task split
     at random ``1 - test_frac`` / ``test_frac`` (MOCHA's 75/25); the MOCHA configs' data."""
     xs, ys = related_task_arrays(m, d, clusters, seed, noise)
@@ -160,18 +168,18 @@ def related_tasks(m: int = 30, d: int = 20, clusters: int = 3, seed: int = 0, no
 
 
 def linear_mixture(
-    num_clients: int = 1000,
-    dim: int = 60,
-    num_classes: int = 10,
-    num_components: int = 3,
-    alpha: float = 0.4,
-    min_train: int = 10,
-    max_train: int = 20,
-    n_test: int = 5,
-    label_noise: float = 0.1,
-    seed: int = 0,
+    num_clients: Annotated[int, Range(1, 10**8)] = 1000,
+    dim: Annotated[int, Range(1, 10**6)] = 60,
+    num_classes: Annotated[int, Range(2, 10**4)] = 10,
+    num_components: Annotated[int, Range(1, 1000)] = 3,
+    alpha: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.4,
+    min_train: Annotated[int, Range(1, 10**7)] = 10,
+    max_train: Annotated[int, Range(1, 10**7)] = 20,
+    n_test: Annotated[int, Range(0, 10**7)] = 5,
+    label_noise: Annotated[float, Range(0, 1)] = 0.1,
+    seed: DataSeed = 0,
     feature_dtype: str = "float32",
-    chunk: int = 25_000,
+    chunk: Annotated[int, Range(1, 10**8)] = 25_000,
 ) -> FederatedData:
     """A vectorized mixture federation for populations of up to millions of clients (``fedmtl bench scale``).
 

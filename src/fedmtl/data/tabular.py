@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..schema import DataSeed, Fraction
 from .download import Remote, locate
 from .federated import DataError, FederatedData, tasks_to_federation
 
@@ -72,8 +73,8 @@ def har_tasks(data_dir: str = "", binary: bool = True, download: bool = True
     return [x[subj == s] for s in ids], [labels[subj == s] for s in ids]
 
 
-def har(data_dir: str = "", binary: bool = True, test_frac: float = 0.25, standardize: bool = True,
-        seed: int = 0, unseen_frac: float = 0.0, download: bool = True) -> FederatedData:
+def har(data_dir: str = "", binary: bool = True, test_frac: Fraction = 0.25, standardize: bool = True,
+        seed: DataSeed = 0, unseen_frac: Fraction = 0.0, download: bool = True) -> FederatedData:
     xs, ys = har_tasks(data_dir, binary, download)
     return tasks_to_federation(xs, ys, 2 if binary else 6, "har", test_frac, standardize, seed, unseen_frac)
 
@@ -130,8 +131,8 @@ def vehicle_tasks(data_dir: str = "") -> tuple[list[np.ndarray], list[np.ndarray
     return xs, ys
 
 
-def vehicle(data_dir: str = "", test_frac: float = 0.25, standardize: bool = True, seed: int = 0,
-            unseen_frac: float = 0.0) -> FederatedData:
+def vehicle(data_dir: str = "", test_frac: Fraction = 0.25, standardize: bool = True, seed: DataSeed = 0,
+            unseen_frac: Fraction = 0.0) -> FederatedData:
     xs, ys = vehicle_tasks(data_dir)
     return tasks_to_federation(xs, ys, 2, "vehicle", test_frac, standardize, seed, unseen_frac)
 
@@ -225,7 +226,7 @@ def gleam_tasks(data_dir: str = "", download: bool = True) -> tuple[list[np.ndar
     return read_gleam_tar(locate(GLEAM_TAR, "gleam", data_dir, (), download))
 
 
-def gleam(data_dir: str = "", test_frac: float = 0.25, standardize: bool = True, seed: int = 0,
-          unseen_frac: float = 0.0, download: bool = True) -> FederatedData:
+def gleam(data_dir: str = "", test_frac: Fraction = 0.25, standardize: bool = True, seed: DataSeed = 0,
+          unseen_frac: Fraction = 0.0, download: bool = True) -> FederatedData:
     xs, ys = gleam_tasks(data_dir, download)
     return tasks_to_federation(xs, ys, 2, "gleam", test_frac, standardize, seed, unseen_frac)

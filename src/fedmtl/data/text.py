@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..schema import Annotated, DataSeed, Fraction, Range
 from .federated import DataError, FederatedData, from_clients
 
 #: LEAF's 80 symbols; a character's index is its position in this string.
@@ -119,14 +120,14 @@ def windows(codes: np.ndarray, seq_len: int, stride: int) -> tuple[np.ndarray, n
 
 
 def shakespeare(
-    seq_len: int = 80,
-    stride: int = 1,
-    train_frac: float = 0.8,
-    min_lines: int = 2,
-    min_samples: int = 0,
-    sample_frac: float = 1.0,
-    unseen_frac: float = 0.0,
-    seed: int = 1234,
+    seq_len: Annotated[int, Range(1, 10**5)] = 80,
+    stride: Annotated[int, Range(1, 10**5)] = 1,
+    train_frac: Annotated[float, Range(0, 1, lo_open=True, hi_open=True)] = 0.8,
+    min_lines: Annotated[int, Range(1, 10**6)] = 2,
+    min_samples: Annotated[int, Range(0, 10**7)] = 0,
+    sample_frac: Annotated[float, Range(0, 1, lo_open=True)] = 1.0,
+    unseen_frac: Fraction = 0.0,
+    seed: DataSeed = 1234,
     source: str = "",
 ) -> FederatedData:
     """LEAF-style Shakespeare federation (see the module docstring); x is uint8 (n, seq_len)."""

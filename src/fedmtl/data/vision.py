@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..schema import Annotated, DataSeed, Fraction, Range
 from . import partition as P
 from .download import Remote, locate
 from .federated import DataError, FederatedData, federate, tasks_to_federation
@@ -126,17 +127,17 @@ def _image_federation(
 
 def idx_federation(
     name: str = "fashion_mnist",
-    num_clients: int = 100,
+    num_clients: Annotated[int, Range(1, 10**6)] = 100,
     partition: str = "label_groups",
-    alpha: float = 0.4,
-    num_groups: int = 3,
-    shards_per_client: int = 2,
-    keep_high: float = 0.5,
-    fraction: float = 1.0,
-    test_frac: float = 0.2,
-    val_frac: float = 0.0,
-    unseen_frac: float = 0.0,
-    seed: int = 12345,
+    alpha: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.4,
+    num_groups: Annotated[int, Range(1, 10**4)] = 3,
+    shards_per_client: Annotated[int, Range(1, 10**4)] = 2,
+    keep_high: Annotated[float, Range(0, 1)] = 0.5,
+    fraction: Annotated[float, Range(0, 1, lo_open=True)] = 1.0,
+    test_frac: Fraction = 0.2,
+    val_frac: Fraction = 0.0,
+    unseen_frac: Fraction = 0.0,
+    seed: DataSeed = 12345,
     data_dir: str = "",
     download: bool = True,
 ) -> FederatedData:
@@ -169,9 +170,18 @@ EMNIST_ZIP = Remote("gzip.zip", ("https://biometrics.nist.gov/cs_links/EMNIST/gz
 
 
 def emnist(
-    split: str = "byclass", num_clients: int = 100, partition: str = "label_groups", alpha: float = 0.4,
-    num_groups: int = -1, fraction: float = 0.1, test_frac: float = 0.2, val_frac: float = 0.0,
-    unseen_frac: float = 0.0, seed: int = 12345, data_dir: str = "", download: bool = True,
+    split: str = "byclass",
+    num_clients: Annotated[int, Range(1, 10**6)] = 100,
+    partition: str = "label_groups",
+    alpha: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.4,
+    num_groups: Annotated[int, Range(-1, 10**4)] = -1,
+    fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.1,
+    test_frac: Fraction = 0.2,
+    val_frac: Fraction = 0.0,
+    unseen_frac: Fraction = 0.0,
+    seed: DataSeed = 12345,
+    data_dir: str = "",
+    download: bool = True,
 ) -> FederatedData:
     """EMNIST (``byclass``: 62 classes) from NIST's ``gzip.zip`` (IDX files inside ``gzip/``); the FedEM
     setting keeps 10% of train+test and makes every class its own label group (``num_groups=-1``)."""
@@ -219,8 +229,12 @@ def read_leaf_json(paths: list[Path]) -> dict[str, tuple[np.ndarray, np.ndarray]
 
 
 def femnist(
-    data_dir: str = "", writers_frac: float = 0.15, test_frac: float = 0.2, val_frac: float = 0.0,
-    unseen_frac: float = 0.0, seed: int = 12345,
+    data_dir: str = "",
+    writers_frac: Annotated[float, Range(0, 1, lo_open=True)] = 0.15,
+    test_frac: Fraction = 0.2,
+    val_frac: Fraction = 0.0,
+    unseen_frac: Fraction = 0.0,
+    seed: DataSeed = 12345,
 ) -> FederatedData:
     """FEMNIST: LEAF's per-writer JSON files (``data_dir/*.json``, produced by LEAF's preprocessing of
     NIST SD19; there is no single download), one client per writer, ``writers_frac`` of writers kept
@@ -300,9 +314,19 @@ def load_cifar(name: str, data_dir: str = "", download: bool = True) -> tuple[np
 
 
 def cifar(
-    name: str = "cifar10", num_clients: int = 80, partition: str = "label_groups", alpha: float = 0.4,
-    num_groups: int = 3, shards_per_client: int = 2, fraction: float = 1.0, test_frac: float = 0.2,
-    val_frac: float = 0.0, unseen_frac: float = 0.0, seed: int = 12345, data_dir: str = "", download: bool = True,
+    name: str = "cifar10",
+    num_clients: Annotated[int, Range(1, 10**6)] = 80,
+    partition: str = "label_groups",
+    alpha: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.4,
+    num_groups: Annotated[int, Range(1, 10**4)] = 3,
+    shards_per_client: Annotated[int, Range(1, 10**4)] = 2,
+    fraction: Annotated[float, Range(0, 1, lo_open=True)] = 1.0,
+    test_frac: Fraction = 0.2,
+    val_frac: Fraction = 0.0,
+    unseen_frac: Fraction = 0.0,
+    seed: DataSeed = 12345,
+    data_dir: str = "",
+    download: bool = True,
 ) -> FederatedData:
     """CIFAR-10/100 federation (FedEM's CIFAR-10 setting: 80 clients, 3 label groups, alpha 0.4)."""
     if name not in CIFAR:
@@ -342,8 +366,13 @@ def fmnist_pair_arrays(m: int = 30, seed: int = 0, data_dir: str = "") -> tuple[
     return xs, ys
 
 
-def fmnist_pairs(m: int = 30, seed: int = 0, data_dir: str = "", test_frac: float = 0.25,
-                 split_seed: int = 0) -> FederatedData:
+def fmnist_pairs(
+    m: Annotated[int, Range(1, 10**4)] = 30,
+    seed: DataSeed = 0,
+    data_dir: str = "",
+    test_frac: Fraction = 0.25,
+    split_seed: DataSeed = 0,
+) -> FederatedData:
     """``fmnist_pair_arrays`` as a federation (class 1 = the pair's first class), split 75/25 per task."""
     xs, ys = fmnist_pair_arrays(m, seed, data_dir)
     return tasks_to_federation(xs, [(y > 0).astype(np.int64) for y in ys], 2, "fmnist_pairs", test_frac,

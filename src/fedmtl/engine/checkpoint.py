@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import tree as T
+from ..files import check_file
 from .round import EngineState
 
 FORMAT = "fedmtl-checkpoint/2"
@@ -51,17 +52,25 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
 
 def load(path: str | Path) -> dict[str, Any]:
     """Read and sanity-check a checkpoint (format, round, finite server state); tensors on the CPU."""
+    from ..config import physical_memory
+
     path = Path(path)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        size = check_file(path, physical_memory(), "checkpoint", CheckpointError)  # before reading: no FIFO, device
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
+    if size == 0:
+        raise CheckpointError(f"{path}: an empty file, not a fedmtl checkpoint (checkpoints are written atomically: "
+                              "this one was not written by fedmtl)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle refusal, truncation, corruption: all mean "not a usable checkpoint"
         if "Weights only load failed" in str(e):
             raise CheckpointError(f"{path}: not a fedmtl checkpoint: it holds objects other than tensors and plain "
                                   "data, which are never unpickled") from None
-        raise CheckpointError(f"{path}: not a readable fedmtl checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200]})") from None
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path}: not a readable fedmtl checkpoint ({type(e).__name__}"
+                              f"{': ' + first if first else ''})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a fedmtl checkpoint of format {FORMAT!r}")
     missing = {"round", "server", "clients", "history", "counters", "config"} - set(payload)
@@ -79,14 +88,27 @@ def load(path: str | Path) -> dict[str, Any]:
                 raise CheckpointError(f"{path}: {key.replace('_', ' ')} state {name} holds NaN or Inf")
     if not isinstance(payload["history"], list) or not isinstance(payload["counters"], dict):
         raise CheckpointError(f"{path}: malformed history or counters")
+    clients = payload["clients"]
+    if not isinstance(clients, dict) or clients.get("kind") not in ("memory", "mmap", "remote") or not all(
+            isinstance(v, torch.Tensor) for k, v in clients.items() if k != "kind"):
+        # (memory: the written rows; mmap: the store's files hold them; remote: Flower nodes keep them)
+        raise CheckpointError(f"{path}: malformed client states (a dict of a store kind and tensors expected)")
+    if not isinstance(payload["config"], dict):
+        raise CheckpointError(f"{path}: malformed config")
     return payload
 
 
 def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, Any], rounds: int) -> None:
     """Refuse a checkpoint written by another configuration or past this run's last round."""
     if payload["config"] != config:
-        raise CheckpointError(f"{path}: the checkpoint was written with a different configuration; resume with "
-                              "the same config and --set options")
+        from .rundir import config_diff
+
+        diff = config_diff(payload["config"], config)
+        if diff:  # (tuples and lists compare equal there: a config read back from config.toml is the same)
+            raise CheckpointError(f"{path}: the checkpoint was written with another configuration "
+                                  f"({'; '.join(diff[:8])}{'; ...' if len(diff) > 8 else ''}); resume with the run "
+                                  f"directory's own config: fedmtl run {Path(path).parent / 'config.toml'} --out "
+                                  f"{Path(path).parent} --resume")
     if payload["round"] > rounds:
         raise CheckpointError(f"{path}: checkpoint of round {payload['round']} but the run has {rounds} rounds")
     if len(payload["history"]) != payload["round"] or not all(isinstance(r, dict) for r in payload["history"]):

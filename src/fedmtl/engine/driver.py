@@ -10,12 +10,14 @@ Run directory layout::
     summary.json    final summary (the last round's evaluation, never the best round) + timings
     accuracy.png    test accuracy over rounds
     checkpoint.pt   written atomically every checkpoint_every rounds; ``resume=True`` continues from it
+    privacy.json    under [privacy]: the accountant's composed events, delta and the epsilon they spend
     client_store/   the clients' states when ``run.client_store = "mmap"``
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,8 @@ from .clients import Clients, LocalClients, evaluate_together, train_together
 from .evaluation import summarize
 from .executors import make_executor
 from .round import Engine, EngineState, Federation, RunConfig
-from .rundir import RunDirectory
+from .rundir import COMMIT, NEXT, RunDirectory, check_resumable
+from .store import StoreError
 from .systems import SystemsModel
 
 log = logging.getLogger("fedmtl")
@@ -83,7 +86,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc:
     """An engine over ``LocalClients`` holding all of ``data`` (a simulation)."""
     if data.is_regression:
         raise DataError(f"{data.name}: real-valued targets; the round engine trains classifiers")
-    if attack is not None and attack.kind == "label_flip" and attack.active:
+    if attack is not None and attack.kind == "labelflip" and attack.active:
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:2])
     device = torch.device(rc.device)
@@ -120,6 +123,8 @@ def run_experiment(
     if cfg.run.seeds:
         raise ConfigError(f"{cfg.source}: run.seeds = {list(cfg.run.seeds)}: several seeds are run by run_seeds "
                           "(fedmtl run --seeds, fedmtl.run(..., seeds=...))")
+    if out is not None:  # before anything is built or touched: the directory must fit the command
+        check_resumable(Path(out), cfg.raw, None, resume, overwrite)
     out_dir, prog, data = prepare(cfg, out, resume, progress, data)
     try:
         if out_dir is None:
@@ -176,6 +181,12 @@ class Replica:
         assert self.state is not None
         return self.state.round >= self.cfg.run.rounds
 
+    @property
+    def checkpoint_due(self) -> bool:
+        assert self.state is not None
+        every, r = self.cfg.run.checkpoint_every, self.state.round
+        return self.ckpt is not None and bool(every) and (r % every == 0 or r == self.cfg.run.rounds)
+
 
 def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: bool,
           progress: Progress | bool | str = True) -> RunResult:
@@ -183,11 +194,14 @@ def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: b
     return drive_many([Replica(engine, cfg, out_dir, cfg.algorithm["name"])], resume, progress)[0]
 
 
-def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool | str = True) -> list[RunResult]:
+def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool | str = True,
+               group_dir: Path | None = None) -> list[RunResult]:
     """Advance several runs (the replicas of a run with several seeds) round by round together: the replicas at
     the same round train their clients in one batched computation (``clients.train_together``) where they are
     all simulated in this process, each on its own otherwise; then each is evaluated, checkpointed and written
-    as a run of its own.  Each replica's result equals what ``drive`` gives it alone."""
+    as a run of its own.  Each replica's result equals what ``drive`` gives it alone.  ``group_dir`` (the top level
+    of a run with several seeds): the replicas' checkpoints of a round are committed together (``_checkpoint_group``),
+    so a resume finds them all at the same round and batches them exactly as the uninterrupted run did."""
     prog = progress if isinstance(progress, Progress) else Progress(progress)
     try:
         for rep in replicas:
@@ -203,6 +217,7 @@ def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool 
                 rep.per_client = per_client
             for rep, row in zip(group, rows, strict=True):
                 _after_round(rep, row, dt, prog, rep in due)
+            _checkpoint_group([rep for rep in group if rep.checkpoint_due], group_dir)
         return [_finish(rep) for rep in replicas]
     finally:
         prog.close()
@@ -224,7 +239,9 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
     except (ValueError, KeyError) as e:
         if saved is None:
             raise
-        raise checkpoint.CheckpointError(f"{ckpt}: does not fit this run: {e}") from e
+        if isinstance(e, StoreError):  # corrupt, tampered or non-finite client states: named by the store
+            raise checkpoint.CheckpointError(f"{ckpt}: {e}") from None
+        raise checkpoint.CheckpointError(f"{ckpt}: does not fit this run: {e}") from None
     if rep.out_dir is not None:
         rep.out_dir.mkdir(parents=True, exist_ok=True)
         with atomic(rep.out_dir / "config.toml") as f:
@@ -284,7 +301,7 @@ def _evaluate(reps: list[Replica]) -> list[dict[str, Any]]:
 
 
 def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, evaluated: bool) -> None:
-    state, rcfg, engine = rep.state, rep.cfg.run, rep.engine
+    state, rcfg = rep.state, rep.cfg.run
     assert state is not None
     rep.t_train += dt
     state.counters["train_seconds"] = state.counters.get("train_seconds", 0.0) + dt
@@ -296,10 +313,6 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
     prog.round(str(id(rep)), rep.label, rcfg.rounds, row, dt)
     if rep.board is not None:
         rep.board.round(row, rep.per_client if "seen_test_acc_mean" in row else None)
-    if rep.ckpt is not None and rcfg.checkpoint_every and (
-        state.round % rcfg.checkpoint_every == 0 or state.round == rcfg.rounds
-    ):
-        _checkpoint(rep.ckpt, state, rep.cfg, engine)
 
 
 def _finish(rep: Replica) -> RunResult:
@@ -331,7 +344,9 @@ def _finish(rep: Replica) -> RunResult:
         summary["epsilon"] = engine.accountant.epsilon_after(state.round)
         summary["delta"] = engine.privacy.delta
         summary["noise_multiplier"] = engine.noise_multiplier
+        summary["reproducible_noise"] = engine.privacy.reproducible_noise
     if out_dir is not None:
+        _write_privacy(out_dir, state, engine)
         write_history_csv(out_dir / "metrics.csv", state.history)
         write_clients_csv(out_dir / "clients.csv", per_client)
         write_json(out_dir / "summary.json", summary)
@@ -341,5 +356,39 @@ def _finish(rep: Replica) -> RunResult:
 
 def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: Engine) -> None:
     checkpoint.save(ckpt, state, cfg.raw, engine.clients.state_dict())
+    _committed(ckpt, state, engine)
+
+
+def _committed(ckpt: Path, state: EngineState, engine: Engine) -> None:
+    """After ``ckpt`` is durable: the client store's undo journal is emptied, metrics and privacy record written."""
     engine.clients.commit()
     write_history_csv(ckpt.parent / "metrics.csv", state.history)
+    _write_privacy(ckpt.parent, state, engine)
+
+
+def _checkpoint_group(reps: list[Replica], group_dir: Path | None) -> None:
+    """Checkpoint ``reps`` (due at the same round).  One replica, or no group directory: directly.  Several: as one
+    transaction: every replica's checkpoint is written (fsynced) to ``checkpoint.next.pt``; then the group's marker
+    ``seeds-commit.json`` (atomic) makes them durable together; then each is renamed to ``checkpoint.pt`` and the
+    marker removed.  A kill anywhere leaves either the previous group or the new one for
+    ``seeds.finish_group_commit`` to complete, never replicas at different rounds."""
+    if len(reps) <= 1 or group_dir is None:
+        for rep in reps:
+            assert rep.ckpt is not None and rep.state is not None
+            _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine)
+        return
+    for rep in reps:
+        assert rep.ckpt is not None and rep.state is not None
+        checkpoint.save(rep.ckpt.with_name(NEXT), rep.state, rep.cfg.raw, rep.engine.clients.state_dict())
+    write_json(group_dir / COMMIT, {"round": reps[0].state.round, "runs": [str(rep.out_dir) for rep in reps]})
+    for rep in reps:
+        assert rep.ckpt is not None and rep.state is not None
+        os.replace(rep.ckpt.with_name(NEXT), rep.ckpt)
+        _committed(rep.ckpt, rep.state, rep.engine)
+    (group_dir / COMMIT).unlink()
+
+
+def _write_privacy(out_dir: Path, state: EngineState, engine: Engine) -> None:
+    """``privacy.json``: the accountant's events composed so far (runs under ``[privacy]``)."""
+    if engine.accountant is not None:
+        write_json(out_dir / "privacy.json", engine.accountant.record(state.round))

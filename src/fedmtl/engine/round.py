@@ -25,10 +25,11 @@ from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, epoch_orders
 from ..model import Model, ModelError
 from ..optim import SGD
-from ..privacy import Accountant, PrivacyConfig, calibrate, dp_combine
+from ..privacy import Accountant, PrivacyConfig, calibrate, dp_combine, sampling_probability, secure_generator
 from ..registry import ALGORITHMS
-from ..robust.aggregators import RobustConfig, clip_updates, reference_of
+from ..robust.aggregators import BUCKETING_STREAM, RobustConfig, clip_updates, reference_of
 from ..robust.attacks import AttackConfig, corrupt
+from ..schema import Annotated, Range, check_fields
 from ..server_opt import ServerOptConfig
 from ..tree import Tree
 from .clients import Clients, TrainOut
@@ -47,33 +48,43 @@ def batch_norm_methods() -> list[str]:
 class RunConfig:
     """The ``[run]`` table: everything about a run that is not the algorithm."""
 
-    rounds: int = 200
-    seed: int = 1234
-    batch_size: int = 128
-    local_epochs: int = 1
-    sampling_rate: float = 1.0
-    clients_per_round: int = 0  # > 0 overrides sampling_rate
-    runner: ExecutorName = "auto"  # the local executor: auto | vmap | loop
-    chunk_size: int = 0  # 0 = no limit on clients per vmap call
+    #: communication rounds
+    rounds: Annotated[int, Range(1, 10**7)] = 200
+    #: the run's seed: model initialization, client sampling, batch orders, systems draws, attackers
+    seed: Annotated[int, Range(0, 2**63 - 1)] = 1234
+    #: local mini-batch size
+    batch_size: Annotated[int, Range(1, 10**7)] = 128
+    #: local epochs per round
+    local_epochs: Annotated[int, Range(1, 10**4)] = 1
+    #: fraction of the clients sampled each round (Poisson sampling under [privacy]: the inclusion probability q)
+    sampling_rate: Annotated[float, Range(0, 1, lo_open=True)] = 1.0
+    #: > 0: clients sampled each round (overrides sampling_rate)
+    clients_per_round: Annotated[int, Range(0, 10**9)] = 0
+    #: the local executor: auto, vmap or loop
+    runner: ExecutorName = "auto"
+    #: at most this many clients per batched call (0 = no limit)
+    chunk_size: Annotated[int, Range(0, 10**9)] = 0
+    #: steps: group clients into vmap calls by their number of local steps; none: one group
     bucketing: Literal["steps", "none"] = "steps"
+    #: cpu, cuda or cuda:<i>
     device: str = "cpu"
-    eval_every: int = 10
-    checkpoint_every: int = 10
-    eval_chunk_elems: int = 2**24  # bound on padded evaluation tensor size
-    eval_clients: int = 0  # > 0: evaluate a fixed uniform sample of this many clients per group
-    client_store: Literal["memory", "mmap"] = "memory"  # mmap: client states in files of the run directory
-    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    seeds: tuple[int, ...] = ()  # several seeds: independent replicas of the run (fedmtl.engine.seeds)
+    #: evaluate every this many rounds (and after the last)
+    eval_every: Annotated[int, Range(1, 10**7)] = 10
+    #: checkpoint every this many rounds (0 = never)
+    checkpoint_every: Annotated[int, Range(0, 10**7)] = 10
+    #: bound on the elements of a padded evaluation tensor
+    eval_chunk_elems: Annotated[int, Range(1, 2**40)] = 2**24
+    #: > 0: evaluate a fixed uniform sample of this many clients per group
+    eval_clients: Annotated[int, Range(0, 10**9)] = 0
+    #: memory, or mmap: client states in files of the run directory
+    client_store: Literal["memory", "mmap"] = "memory"
+    #: torch intra-op threads (0 = leave torch's default)
+    threads: Annotated[int, Range(0, 1024)] = 0
+    #: several seeds: independent replicas of the run, batched (fedmtl.engine.seeds)
+    seeds: tuple[Annotated[int, Range(0, 2**63 - 1)], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ValueError(f"run.rounds must be >= 1, got {self.rounds}")
-        if self.batch_size < 1 or self.local_epochs < 1:
-            raise ValueError("run.batch_size and run.local_epochs must be >= 1")
-        if not 0 < self.sampling_rate <= 1:
-            raise ValueError(f"run.sampling_rate must be in (0, 1], got {self.sampling_rate}")
-        if self.clients_per_round < 0:
-            raise ValueError("run.clients_per_round must be >= 0")
+        check_fields(self, "run")
         if self.runner not in ("auto", "vmap", "loop"):
             raise ValueError(f"run.runner must be 'auto', 'vmap' or 'loop', got {self.runner!r}")
         if self.bucketing not in ("steps", "none"):
@@ -82,18 +93,8 @@ class RunConfig:
             raise ValueError(f"run.client_store must be 'memory' or 'mmap', got {self.client_store!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"run.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
-        if self.eval_chunk_elems < 1:
-            raise ValueError(f"run.eval_chunk_elems must be >= 1, got {self.eval_chunk_elems}")
-        if self.rounds > 10**7:
-            raise ValueError(f"run.rounds must be <= 10^7, got {self.rounds}")
-        if self.eval_every < 1 or self.checkpoint_every < 0 or self.chunk_size < 0 or self.eval_clients < 0:
-            raise ValueError("run.eval_every must be >= 1; checkpoint_every, chunk_size and eval_clients >= 0")
-        if self.threads < 0:
-            raise ValueError(f"run.threads must be >= 0, got {self.threads}")
         if len(set(self.seeds)) != len(self.seeds) or len(self.seeds) > 1000:
             raise ValueError(f"run.seeds must be distinct (at most 1000), got {list(self.seeds)}")
-        if any(not 0 <= s < 2**63 for s in self.seeds) or not 0 <= self.seed < 2**63:
-            raise ValueError("run.seed and run.seeds must be integers in [0, 2^63)")
 
 
 def round_generator(seed: int, round_idx: int, stream: int = 0) -> torch.Generator:
@@ -120,7 +121,7 @@ def poisson_sample(cfg: RunConfig, num_clients: int, round_idx: int) -> Tensor:
     """Poisson sampling: every client joins round ``round_idx`` independently with probability q (``clients_per_round
     / N``, else ``sampling_rate``).  Drawn as a Binomial(N, q) count and a uniform subset of that size (the same
     distribution, in O(count))."""
-    q = min(cfg.clients_per_round / num_clients, 1.0) if cfg.clients_per_round else cfg.sampling_rate
+    q = sampling_probability(cfg.sampling_rate, cfg.clients_per_round, num_clients)
     rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, round_idx, 1]))
     k = int(rng.binomial(num_clients, q))
     if k == 0:
@@ -227,24 +228,44 @@ class Engine:
         self.systems = systems or SystemsModel()
         self.robust, self.attack = robust or RobustConfig(), attack or AttackConfig()
         self.server_opt = server_opt or ServerOptConfig()
-        if self.robust.aggregator != "mean" and not algorithm.averages_updates:
-            raise ValueError(f"robust.aggregator = {self.robust.aggregator!r}: {algorithm.name} does not average "
-                             "client updates (each update is its own client's entry); only robust.clip_norm applies")
+        if (self.robust.aggregator != "mean" or self.robust.bucketing > 1) and not algorithm.averages_updates:
+            raise ValueError(f"robust.aggregator = {self.robust.aggregator!r} / robust.bucketing = "
+                             f"{self.robust.bucketing}: {algorithm.name} does not average client updates (each update "
+                             "is its own client's entry); only robust.clip_norm applies")
+        if self.robust.aggregator == "bulyan":
+            rows = self.robust.inputs_per_round(clients_per_round(cfg, federation.num_clients))
+            f = self.robust.num_byzantine
+            if rows < 4 * f + 3:
+                raise ValueError(f"robust.aggregator = 'bulyan' with robust.num_byzantine = {f} needs at least "
+                                 f"{4 * f + 3} updates per round (4f + 3); this run's rounds give it {rows}"
+                                 f"{' bucket means' if self.robust.bucketing > 1 else ''}: set num_byzantine <= "
+                                 f"{max(0, (rows - 3) // 4)}")
         self.attackers = self.attack.attackers(federation.num_clients, cfg.seed)
         self.privacy = privacy or PrivacyConfig()
         self.accountant: Accountant | None = None
         self.noise_multiplier = self.privacy.noise_multiplier
+        self.dp_denominator = 0.0
         if self.privacy.enabled:
-            if not algorithm.averages_updates:
-                raise ValueError(f"[privacy]: {algorithm.name} does not average client updates; user-level DP "
-                                 "applies to methods whose server averages model updates")
+            algorithm.check_privacy()
+            if self.robust.aggregator != "mean" or self.robust.bucketing > 1:
+                raise ValueError(f"[privacy] combines the updates by its noised mean, whose noise is calibrated to "
+                                 f"that sum's sensitivity; robust.aggregator = {self.robust.aggregator!r} / "
+                                 f"robust.bucketing = {self.robust.bucketing} cannot replace it (robust.clip_norm can "
+                                 "be used with [privacy])")
             n = federation.num_clients
             k = clients_per_round(cfg, n)
+            # the true inclusion probability (Poisson) or the sample size (fixed): what runs is what is accounted
+            poisson = self.privacy.sampling == "poisson"
+            q = sampling_probability(cfg.sampling_rate, cfg.clients_per_round, n) if poisson else k / n
+            self.dp_denominator = q * n if poisson else float(k)  # the expected participants, or the sample size
             if self.privacy.target_epsilon > 0:
-                self.noise_multiplier = calibrate(self.privacy, cfg.rounds, n, k, k / n)
+                self.noise_multiplier = calibrate(self.privacy, cfg.rounds, n, k, q)
                 log.info("privacy: noise multiplier %.4f spends epsilon %.3g at delta %.1e over %d rounds",
                          self.noise_multiplier, self.privacy.target_epsilon, self.privacy.delta, cfg.rounds)
-            self.accountant = Accountant(self.privacy, self.noise_multiplier, n, k, k / n)
+            self.accountant = Accountant(self.privacy, self.noise_multiplier, n, k, q)
+            if self.privacy.reproducible_noise:
+                log.warning("privacy.reproducible_noise = true: the DP noise is drawn from run.seed, so anyone who "
+                            "knows the seed can remove it; the run's privacy guarantee does not hold")
         self.device = torch.device(cfg.device)
         model.module.to(self.device)
         self._n_params = sum(int(p.numel()) for p in model.module.parameters())
@@ -338,6 +359,8 @@ class Engine:
         r, cfg, alg = plan.round, self.cfg, self.alg
         ids, counts, payload = plan.ids, plan.counts, plan.payload
         state.counters["est_time_s"] = float(state.counters.get("est_time_s", 0.0)) + plan.est_seconds
+        if out is None and self.privacy.enabled:  # nobody trained: a private round still releases its noise
+            out = self._no_updates(payload)
         row: dict[str, Any] = {"round": r + 1, "lr": plan.lr, "clients": len(ids), "dropped": plan.n_dropped}
         excluded, loss = 0, float("nan")
         if out is not None:
@@ -355,10 +378,12 @@ class Engine:
                 log.warning("round %d: %d of %d clients failed to answer: %s", r, n_failed, len(ids),
                             ids[failed].tolist()[:20])
             updates = out.updates
-            if self.attackers.numel() and self.attack.kind != "label_flip":
-                rows = torch.nonzero(torch.isin(ids, self.attackers) & valid).flatten()
+            if self.attackers.numel() and self.attack.kind != "labelflip":
+                attacking = torch.isin(ids, self.attackers)
+                rows = torch.nonzero(attacking & valid).flatten()
                 if rows.numel():
-                    updates = corrupt(self.attack, updates, reference_of(updates, payload), rows, cfg.seed, r)
+                    honest = torch.nonzero(~attacking & valid).flatten()  # what omniscient attackers see
+                    updates = corrupt(self.attack, updates, reference_of(updates, payload), rows, cfg.seed, r, honest)
                     # what an attacker sends is checked like the rest
                     sent_ok = T.all_finite_rows(updates).cpu() if T.leaves(updates) else valid.clone()
                     bad_sent = valid & ~sent_ok
@@ -369,8 +394,10 @@ class Engine:
             if self.robust.clip_norm > 0:
                 updates = clip_updates(updates, reference_of(updates, payload), weights, self.robust.clip_norm)
             ctx = self.ctx
+            if self.robust.bucketing > 1:  # bucketing's permutation: one generator per round (resumes are exact)
+                ctx = ctx._replace(combine=self.robust.combiner(round_generator(cfg.seed, r, BUCKETING_STREAM)))
             if self.privacy.enabled:
-                ctx, updates = self._private(payload, updates, weights, r, plan.n_sampled)
+                ctx, updates = self._private(payload, updates, weights, r)
             before = state.server
             state.server = T.to(alg.aggregate(ctx, state.server, updates, weights.to(self.device), ids), self.device)
             if self.server_opt.enabled and state.server is not before:
@@ -395,20 +422,25 @@ class Engine:
         state.round = r + 1
         return {**row, "excluded": excluded, "train_loss": loss, "est_time_s": state.counters["est_time_s"]}
 
-    def _private(self, payload: Tree, updates: Tree, weights: Tensor, r: int, n_sampled: int) -> tuple[Context, Tree]:
+    def _private(self, payload: Tree, updates: Tree, weights: Tensor, r: int) -> tuple[Context, Tree]:
         """User-level DP (``fedmtl.privacy``): clip every update's deviation from the payload to ``clip_norm`` and
-        combine by a noisy sum over a fixed denominator."""
+        combine by a noisy sum over the fixed denominator (q N, or the sample size), the noise drawn from the
+        operating system's CSPRNG (``privacy.reproducible_noise``: from the run's seed, insecure)."""
         ref = reference_of(updates, payload)
         if ref is None:
             raise ValueError(f"[privacy]: {self.alg.name}'s client updates are not model-shaped like its payload; "
                              "user-level DP needs updates it can clip against the broadcast model")
         p = self.privacy
         updates = clip_updates(updates, ref, weights, p.clip_norm)
-        n = self.fed.num_clients
-        k = clients_per_round(self.cfg, n)
-        denominator = float(k) if p.sampling == "poisson" else float(max(n_sampled, 1))  # poisson: q N = k
-        gen = round_generator(self.cfg.seed, r, 5)
-        return self.ctx._replace(combine=dp_combine(ref, p.clip_norm, self.noise_multiplier, denominator, gen)), updates
+        gen = round_generator(self.cfg.seed, r, 5) if p.reproducible_noise else secure_generator()
+        combine = dp_combine(ref, p.clip_norm, self.noise_multiplier, self.dp_denominator, gen)
+        return self.ctx._replace(combine=combine, dp_denominator=self.dp_denominator), updates
+
+    def _no_updates(self, payload: Tree) -> TrainOut:
+        """A round's results when no client trained: zero rows shaped like the payload (under ``[privacy]``)."""
+        none = torch.zeros(0, dtype=torch.bool)
+        like = self.alg.update_like(self.ctx, payload)
+        return TrainOut(T.tmap(lambda p: p.unsqueeze(0)[:0], like), torch.zeros(0), none, none)
 
     def _estimated_seconds(self, payload: Tree, draw: Any, budget: Any, done: Any) -> float:
         """Estimated wall-clock seconds of this round on the systems model's device network: the compute of

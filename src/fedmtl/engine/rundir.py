@@ -10,6 +10,13 @@
   run resumes it (``resume``) or replaces it (``overwrite``: the old results are deleted first).
 * ``resume`` without ``checkpoint.pt`` is an error (nothing would be resumed).
 * Temporary files of interrupted atomic writes (``.*.tmp``) are removed.
+* ``seeds=True``: the top level of a run with several seeds (``fedmtl.engine.seeds``): the lock only; what it holds
+  was checked by ``check_resumable`` first, and ``overwrite`` also removes its ``seed-*`` folders.
+
+``layout(path)`` tells what a directory holds (nothing, a single-seed run, or a run with several seeds and which),
+``check_resumable`` refuses every mismatch between a directory and a command (single-seed vs ``--seeds``, other
+seeds, another configuration, naming the keys that differ) **before anything is touched**, with the command that
+would resume it.
 """
 
 from __future__ import annotations
@@ -17,22 +24,26 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any, Literal
 
 log = logging.getLogger("fedmtl")
 
 RESULTS = ("checkpoint.pt", "summary.json", "metrics.csv")
-OUTPUTS = (*RESULTS, "clients.csv", "accuracy.png", "config.toml")
+OUTPUTS = (*RESULTS, "clients.csv", "accuracy.png", "config.toml", "privacy.json")
 
 
 class RunDirError(ValueError):
     """The run directory cannot be used as asked (locked, holds results, nothing to resume)."""
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -43,10 +54,10 @@ def _alive(pid: int) -> bool:
 
 
 class RunDirectory:
-    def __init__(self, path: str | Path, resume: bool = False, overwrite: bool = False):
+    def __init__(self, path: str | Path, resume: bool = False, overwrite: bool = False, *, seeds: bool = False):
         if resume and overwrite:
             raise RunDirError("--resume and --overwrite exclude each other")
-        self.path, self.resume, self.overwrite = Path(path), resume, overwrite
+        self.path, self.resume, self.overwrite, self.seeds = Path(path), resume, overwrite, seeds
         self.lock = self.path / ".lock"
         self._held = False
 
@@ -60,7 +71,7 @@ class RunDirectory:
                     host, pid = self.lock.read_text().split()
                 except (OSError, ValueError):
                     host, pid = "", "0"
-                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                if host == socket.gethostname() and pid.isdigit() and not alive(int(pid)):
                     log.warning("%s: taking over the lock of process %s, which no longer runs", self.path, pid)
                     self.lock.unlink(missing_ok=True)
                     continue
@@ -74,6 +85,8 @@ class RunDirectory:
         raise RunDirError(f"{self.path}: could not take the lock {self.lock}")
 
     def __enter__(self) -> RunDirectory:
+        if self.seeds:
+            return self._enter_seeds()
         if self.resume and not (self.path / "checkpoint.pt").exists():
             raise RunDirError(f"--resume: {self.path / 'checkpoint.pt'} does not exist (nothing to resume; "
                               "run without --resume to start)")
@@ -95,6 +108,23 @@ class RunDirectory:
             raise
         return self
 
+    def _enter_seeds(self) -> RunDirectory:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._acquire()
+        try:
+            for tmp in self.path.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
+            if self.overwrite:
+                for f in (*OUTPUTS, COMMIT):
+                    (self.path / f).unlink(missing_ok=True)
+                shutil.rmtree(self.path / "client_store", ignore_errors=True)
+                for d in seed_dirs(self.path).values():
+                    shutil.rmtree(d)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
     def release(self) -> None:
         if self._held:
             self.lock.unlink(missing_ok=True)
@@ -108,4 +138,134 @@ def is_out_of_space(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-__all__ = ["RunDirError", "RunDirectory", "is_out_of_space"]
+# a run with several seeds commits its replicas' checkpoints together: each writes NEXT, then the top level's
+# COMMIT marker makes the group durable, then each NEXT is renamed to checkpoint.pt (fedmtl.engine.seeds)
+NEXT = "checkpoint.next.pt"
+COMMIT = "seeds-commit.json"
+_SEED = re.compile(r"seed-(\d+)")
+
+
+def seed_dirs(path: Path) -> dict[int, Path]:
+    """The ``seed-<S>`` folders of ``path``, by seed."""
+    if not path.is_dir():
+        return {}
+    found = {}
+    for d in path.iterdir():
+        m = _SEED.fullmatch(d.name)
+        if m and d.is_dir():
+            found[int(m.group(1))] = d
+    return dict(sorted(found.items()))
+
+
+@dataclass
+class Layout:
+    """What a run directory holds: ``empty`` (nothing of a run), ``single`` (a single-seed run) or ``seeds`` (a run
+    with several seeds: its ``seed-<S>`` folders)."""
+
+    kind: Literal["empty", "single", "seeds"]
+    seeds: list[int] = field(default_factory=list)
+
+
+def layout(path: str | Path) -> Layout:
+    path = Path(path)
+    seeds = list(seed_dirs(path))
+    if seeds:
+        return Layout("seeds", seeds)
+    if any((path / f).exists() for f in (*RESULTS, "config.toml")):
+        return Layout("single")
+    return Layout("empty")
+
+
+def resume_command(path: Path, lay: Layout) -> str:
+    """The command that resumes the run ``path`` holds: its own resolved ``config.toml`` (the --set overrides
+    included), so nothing else is needed."""
+    top = path / "config.toml"
+    if lay.kind == "seeds" and not top.exists() and lay.seeds:
+        one = path / f"seed-{lay.seeds[0]}" / "config.toml"
+        return f"fedmtl run {one} --out {path} --seeds {','.join(map(str, lay.seeds))} --resume"
+    return f"fedmtl run {top} --out {path} --resume"
+
+
+def _plain(x: Any) -> Any:
+    """A resolved config as it reads back from TOML: tuples as lists, and no None values (TOML has none: an unset key
+    and None are the same setting)."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``table.key: saved -> now`` for every key whose value differs between two resolved configs."""
+    saved, now = _plain(saved), _plain(now)
+    out = []
+    for t in sorted(set(saved) | set(now)):
+        a, b = saved.get(t, {}), now.get(t, {})
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            if a != b:
+                out.append(f"[{t}]")
+            continue
+        for k in sorted(set(a) | set(b)):
+            if a.get(k, "(unset)") != b.get(k, "(unset)"):
+                out.append(f"{t}.{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}")
+    return out
+
+
+def _saved_config(path: Path) -> dict[str, Any] | None:
+    from ..config import ConfigError, read_toml
+
+    f = path / "config.toml"
+    if not f.exists():
+        return None
+    try:
+        return read_toml(f)
+    except ConfigError as e:
+        raise RunDirError(f"{f}: the run directory's config cannot be read ({e})") from None
+
+
+def _differs(where: Path, saved: dict[str, Any] | None, now: dict[str, Any], command: str) -> None:
+    if saved is None:
+        return
+    diff = config_diff(saved, now)
+    if diff:
+        raise RunDirError(f"{where} was run with another configuration ({'; '.join(diff[:8])}"
+                          f"{'; ...' if len(diff) > 8 else ''}); nothing was changed. Resume it as it was with: "
+                          f"{command}")
+
+
+def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] | None, resume: bool,
+                    overwrite: bool, with_seed: Any = None) -> Layout:
+    """Refuse, before anything in ``path`` is touched, a command that does not fit what ``path`` holds: a single-seed
+    run asked to continue with seeds or the reverse, other seeds, another configuration (the differing keys named),
+    results that would be overwritten without ``--overwrite``.  ``seeds``: the command's seeds (None: a single-seed
+    run with ``config``); ``with_seed(s)``: the resolved config of seed ``s`` (to compare each seed folder's)."""
+    path = Path(path)
+    lay = layout(path)
+    if lay.kind == "empty" or overwrite:
+        return lay
+    command = resume_command(path, lay)
+    if seeds is None and lay.kind == "seeds":
+        raise RunDirError(f"{path} holds a run with seeds {lay.seeds} (seed-* folders), and this command runs a "
+                          f"single seed; nothing was changed. Resume it with: {command}; or choose another --out")
+    if seeds is not None and lay.kind == "single":
+        raise RunDirError(f"{path} holds a single-seed run, and this command runs seeds {seeds}; nothing was changed. "
+                          f"Resume it with: {command}; or choose another --out (or --overwrite to replace it)")
+    if seeds is None:
+        if resume:
+            _differs(path, _saved_config(path), config, command)
+        return lay
+    if not resume:
+        raise RunDirError(f"{path} already holds a run with seeds {lay.seeds}; resume it with: {command}; or "
+                          "choose another --out, or --overwrite to replace it")
+    if sorted(seeds) != lay.seeds:
+        raise RunDirError(f"{path} holds seeds {lay.seeds}, and this command asks for seeds {sorted(seeds)}; nothing "
+                          f"was changed. Resume it with: {command}")
+    for s in lay.seeds:
+        d = path / f"seed-{s}"
+        _differs(d, _saved_config(d), with_seed(s) if with_seed else config, command)
+    return lay
+
+
+__all__ = ["COMMIT", "NEXT", "Layout", "RunDirError", "RunDirectory", "alive", "check_resumable", "config_diff",
+           "is_out_of_space", "layout", "resume_command", "seed_dirs"]

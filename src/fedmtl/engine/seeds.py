@@ -11,6 +11,7 @@ Run directory::
 
     seed-<S>/       a complete run directory per seed (config.toml with run.seed = S, metrics.csv, clients.csv,
                     summary.json, checkpoint.pt, ...): each can be resumed or inspected alone
+    config.toml     the resolved configuration, run.seeds included: fedmtl run DIR/config.toml --out DIR --resume
     summary.json    per final metric: mean, std (ddof = 1), the 95% confidence interval of the mean (Student t)
                     and the per-seed values; the seeds; the config
     metrics.csv     per evaluated round: mean and std over seeds of every evaluation metric
@@ -21,18 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..config import ConfigError, ExperimentConfig
+from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import FederatedData
 from ..model import Model
-from ..report import plot_bands, write_json
+from ..report import atomic, plot_bands, write_json
 from .driver import Replica, RunResult, build_local, drive_many, prepare
-from .rundir import RunDirectory
+from .rundir import COMMIT, NEXT, RunDirectory, check_resumable, seed_dirs
 
 
 @dataclass
@@ -79,26 +81,51 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
         raise ConfigError(f"{cfg.source}: no seeds to run (run.seeds or --seeds)")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"{cfg.source}: the seeds {seeds} are not distinct")
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    configs = {s: cfg.with_seed(s) for s in seeds}
+    if out is not None:  # before anything is built or touched: the directory must fit the command
+        check_resumable(Path(out), cfg.raw, seeds, resume, overwrite, lambda s: configs[s].raw)
     out_dir, prog, data = prepare(cfg, out, resume, progress, data)
-    configs = [cfg.with_seed(s) for s in seeds]
     name = cfg.algorithm["name"]
     with contextlib.ExitStack() as stack:
         if out_dir is not None:
-            # the top level holds only the statistics (rewritten at the end); each seed's folder is a run directory
-            stack.enter_context(RunDirectory(out_dir, resume=False, overwrite=resume or overwrite))
+            # the top level holds the resolved config (with the seeds) and, at the end, the statistics; each seed's
+            # folder is a run directory of its own
+            stack.enter_context(RunDirectory(out_dir, overwrite=overwrite, seeds=True))
+            finish_group_commit(out_dir)
+            top = {t: dict(v) for t, v in cfg.raw.items()}
+            top["run"]["seeds"] = list(seeds)
+            with atomic(out_dir / "config.toml") as f:
+                f.write(dumps(top))
         replicas = []
-        for s, c in zip(seeds, configs, strict=True):
+        for s, c in configs.items():
             d = None if out_dir is None else seed_dir(out_dir, s)
             if d is not None:  # resume the seeds that have a checkpoint; overwrite (if asked) the others
                 cont = resume and (d / "checkpoint.pt").exists()
                 stack.enter_context(RunDirectory(d, cont, overwrite and not cont))
             replicas.append(Replica(build_local(c, data, model, d), c, d, f"{name} seed {s}"))
         replicas[0].engine.check_memory(len(replicas))  # all replicas' clients share the batched calls
-        runs = drive_many(replicas, resume, prog)
+        runs = drive_many(replicas, resume, prog, group_dir=out_dir)
         result = SeedsResult(runs, summarize_seeds(cfg, seeds, runs), out_dir)
         if out_dir is not None:
             write_seeds(out_dir, result, f"{name} on {cfg.data['name']}")
     return result
+
+
+def finish_group_commit(out: Path) -> None:
+    """Complete or undo the replicas' last group checkpoint (``drive_many`` writes every replica's
+    ``checkpoint.next.pt``, then the top level's ``seeds-commit.json``, then renames them): with the marker, the group
+    was durable and the renames are completed; without it, the group never was and the new files are removed.  Every
+    replica then resumes from the same round, so a kill anywhere gives a run byte-identical to an uninterrupted one."""
+    nexts = [d / NEXT for d in seed_dirs(out).values() if (d / NEXT).exists()]
+    if (out / COMMIT).exists():
+        for n in nexts:
+            os.replace(n, n.with_name("checkpoint.pt"))
+        (out / COMMIT).unlink()
+    else:
+        for n in nexts:
+            n.unlink()
 
 
 def summarize_seeds(cfg: ExperimentConfig, seeds: list[int], runs: list[RunResult]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ..files import check_file, read_text
 from ..tree import Tree
 
 StoreKind = Literal["memory", "mmap"]
@@ -44,8 +45,8 @@ _MAGIC = b"FMUL"
 _END = b"END!"
 
 
-class StoreError(RuntimeError):
-    """A client store that cannot be opened or resumed (missing or mismatching files)."""
+class StoreError(ValueError):
+    """A client store that cannot be opened or resumed (missing, corrupt or mismatching files, non-finite states)."""
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
@@ -105,9 +106,11 @@ class ClientStore:
             if not layout_file.exists():
                 raise StoreError(f"{d}: no client store to resume (layout.json missing)")
             try:
-                saved = json.loads(layout_file.read_text())
+                saved = json.loads(read_text(layout_file, 1 << 20, "client store layout", StoreError))
+            except StoreError:
+                raise
             except (OSError, ValueError) as e:
-                raise StoreError(f"{layout_file}: unreadable ({e})") from e
+                raise StoreError(f"{layout_file}: unreadable ({e})") from None
             if saved != self._layout():
                 raise StoreError(f"{layout_file}: the stored client states do not match this run's algorithm "
                                  f"(stored {saved}, expected {self._layout()})")
@@ -117,6 +120,10 @@ class ClientStore:
                 f.unlink()
         mode = "r+" if resume else "w+"
         self.leaves, self._arrays = [], []
+        if resume:  # numpy would silently zero-extend a truncated file opened "r+": check every file first
+            for i, (shape, dtype) in enumerate(zip(self.row_shapes, self.dtypes, strict=True)):
+                _check_npy(d / f"leaf{i}.npy", (self.num_clients, *shape), _np_dtype(dtype), self.names[i])
+            _check_npy(d / "written.npy", (self.num_clients,), np.dtype(np.bool_), "written flags")
         try:
             for i, (shape, dtype) in enumerate(zip(self.row_shapes, self.dtypes, strict=True)):
                 arr = np.lib.format.open_memmap(d / f"leaf{i}.npy", mode=mode, dtype=_np_dtype(dtype),
@@ -202,20 +209,32 @@ class ClientStore:
             raise StoreError(f"the checkpoint holds a {sd.get('kind')!r} client store, this run uses {self.kind!r}")
         if self.kind == "mmap":
             if self._journal is not None:
-                self._journal.rollback(round_idx, self.leaves, self.written)
+                self._journal.rollback(round_idx, self.leaves, self.written, self.num_clients)
             self.flush()
+            written = torch.nonzero(self.written).flatten()
+            for name, leaf in zip(self.names, self.leaves, strict=True):
+                _check_finite(name, leaf, written, f"{self.directory}")
             return
-        ids = sd["ids"].to(torch.long)
+        ids = sd.get("ids")
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise StoreError("the checkpoint's client ids are not a 1-d integer tensor")
+        ids = ids.to(torch.long)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_clients):
-            raise StoreError(f"checkpoint client ids out of range [0, {self.num_clients})")
-        self.written.zero_()
+            raise StoreError(f"the checkpoint's client ids {int(ids.min())}..{int(ids.max())} are out of range "
+                             f"[0, {self.num_clients}) (a checkpoint of another federation, or tampered)")
+        if int(torch.unique(ids).numel()) != ids.numel():
+            raise StoreError("the checkpoint's client ids repeat (tampered)")
         vals = []
         for i, (leaf, shape) in enumerate(zip(self.leaves, self.row_shapes, strict=True)):
-            v = sd[f"leaf{i}"]
+            v = sd.get(f"leaf{i}")
+            if not isinstance(v, Tensor):
+                raise StoreError(f"the checkpoint has no client state {self.names[i]} (leaf{i})")
             if tuple(v.shape) != (ids.numel(), *shape) or v.dtype != leaf.dtype:
-                raise StoreError(f"checkpoint client state {self.names[i]}: shape {tuple(v.shape)} {v.dtype}, "
-                                 f"expected {(ids.numel(), *shape)} {leaf.dtype}")
+                raise StoreError(f"the checkpoint's client state {self.names[i]} has shape {tuple(v.shape)} {v.dtype}, "
+                                 f"this run's algorithm keeps {(ids.numel(), *shape)} {leaf.dtype}")
+            _check_finite(self.names[i], v, None, "the checkpoint")
             vals.append(v)
+        self.written.zero_()
         self.write(ids, self._unflatten(vals))
 
     def flush(self) -> None:
@@ -232,6 +251,42 @@ class ClientStore:
         self.flush()
         if self._journal is not None:
             self._journal.close()
+
+
+def _check_npy(path: Path, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
+    """A store file to resume: a regular ``.npy`` file whose header says ``shape`` and ``dtype`` (C order) and whose
+    size is exactly its header plus that array (numpy would zero-extend a truncated one)."""
+    try:
+        size = check_file(path, 1 << 50, "client store", StoreError)
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0(f) if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0(f)
+            offset = f.tell()
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing ({what}); the client store cannot be resumed") from None
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path}: not a readable .npy file ({what}: {e})") from None
+    got_shape, fortran, got_dtype = header
+    if tuple(got_shape) != shape or got_dtype != dtype or fortran:
+        raise StoreError(f"{path}: holds {got_dtype} {tuple(got_shape)}{' (Fortran order)' if fortran else ''}, "
+                         f"expected {dtype} {shape} ({what})")
+    want = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != want:
+        raise StoreError(f"{path}: {size} bytes, expected {want} ({what}: truncated or padded)")
+
+
+def _check_finite(name: str, values: Tensor, rows: Tensor | None, where: str) -> None:
+    """Refuse a client state holding NaN or Inf (in ``rows`` of it, if given), naming the leaf and a client."""
+    if not values.is_floating_point():
+        return
+    v = values if rows is None else values.index_select(0, rows)
+    bad = ~torch.isfinite(v.reshape(v.shape[0], -1)).all(1)
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0])
+        which = first if rows is None else int(rows[first])
+        raise StoreError(f"{where}: client state {name} holds NaN or Inf ({int(bad.sum())} row(s), e.g. row {which}); "
+                         "a corrupt or tampered state is never resumed")
 
 
 class _UndoJournal:
@@ -273,10 +328,13 @@ class _UndoJournal:
             pos = p + 4
         return out
 
-    def rollback(self, round_idx: int, leaves: list[Tensor], written: Tensor) -> int:
+    def rollback(self, round_idx: int, leaves: list[Tensor], written: Tensor, num_clients: int) -> int:
         """Undo, newest first, every journaled write of rounds >= ``round_idx``; returns how many."""
         self._f.flush()
         recs = [r for r in self._records() if r[0] >= round_idx]
+        for _, ids, _, _ in recs:
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_clients):
+                raise StoreError(f"{self.path}: a record names clients outside [0, {num_clients}) (tampered)")
         for _, ids, old_written, rows in reversed(recs):
             idx = torch.from_numpy(ids.copy())
             for leaf, r in zip(leaves, rows, strict=True):

@@ -31,6 +31,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from ..schema import Annotated, Range, check_fields
+
 VARIABILITY = {"none": 1.0, "low": 0.9, "high": 0.1}
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -115,25 +117,27 @@ class SystemsDraw(NamedTuple):
 class SystemsModel:
     """The ``[systems]`` table.  The defaults model an ideal network: full speed, nobody drops."""
 
+    #: none, low or high: per-round device speed ~ U[low, 1] with low = 1, 0.9 or 0.1
     variability: Literal["none", "low", "high"] = "none"
-    speed_low: float = 0.0  # > 0 overrides the variability preset's lower bound
-    drop_prob: float = 0.0
-    never_respond: list[int] = field(default_factory=list)
-    mode: Literal["deadline", "wait"] = "deadline"  # flexible local work | fixed work, wait for stragglers
+    #: > 0 overrides the variability preset's lower bound of the speed
+    speed_low: Annotated[float, Range(0, 1)] = 0.0
+    #: probability that a node returns nothing in a round
+    drop_prob: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
+    #: nodes that never answer
+    never_respond: list[Annotated[int, Range(0, 10**9)]] = field(default_factory=list)
+    #: deadline: flexible local work (a straggler does floor(speed * steps)); wait: full work, slow rounds
+    mode: Literal["deadline", "wait"] = "deadline"
+    #: 3g, lte or wifi: the network of the estimated time model
     network: Literal["3g", "lte", "wifi"] = "lte"
-    device_flops: float = 1e9
+    #: sustained FLOP/s of one device (the estimated time model)
+    device_flops: Annotated[float, Range(1, 1e30)] = 1e9
 
     def __post_init__(self) -> None:
+        check_fields(self, "systems")
         if self.variability not in VARIABILITY:
             raise ValueError(f"systems.variability must be one of {sorted(VARIABILITY)}, got {self.variability!r}")
-        if not 0 <= self.speed_low <= 1:
-            raise ValueError(f"systems.speed_low must be in [0, 1], got {self.speed_low}")
-        if not 0 <= self.drop_prob < 1:
-            raise ValueError(f"systems.drop_prob must be in [0, 1), got {self.drop_prob}")
         if self.mode not in ("deadline", "wait"):
             raise ValueError(f"systems.mode must be 'deadline' or 'wait', got {self.mode!r}")
-        if any(i < 0 for i in self.never_respond):
-            raise ValueError("systems.never_respond holds node ids, which are >= 0")
         TimeModel(self.network, self.device_flops)  # validates network / device_flops
 
     @property

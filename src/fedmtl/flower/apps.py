@@ -1,10 +1,14 @@
 """fedmtl algorithms as a Flower ``ServerApp`` and ``ClientApp`` (Flower >= 1.41, Message API).
 
 * **ServerApp** (``server_main``): asks every SuperNode which clients it serves and what their data looks like
-  (``query``: client ids, training-set sizes, feature shape and dtype, classes; never data), refuses nodes that
-  disagree, then runs the engine's round loop (``fedmtl.engine.round.Engine`` driven by
-  ``fedmtl.engine.driver.drive``) with the Flower executor (``executor.FlowerClients``): the same sampling,
-  systems model, NaN exclusion, aggregation, evaluation, run directory, checkpoints and resume as ``fedmtl run``.
+  (``query``: client ids, training-set sizes, feature shape and dtype, classes and the dataset's public metadata,
+  ``fedmtl.data.federated.public_meta``; never data), refuses nodes that disagree, then runs the engine's round
+  loop (``fedmtl.engine.round.Engine`` driven by ``fedmtl.engine.driver.drive``) with the Flower executor
+  (``executor.FlowerClients``): the same sampling, systems model, NaN exclusion, aggregation, evaluation, run
+  directory, checkpoints and resume as ``fedmtl run``.  The run directory (run config ``fedmtl-out``) is locked
+  for the whole run (``fedmtl.engine.rundir.RunDirectory``): a second ServerApp writing it is refused, naming the
+  directory and the lock's owner; a directory holding a checkpoint is resumed, one holding results without a
+  checkpoint is refused unless the run config sets ``fedmtl-overwrite = true``.
   Flower's built-in strategies are not used: they cannot carry several models per reply (FedEM's M components
   travel as stacked named arrays) nor several clients per message.
 * **ClientApp** (the handlers below): a SuperNode serves one or many clients.  Its data is either
@@ -39,11 +43,13 @@ from .. import tree as T
 from ..algorithms.base import Algorithm
 from ..algorithms.base import Context as AlgContext
 from ..config import ExperimentConfig, validate
-from ..data.federated import FederatedData
+from ..data.federated import FederatedData, public_meta
 from ..engine.clients import LocalClients
 from ..engine.driver import RunResult, drive
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
+from ..engine.rundir import RunDirectory, RunDirError
+from ..files import check_file
 from ..model import Model
 from ..tree import Tree
 from .executor import FlowerClients, context_config, orders_of, send_and_receive
@@ -194,10 +200,13 @@ def _restore(node: _Node, lc: LocalClients, context: Context, cfg_text: str, bef
             if rnd >= before:
                 continue
             try:
+                check_file(f, 1 << 36, "client state")  # kind and size before reading: never a FIFO or a device
                 got = torch.load(f, map_location="cpu", weights_only=True)
                 state = T.from_named(got["state"], one)
-            except Exception as e:  # a corrupt or foreign file: say which, try the older one
-                log.warning("client %d: ignoring unreadable state file %s (%s)", k, f, e)
+                if not all(bool(torch.isfinite(x).all()) for x in T.leaves(state) if x.is_floating_point()):
+                    raise ValueError("it holds NaN or Inf")
+            except Exception as e:  # a corrupt, foreign or non-finite file: say which, try the older one
+                log.warning("client %d: ignoring unusable state file %s (%s)", k, f, e)
                 continue
             lc.store.write(torch.tensor([row]), T.stack([state]))
             break
@@ -256,14 +265,15 @@ def _asked(node: _Node, conf: dict[str, Any]) -> Tensor:
 
 def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
     """What the server may know of this node: its clients' ids and training-set sizes, the feature shape and
-    dtype, the classes and the dataset's public metadata; never an example."""
+    dtype, the classes and the dataset's public metadata (``public_meta``: what a model needs and the keys the
+    dataset declares public; never a generator's parameters or other clients' attributes); never an example."""
     node = node_of(context, cfg_text, full=False)
     d = node.data
     info = to_config({
         "client_ids": node.ids.tolist(), "train_counts": d.seen.train.counts.tolist(),
         "config_sha": _sha(cfg_text), "source": node.source,
         "feature_shape": list(d.feature_shape), "feature_dtype": str(d.seen.train.x.dtype).removeprefix("torch."),
-        "num_classes": d.num_classes, "meta": json.dumps(d.meta, default=str, sort_keys=True),
+        "num_classes": d.num_classes, "meta": json.dumps(public_meta(d.meta, d.name), sort_keys=True),
     })
     return Message(RecordDict({"info": info}), reply_to=msg)
 
@@ -384,6 +394,7 @@ def make_client_app(cfg_text: str | None = None) -> Any:
 @dataclass
 class ServerOptions:
     out: str = ""  # run directory (config.toml, metrics.csv, summary.json, checkpoint.pt); "" = none
+    overwrite: bool = False  # replace results in ``out`` that have no checkpoint to resume (else refused)
     num_nodes: int = 0  # SuperNodes to wait for (0 = any)
     round_timeout: float = 600.0
     connect_timeout: float = 300.0
@@ -444,15 +455,64 @@ def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Fede
     if missing:
         raise NodeError(f"the SuperNodes' clients must be numbered 0..N-1 without gaps: no node holds client(s) "
                         f"{missing[:10]} (ids go up to {max(owner)})")
+    try:
+        meta = json.loads(ref["meta"])
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+        meta = public_meta(meta, f"SuperNode {ref_node}")  # what a model needs, whatever a node sends
+    except ValueError as e:
+        raise NodeError(f"SuperNode {ref_node} sent unreadable dataset metadata: {e}") from None
     fed = Federation(torch.tensor([counts[k] for k in range(n)], dtype=torch.long), tuple(ref["feature_shape"]),
-                     int(ref["num_classes"]), json.loads(ref["meta"]))
+                     int(ref["num_classes"]), meta)
     return fed, getattr(torch, str(ref["feature_dtype"])), owner
 
 
+# RunDirectory's hints name fedmtl run's options; a ServerApp's are run config keys
+_SERVER_HINTS = (("pass --resume to continue it, --overwrite to replace it, or choose another --out",
+                  "set fedmtl-overwrite = true in the run config to replace it, or choose another fedmtl-out"),
+                 ("choose another --out", "choose another fedmtl-out"))
+
+
+def lock_run_directory(out: Path, overwrite: bool = False) -> tuple[RunDirectory, bool]:
+    """Take the ServerApp's run directory ``out`` for this process (``RunDirectory``'s ``.lock``: host and pid,
+    created exclusively, a dead owner's lock taken over): returns the held directory and whether the run
+    resumes (``out`` holds ``checkpoint.pt`` and ``overwrite`` is off).  The caller releases it
+    (``RunDirectory.release``; entering the returned object again would find its own lock).  A directory
+    another run holds, or one that holds results without a checkpoint (unless ``overwrite``), is a one-line
+    ``RunDirError`` naming it (and the lock's owner)."""
+    resume = not overwrite and (out / "checkpoint.pt").exists()
+    rd = RunDirectory(out, resume=resume, overwrite=overwrite)
+    try:
+        rd.__enter__()
+    except RunDirError as e:
+        msg = str(e)
+        for cli, app in _SERVER_HINTS:
+            msg = msg.replace(cli, app)
+        raise RunDirError(f"flower ServerApp: {msg}") from None
+    return rd, resume
+
+
 def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> RunResult:
-    """The ServerApp's main: discover the nodes, then drive the engine with the Flower executor."""
+    """The ServerApp's main: lock the run directory (``lock_run_directory``, before any node is contacted; held
+    until this returns or raises, whatever the way out), discover the nodes, then drive the engine with the
+    Flower executor (resuming from the directory's checkpoint if it holds one)."""
     cfg = config_from_text(cfg_text)
     alg = cfg.build_algorithm()
+    out = Path(opts.out) if opts.out else None
+    if out is None:
+        return _serve(grid, cfg_text, cfg, alg, opts, None, False)
+    rd, resume = lock_run_directory(out, opts.overwrite)
+    try:
+        if resume:
+            log.info("flower server: resuming from %s", out)
+        return _serve(grid, cfg_text, cfg, alg, opts, out, resume)
+    finally:  # success, error, KeyboardInterrupt: the next ServerApp finds the directory free
+        rd.release()
+
+
+def _serve(grid: Any, cfg_text: str, cfg: ExperimentConfig, alg: Algorithm, opts: ServerOptions, out: Path | None,
+           resume: bool) -> RunResult:
+    """Discover the nodes, build the engine over them and drive it (the run directory is the caller's)."""
     infos = _discover(grid, opts.num_nodes or None, opts.connect_timeout)
     fed, dtype, owner = federation_of(infos, cfg_text)
     log.info("flower server: %d SuperNodes hold %d clients (%s)", len(infos), fed.num_clients,
@@ -460,21 +520,18 @@ def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> RunResult:
     # the model skeleton from what the nodes report: the server never reads client data
     model = cfg.build_model(fed.feature_shape, fed.num_classes, fed.meta)
     clients = FlowerClients(grid, owner, alg, fed.feature_shape, dtype, opts.round_timeout)
-    if cfg.attack.kind == "label_flip" and cfg.attack.active:
-        raise NodeError("attack.kind = 'label_flip' poisons the attackers' data, which only a simulation holds")
+    if cfg.attack.kind == "labelflip" and cfg.attack.active:
+        raise NodeError("attack.kind = 'labelflip' poisons the attackers' data, which only a simulation holds")
     engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems, cfg.robust, cfg.attack, cfg.privacy,
                     cfg.server_opt)
-    out = Path(opts.out) if opts.out else None
-    resume = out is not None and (out / "checkpoint.pt").exists()
-    if resume:
-        log.info("flower server: resuming from %s", out)
     return drive(engine, cfg, out, resume=resume, progress=False)
 
 
 def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = None,
                     result: dict[str, Any] | None = None) -> Any:
     """A ``ServerApp``; without ``cfg_text`` the config (and ``out``) come from the run config keys
-    ``fedmtl-config`` / ``fedmtl-out``.  ``result`` (a dict) receives the ``RunResult`` under "result"."""
+    ``fedmtl-config`` / ``fedmtl-out`` (``fedmtl-num-nodes``, ``fedmtl-overwrite`` optional).  ``result`` (a dict)
+    receives the ``RunResult`` under "result"."""
     from flwr.serverapp import ServerApp
 
     app = ServerApp()
@@ -483,7 +540,8 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     def _main(grid: Any, context: Context) -> None:
         text = cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
         o = opts or ServerOptions(out=str(context.run_config.get("fedmtl-out", "")),
-                                  num_nodes=int(context.run_config.get("fedmtl-num-nodes", 0)))
+                                  num_nodes=int(context.run_config.get("fedmtl-num-nodes", 0)),
+                                  overwrite=_flag(context.run_config.get("fedmtl-overwrite", False)))
         res = server_main(grid, text, o)
         if result is not None:
             result["result"] = res
@@ -491,4 +549,14 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     return app
 
 
-__all__ = ["NodeError", "ServerOptions", "federation_of", "make_client_app", "make_server_app", "server_main"]
+def _flag(v: Any) -> bool:
+    """A run config boolean (TOML ``true`` or, from ``--run-config``, the strings "true" / "false")."""
+    if isinstance(v, str):
+        if v.strip().lower() not in ("true", "false", "1", "0", ""):
+            raise ValueError(f"run config fedmtl-overwrite = {v!r}: expected true or false")
+        return v.strip().lower() in ("true", "1")
+    return bool(v)
+
+
+__all__ = ["NodeError", "ServerOptions", "federation_of", "lock_run_directory", "make_client_app",
+           "make_server_app", "server_main"]

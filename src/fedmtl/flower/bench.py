@@ -100,9 +100,7 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
         export(data, Path(tmp) / "site1", list(range(half, clients)))
         del data
         with LocalDeployment(Path(tmp) / "dep", data_dirs=[Path(tmp) / "site0", Path(tmp) / "site1"]) as dep:
-            deadline = time.time() + 120
-            while dep.online_nodes() < 2 and time.time() < deadline:
-                time.sleep(2)
+            dep.wait_for_nodes(2)
             t0 = time.perf_counter()
             dep.run(app, Path(tmp) / "out", timeout=3600)
             res["flower_deployment_total_s"] = time.perf_counter() - t0

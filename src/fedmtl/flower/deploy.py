@@ -1,4 +1,5 @@
-"""Deployment helpers: TLS certificates and SuperNode key pairs written with ``cryptography``.
+"""Deployment helpers: TLS certificates and SuperNode key pairs written with ``cryptography``, and
+``LocalDeployment``, a real SuperLink and SuperNodes on 127.0.0.1 as processes it owns.
 
 ``make_certificates(dir, ca_dir)`` writes a self-signed CA and a server certificate for the SuperLink valid
 for 127.0.0.1 / localhost (or the given hosts): ``dir`` gets ``ca.crt`` (the only file every node receives),
@@ -7,6 +8,11 @@ sibling ``<dir>-ca``), apart from everything that is copied to any machine.  ``m
 writes n elliptic-curve (NIST P-384) key pairs in OpenSSH format (as ``ssh-keygen -t ecdsa -b 384`` writes
 them): what ``flower-supernode --auth-supernode-private-key`` and ``flwr supernode register`` read.  Every
 private key is written 0600 (and its directory 0700) through a unique temporary name.
+
+``LocalDeployment`` waits for readiness by polling (every ``poll`` seconds up to ``ready_timeout``, default
+300 s or ``FEDMTL_DEPLOY_TIMEOUT``) rather than trusting one short timeout, and ends every process it started,
+with their descendants, by process group and process id (never by name), on every way out of its ``with``
+block: success, exception, failed readiness, ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -14,12 +20,21 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
+from typing import IO
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
+
+from ..engine.rundir import alive
 
 
 def _name(cn: str) -> x509.Name:
@@ -89,6 +104,7 @@ def make_node_keys(out: str | Path, n: int, prefix: str = "node") -> list[tuple[
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS's pick)."""
     import socket
 
     with socket.socket() as s:
@@ -96,56 +112,168 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# ---------------------------------------------------------------------------------------------- processes
+def _proc_stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, parent pid, session id, start time in clock ticks) of a Linux process; None if it is gone (or
+    there is no ``/proc``)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        rest = text[text.rindex(")") + 2 :].split()  # the fields after the command name (which may hold spaces)
+        return rest[0], int(rest[1]), int(rest[3]), int(rest[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_table() -> dict[int, tuple[str, int, int, int]]:
+    """pid -> ``_proc_stat`` of every process (empty where there is no ``/proc``)."""
+    out = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if name.isdigit() and (st := _proc_stat(int(name))) is not None:
+            out[int(name)] = st
+    return out
+
+
+def running(pid: int, start: int | None = None) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie); with ``start`` (its start time, from
+    ``/proc``), whether it is still that process and not a later one that reuses the number."""
+    st = _proc_stat(pid)
+    if st is None:  # gone, or no /proc: ask the kernel
+        return not Path("/proc/self/stat").exists() and alive(pid)
+    return st[0] not in ("Z", "X") and (start is None or st[3] == start)
+
+
+def _signal_pid(pid: int, start: int | None, sig: int) -> None:
+    """Send ``sig`` to ``pid`` if it is still the process first seen (same start time)."""
+    if running(pid, start):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 class LocalDeployment:
     """A real SuperLink (TLS, SuperNode authentication) and SuperNodes on 127.0.0.1, as processes.
 
-    ``with LocalDeployment(workdir, partitions=[[0], [1]]) as dep: dep.run(app_dir, out_dir)`` registers one
-    key per SuperNode, starts the nodes (node i serves ``partitions[i]`` of the config's federation, or, with
-    ``data_dirs``, the clients whose ``.npz`` files are in ``data_dirs[i]``), launches ``flwr run`` and stops
-    every process at exit (by the process groups it started).  ``start_unregistered_node()`` starts a node
-    whose key was never registered (the SuperLink must refuse it).  Executables come from the running
-    interpreter's environment.
+    ``with LocalDeployment(workdir, partitions=[[0], [1]]) as dep: dep.wait_for_nodes(2); dep.run(app_dir,
+    out_dir)`` registers one key per SuperNode, starts the nodes (node i serves ``partitions[i]`` of the
+    config's federation, or, with ``data_dirs``, the clients whose ``.npz`` files are in ``data_dirs[i]``),
+    launches ``flwr run`` and stops every process at exit.  ``start_unregistered_node()`` starts a node whose
+    key was never registered (the SuperLink must refuse it).  Executables come from the running interpreter's
+    environment.
+
+    Readiness (the SuperLink answering ``flwr supernode ls``, nodes online) is polled every ``poll`` seconds up
+    to ``ready_timeout`` seconds overall (default ``FEDMTL_DEPLOY_TIMEOUT`` or 300), each ``flwr`` call allowed
+    what is left of that time; a SuperLink or SuperNode that exits meanwhile ends the wait at once, naming its
+    log.  The deployment owns its processes: each starts in a session (process group) of its own, and
+    ``stop()`` (run by ``__exit__``, and by ``__enter__`` when starting fails) sends SIGTERM to those groups and
+    to every descendant (found through ``/proc``, even in a session of its own, e.g. the SuperLink's SuperExec,
+    and recognized by its start time so that a reused pid is never signalled), then SIGKILL to what is left
+    after ``grace`` seconds, and reaps them.  ``started`` lists every pid it started (kept after ``stop``);
+    ``pids()`` those of its processes and their descendants that run now.
     """
 
     def __init__(self, workdir: str | Path, partitions: list[list[int]] | None = None,
-                 data_dirs: list[str | Path] | None = None):
-        import sys
-
+                 data_dirs: list[str | Path] | None = None, ready_timeout: float | None = None,
+                 poll: float = 1.0, grace: float = 10.0):
         if (partitions is None) == (data_dirs is None):
             raise ValueError("give the nodes either partitions (of the config's federation) or data_dirs")
+        if ready_timeout is None:
+            env = os.environ.get("FEDMTL_DEPLOY_TIMEOUT", "300")
+            try:
+                ready_timeout = float(env)
+            except ValueError:
+                raise ValueError(f"FEDMTL_DEPLOY_TIMEOUT={env!r}: expected a number of seconds") from None
+        if not ready_timeout > 0 or not poll > 0 or grace < 0:
+            raise ValueError(f"ready_timeout ({ready_timeout}) and poll ({poll}) must be > 0, grace ({grace}) >= 0")
         self.dir = Path(workdir)
         self.node_configs = ([f'data-dir="{Path(d).resolve()}"' for d in data_dirs] if data_dirs is not None else
                              [f'partition-ids="{",".join(str(k) for k in p)}"' for p in partitions or []])
         self.partitions = partitions
+        self.ready_timeout, self.poll, self.grace = float(ready_timeout), float(poll), float(grace)
         self.bin = Path(sys.executable).parent
         self.port = free_port()
         self.env = {**os.environ, "FLWR_HOME": str(self.dir / "flwr-home"),
                     "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}"}
-        self.procs: list[tuple[str, object]] = []
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.started: list[int] = []
+        self._logs: list[IO[str]] = []
+        self._seen: dict[int, int] = {}  # pid -> start time of every descendant seen so far
+        self._may_exit: set[str] = {"unregistered"}  # processes expected to end on their own
 
     # -------------------------------------------------------------------------------- processes
-    def _spawn(self, name: str, args: list[str]) -> object:
-        import subprocess
-
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        """Start ``args`` in a session of its own (so ``stop`` ends it with what it spawns), logging to
+        ``<workdir>/<name>.log``."""
         log = open(self.dir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
-        # its own process group, so that stop() ends it and the ServerApp / ClientApp processes it spawns
+        self._logs.append(log)
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
                              start_new_session=True)
         self.procs.append((name, p))
+        self.started.append(p.pid)
         return p
 
     def _cli(self, *args: str, timeout: float = 120) -> str:
-        import subprocess
+        """``flwr ARGS`` to completion (its stdout); a failure is a ``RuntimeError``, a call that outlives
+        ``timeout`` seconds a ``TimeoutError``.  The call runs in a session of its own, killed on every way
+        out that leaves it running (timeout, ``KeyboardInterrupt``)."""
+        p = subprocess.Popen([str(self.bin / "flwr"), *args], env=self.env, cwd=self.dir, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"flwr {' '.join(args)} did not finish within {timeout:.0f} s") from None
+        finally:
+            if p.returncode is None:  # not reaped yet: its group id cannot have been reused
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        if p.returncode != 0:
+            raise RuntimeError(f"flwr {' '.join(args)} failed ({p.returncode}): {out[-2000:]}{err[-2000:]}")
+        return out
 
-        r = subprocess.run([str(self.bin / "flwr"), *args], env=self.env, cwd=self.dir, capture_output=True,
-                           text=True, timeout=timeout)
-        if r.returncode != 0:
-            raise RuntimeError(f"flwr {' '.join(args)} failed ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}")
-        return r.stdout
+    def _check_alive(self) -> None:
+        """A SuperLink or SuperNode that has exited is an error naming its log."""
+        for name, p in self.procs:
+            if name not in self._may_exit and p.poll() is not None:
+                raise RuntimeError(f"the {name} process exited with code {p.returncode}; see "
+                                   f"{self.dir / (name + '.log')}")
+
+    def _wait(self, what: str, ready: Callable[[float], bool], timeout: float | None = None) -> None:
+        """Poll ``ready(seconds_left)`` every ``poll`` seconds until it holds (a ``RuntimeError`` or
+        ``TimeoutError`` from it counts as "not yet"), for at most ``timeout`` (``ready_timeout``) seconds
+        overall; then a one-line ``TimeoutError`` naming ``what``, the deadline and the last error."""
+        limit = self.ready_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        last = ""
+        while True:
+            self._check_alive()
+            try:
+                if ready(max(deadline - time.monotonic(), 1.0)):
+                    return
+                last = ""
+            except (RuntimeError, TimeoutError) as e:
+                last = " ".join(str(e).split())[:300]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what} not ready after {limit:g} s (logs in {self.dir})"
+                                   + (f"; last error: {last}" if last else ""))
+            time.sleep(min(self.poll, left))
 
     def __enter__(self) -> LocalDeployment:
-        import time
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
+    def _start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         certs = make_certificates(self.dir / "certs")
         self.keys = make_node_keys(self.dir / "keys", len(self.node_configs) + 1)
@@ -159,33 +287,38 @@ class LocalDeployment:
             "--ssl-certfile", str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key"),
             "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(self.port),
             "--database", str(self.dir / "superlink.db"), "--disable-runtime-dependency-installation"])
-        deadline = time.time() + 90
-        while True:
-            try:
-                self._cli("supernode", "ls", "deployment", timeout=30)
-                break
-            except RuntimeError:
-                if time.time() > deadline:
-                    self.stop()
-                    raise
-                time.sleep(1)
+        self._wait("the SuperLink", self._link_ready)
         for i, node_config in enumerate(self.node_configs):
-            self._cli("supernode", "register", str(self.keys[i][1]), "deployment")
+            self._cli("supernode", "register", str(self.keys[i][1]), "deployment",
+                      timeout=max(self.ready_timeout, 120))
             self._spawn(f"supernode{i}", [
                 str(self.bin / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
                 "--root-certificates", str(certs / "ca.crt"), "--auth-supernode-private-key", str(self.keys[i][0]),
                 "--node-config", node_config, "--host", "127.0.0.1", "--port", str(free_port())])
-        return self
 
-    def start_unregistered_node(self) -> object:
+    def _link_ready(self, left: float) -> bool:
+        """The SuperLink answers ``flwr supernode ls`` (TLS up, its database open) within ``left`` seconds."""
+        self._cli("supernode", "ls", "deployment", timeout=left)
+        return True
+
+    def start_unregistered_node(self) -> subprocess.Popen[bytes]:
+        """A SuperNode whose key was never registered (it gives up after 3 tries; the SuperLink refuses it)."""
         return self._spawn("unregistered", [
             str(self.bin / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
             "--root-certificates", str(self.dir / "certs" / "ca.crt"),
             "--auth-supernode-private-key", str(self.keys[-1][0]), "--node-config", 'partition-ids="0"',
             "--host", "127.0.0.1", "--port", str(free_port()), "--max-retries", "3", "--max-wait-time", "30"])
 
-    def online_nodes(self) -> int:
-        return self._cli("supernode", "ls", "deployment").count("online")
+    def online_nodes(self, timeout: float | None = None) -> int:
+        """How many SuperNodes the SuperLink lists as online now."""
+        return self._cli("supernode", "ls", "deployment",
+                         timeout=max(self.ready_timeout, 120) if timeout is None else timeout).count("online")
+
+    def wait_for_nodes(self, n: int | None = None, timeout: float | None = None) -> None:
+        """Poll until ``n`` (default: every started) SuperNodes are online, for at most ``timeout``
+        (``ready_timeout``) seconds; a ``TimeoutError`` after that."""
+        want = len(self.node_configs) if n is None else n
+        self._wait(f"{want} SuperNode(s) online", lambda left: self.online_nodes(left) >= want, timeout)
 
     def run(self, app_dir: str | Path, out_dir: str | Path, timeout: float = 900) -> str:
         """``flwr run`` the app (streaming its log) and wait for it; returns the log."""
@@ -193,23 +326,70 @@ class LocalDeployment:
                          f"fedmtl-out='{Path(out_dir).resolve()}' fedmtl-num-nodes={len(self.node_configs)}",
                          timeout=timeout)
 
-    def stop(self) -> None:
-        """End every process this deployment started, with its children (by process group, never by name)."""
-        import signal
-        import subprocess
+    def _descendants(self) -> dict[int, int]:
+        """pid -> start time of the running descendants of the started processes and the members of their
+        sessions (a descendant that starts a session of its own is found through its parent; one whose parent
+        has already gone, through its session), added to those seen before."""
+        table = _process_table()
+        # a session id is never reused while the session has members; a pid may be once it has been reaped,
+        # so only processes not reaped yet are parents to look under
+        sessions = {p.pid for _, p in self.procs}
+        roots = {p.pid for _, p in self.procs if p.returncode is None}
+        children: dict[int, list[int]] = {}
+        for pid, (_, ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        found = {pid for pid, (_, _, sid, _) in table.items() if sid in sessions} - sessions
+        todo = list(roots | found)
+        while todo:
+            for c in children.get(todo.pop(), []):
+                if c not in found and c not in sessions:
+                    found.add(c)
+                    todo.append(c)
+        for pid in found:  # a descendant now: this process, whatever an earlier one of that number was
+            self._seen[pid] = table[pid][3]
+        return {pid: start for pid, start in self._seen.items() if running(pid, start)}
 
-        for _, p in reversed(self.procs):
-            assert isinstance(p, subprocess.Popen)
-            for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL: what is left of the group after 10 s
+    def pids(self) -> list[int]:
+        """The pids of this deployment's processes and their descendants that run now."""
+        own = [p.pid for _, p in self.procs if p.poll() is None]
+        return sorted(set(own) | set(self._descendants()))
+
+    def _signal_all(self, sig: int) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:  # not reaped: p.pid is still its group's id
                 try:
                     os.killpg(p.pid, sig)
-                except ProcessLookupError:  # the whole group has ended
-                    break
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
+                except (ProcessLookupError, PermissionError):
                     pass
-        self.procs.clear()
+        for pid, start in self._descendants().items():
+            _signal_pid(pid, start, sig)
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """End every process this deployment started, with their descendants (by process group and pid, never
+        by name): SIGTERM, up to ``grace`` seconds to exit, then SIGKILL, whatever interrupts the wait."""
+        try:
+            self._descendants()  # remember the tree while its parents still run
+            self._signal_all(signal.SIGTERM)
+            deadline = time.monotonic() + self.grace
+            while time.monotonic() < deadline and self.pids():
+                time.sleep(0.1)
+        finally:
+            try:
+                self._signal_all(signal.SIGKILL)
+                for _, p in self.procs:
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:  # unkillable (uninterruptible sleep): leave it
+                        pass
+                deadline = time.monotonic() + 5
+                while self._descendants() and time.monotonic() < deadline:  # reparented ones: init reaps them
+                    time.sleep(0.05)
+            finally:
+                self.procs.clear()
+                self._seen.clear()
+                for log in self._logs:
+                    log.close()
+                self._logs.clear()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()

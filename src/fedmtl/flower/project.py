@@ -36,6 +36,7 @@ clientapp = "fedmtl_app.client_app:app"
 [tool.flwr.app.config]
 fedmtl-config = {config}
 fedmtl-out = "flower-run"
+fedmtl-overwrite = false
 fedmtl-num-nodes = {n}
 """
 

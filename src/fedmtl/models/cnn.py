@@ -19,6 +19,7 @@ from torch import nn
 
 from ..batchnorm import BatchNorm
 from ..model import Model, default_head, input_transform_for
+from ..schema import Annotated, Range
 
 
 def _flat_dim(features: nn.Module, input_shape: tuple[int, ...]) -> int:
@@ -50,15 +51,15 @@ def _cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object]
 
 
 def femnist_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-                hidden: int = 2048) -> Model:
+                hidden: Annotated[int, Range(1, 10**5)] = 2048) -> Model:
     return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_femnist")
 
 
 def bn_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-           hidden: int = 2048) -> Model:
+           hidden: Annotated[int, Range(1, 10**5)] = 2048) -> Model:
     return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_bn", batch_norm=True)
 
 
 def cifar_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-              hidden: int = 512) -> Model:
+              hidden: Annotated[int, Range(1, 10**5)] = 512) -> Model:
     return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_cifar")

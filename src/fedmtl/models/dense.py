@@ -8,7 +8,10 @@ from torch import nn
 
 from ..batchnorm import BatchNorm
 from ..model import Model, default_head, input_transform_for
+from ..schema import Annotated, Range
 from .stacked import mlp_functions
+
+Width = Annotated[int, Range(1, 10**5)]  # a hidden layer's units
 
 
 def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
@@ -23,7 +26,7 @@ def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, objec
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-        hidden: tuple[int, ...] | list[int] = (64,), batch_norm: bool = False) -> Model:
+        hidden: tuple[Width, ...] | list[Width] = (64,), batch_norm: bool = False) -> Model:
     """Fully connected ReLU network with the given hidden widths; ``batch_norm`` puts a ``fedmtl.BatchNorm`` after
     each hidden dense layer, before its ReLU (for FedBN; that variant runs the generic autograd path, not the
     stacked one)."""

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..model import Model
+from ..schema import Annotated, Range
 from ..tree import Params
 
 
@@ -64,8 +65,14 @@ def lstm_features(params: Params, x: Tensor, layers: int = 2) -> Tensor:
     return h
 
 
-def char_lstm(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
-              embed: int = 8, hidden: int = 256, layers: int = 2) -> Model:
+def char_lstm(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    meta: dict[str, object] | None = None,
+    embed: Annotated[int, Range(1, 10**4)] = 8,
+    hidden: Annotated[int, Range(1, 10**5)] = 256,
+    layers: Annotated[int, Range(1, 64)] = 2,
+) -> Model:
     module = CharLSTM(num_classes, embed, hidden, layers)
     return Model(module, "multiclass", num_classes, name="lstm", forward=lambda p, x: lstm_forward(p, x, layers),
                  module_when_eager=True, prefer_loop_on_cpu=True, prefer_loop_on_cuda=True, token_input=True,

@@ -15,6 +15,30 @@ whose server averages updates (FedAvg and its variants, FedEM's M components, Cl
   components together).  With fewer than ``2f + 3`` valid updates the neighbour count is clamped to 1 (logged).
 * ``clip_norm`` (> 0) — each update's deviation from the round's payload (from zero where the update is not
   model-shaped, e.g. MOCHA's dual steps) is scaled down to L2 norm at most ``clip_norm`` before combining.
+* ``bulyan`` — Bulyan (El Mhamdi, Guerraoui, Rouault, "The Hidden Vulnerability of Distributed Learning in
+  Byzantium", ICML 2018) over K valid updates with f = ``num_byzantine``: ``theta = K - 2f`` updates are selected
+  by repeated Krum (Krum with f on the updates not yet selected, its choice moved to the selection), then per
+  coordinate the ``beta = theta - 2f`` selected values closest to the selection's coordinate-wise median are
+  averaged (unweighted).  It needs ``K >= 4f + 3``: the engine refuses a run whose rounds have fewer updates than
+  that (after bucketing); a round that falls below it (failed or excluded clients) uses the largest f it can,
+  ``floor((K - 3) / 4)`` (logged).
+* ``centered_clip`` — centered clipping (Karimireddy, He, Jaggi, "Learning from History for Byzantine Robust
+  Optimization", ICML 2021): from a centre v, ``cc_iterations`` times ``v <- v + sum_i w_i clip_tau(x_i - v) /
+  sum_i w_i`` with ``clip_tau(d) = d * min(1, tau / ||d||)`` (distances over a client's whole update).  The
+  paper starts from the previous round's aggregate (momentum) and weights the workers equally; here v starts at
+  the coordinate-wise median of the round's valid updates (no state across rounds, so a resumed run repeats an
+  uninterrupted one and the rule is a function of the round's updates) and the weights are FedAvg's n_k (with
+  ``tau`` infinite it is the ``mean``, equal up to rounding).  ``cc_tau`` > 0 fixes tau; 0 (default) sets
+  it automatically per call to the median distance of the valid updates from the starting centre, a scale the
+  honest majority sets (the paper's tau is a constant tuned to the honest spread).
+* ``bucketing = s`` (> 1; Karimireddy, He, Jaggi, "Byzantine-Robust Learning on Heterogeneous Datasets via
+  Bucketing", ICLR 2022) in front of any aggregator: the K valid updates are randomly permuted, cut into
+  ``ceil(K / s)`` buckets of s consecutive ones (the last may be smaller), each bucket averaged, and the aggregator
+  applied to the bucket means.  The permutation comes from a generator of the run's seed and the round
+  (``round_generator(seed, round, 15)``), so runs are reproducible and resumes exact.  Deviation from the paper
+  (plain averages): a bucket's mean is weighted by n_k and carries the bucket's total weight, so that bucketing in
+  front of ``mean`` is FedAvg's weighted mean and the weighted rules (``mean``, ``multi_krum``,
+  ``centered_clip``) keep FedAvg's weights; the unweighted rules ignore them as without bucketing.
 
 Only rows with positive weight take part: excluded (non-finite) and failed updates never reach a combiner.
 """
@@ -31,12 +55,16 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
+from ..schema import Annotated, Range, check_fields
 from ..tree import Tree
 
 log = logging.getLogger("fedmtl")
 
-AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"]
+AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clip"]
+AGGREGATORS: tuple[str, ...] = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clip")
 Combine = Callable[[Tree, Tensor], Tree]
+#: the stream of ``round_generator(seed, round, stream)`` that bucketing's permutations come from
+BUCKETING_STREAM = 15
 
 
 @dataclass(frozen=True)
@@ -44,28 +72,43 @@ class RobustConfig:
     """The ``[robust]`` table."""
 
     aggregator: AggregatorName = "mean"
-    trim: float = 0.1  # trimmed_mean: fraction cut at each end
-    num_byzantine: int = 0  # krum / multi_krum: f, the attackers tolerated
-    multi_krum_m: int = 0  # multi_krum: updates averaged (0 = K - f)
-    clip_norm: float = 0.0  # 0 = off
+    trim: Annotated[float, Range(0, 0.5, hi_open=True)] = 0.1  # trimmed_mean: fraction cut at each end
+    num_byzantine: Annotated[int, Range(0, 10**6)] = 0  # krum / multi_krum / bulyan: f, the attackers tolerated
+    multi_krum_m: Annotated[int, Range(0, 10**6)] = 0  # multi_krum: updates averaged (0 = K - f)
+    clip_norm: Annotated[float, Range(0)] = 0.0  # 0 = off
+    bucketing: Annotated[int, Range(0, 1000)] = 0  # s > 1: average random buckets of s first; 0 or 1 = off
+    cc_tau: Annotated[float, Range(0)] = 0.0  # centered_clip: clipping radius (0 = automatic, per round)
+    cc_iterations: Annotated[int, Range(1, 100)] = 3  # centered_clip: clipping iterations
 
     def __post_init__(self) -> None:
-        if self.aggregator not in ("mean", "median", "trimmed_mean", "krum", "multi_krum"):
-            raise ValueError(f"robust.aggregator must be mean, median, trimmed_mean, krum or multi_krum, "
-                             f"got {self.aggregator!r}")
-        if not (math.isfinite(self.trim) and 0 <= self.trim < 0.5):
-            raise ValueError(f"robust.trim must be in [0, 0.5), got {self.trim}")
-        if self.num_byzantine < 0 or self.multi_krum_m < 0:
-            raise ValueError("robust.num_byzantine and robust.multi_krum_m must be >= 0")
-        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
-            raise ValueError(f"robust.clip_norm must be a finite number >= 0 (0 = off), got {self.clip_norm}")
+        if self.aggregator not in AGGREGATORS:
+            raise ValueError(f"robust.aggregator must be one of {', '.join(AGGREGATORS)}, got {self.aggregator!r}")
+        check_fields(self, "robust")
 
     @property
     def is_plain(self) -> bool:
-        return self.aggregator == "mean" and self.clip_norm == 0
+        return self.aggregator == "mean" and self.clip_norm == 0 and self.bucketing <= 1
 
-    def combiner(self) -> Combine:
-        """``combine(stacked updates (K, ...), weights (K,)) -> one update``."""
+    def inputs_per_round(self, updates: int) -> int:
+        """How many rows the aggregator sees when a round has ``updates`` valid updates (buckets, if any)."""
+        return -(-updates // self.bucketing) if self.bucketing > 1 else updates
+
+    def combiner(self, generator: torch.Generator | None = None) -> Combine:
+        """``combine(stacked updates (K, ...), weights (K,)) -> one update``.  ``generator``: where bucketing's
+        permutations come from (one per round: ``round_generator(seed, round, BUCKETING_STREAM)``); None draws
+        every call's permutation from a fresh generator seeded 0."""
+        base = self._base()
+        if self.bucketing <= 1:
+            return base
+        s = self.bucketing
+
+        def bucketed_combine(u: Tree, w: Tensor) -> Tree:
+            gen = generator if generator is not None else torch.Generator().manual_seed(0)
+            return bucketed(u, w, s, base, gen)
+
+        return bucketed_combine
+
+    def _base(self) -> Combine:
         if self.aggregator == "mean":
             return T.weighted_mean
         if self.aggregator == "median":
@@ -74,7 +117,11 @@ class RobustConfig:
             return lambda u, w: trimmed_mean(u, w, self.trim)
         if self.aggregator == "krum":
             return lambda u, w: krum(u, w, self.num_byzantine, 1)
-        return lambda u, w: krum(u, w, self.num_byzantine, self.multi_krum_m or None)
+        if self.aggregator == "multi_krum":
+            return lambda u, w: krum(u, w, self.num_byzantine, self.multi_krum_m or None)
+        if self.aggregator == "bulyan":
+            return lambda u, w: bulyan(u, w, self.num_byzantine)
+        return lambda u, w: centered_clip(u, w, self.cc_tau or None, self.cc_iterations)
 
 
 def _valid(stacked: Tree, weights: Tensor) -> tuple[Tree, Tensor]:
@@ -112,7 +159,7 @@ def trimmed_mean(stacked: Tree, weights: Tensor, trim: float) -> Tree:
 def flat_rows(stacked: Tree) -> Tensor:
     """(K, D) float64: each row one client's whole update."""
     leaves = T.leaves(stacked)
-    return torch.cat([x.reshape(x.shape[0], -1).double() for x in leaves], 1)
+    return torch.cat([x.reshape(x.shape[0], math.prod(x.shape[1:])).double() for x in leaves], 1)  # K = 0 too
 
 
 def krum_scores(flat: Tensor, f: int) -> Tensor:
@@ -144,6 +191,106 @@ def krum(stacked: Tree, weights: Tensor, f: int, m: int | None) -> Tree:
     return T.weighted_mean(T.tmap(lambda x: x.index_select(0, pick.to(x.device)), valid), w.index_select(0, pick))
 
 
+def _krum_pick(d2: Tensor, f: int) -> int:
+    """The row Krum chooses among the rows of the squared-distance matrix ``d2`` (diagonal inf): least sum of
+    squared distances to its ``R - f - 2`` nearest others (at least 1), ties to the lowest index."""
+    r = d2.shape[0]
+    if r == 1:
+        return 0
+    near = max(1, min(r - f - 2, r - 1))
+    scores = d2.topk(near, dim=1, largest=False).values.sum(1)
+    return int(torch.argsort(scores, stable=True)[0])
+
+
+def bulyan(stacked: Tree, weights: Tensor, f: int) -> Tree:
+    """Bulyan over the rows with positive weight: ``theta = K - 2f`` rows selected by repeated Krum, then per
+    coordinate the mean of the ``theta - 2f`` selected values closest to their median (unweighted)."""
+    valid, w = _valid(stacked, weights)
+    k = int(w.numel())
+    if k < 4 * f + 3:
+        f_used = max(0, (k - 3) // 4)
+        log.warning("bulyan: %d updates cannot tolerate %d attackers (needs >= %d); using f = %d", k, f, 4 * f + 3,
+                    f_used)
+        f = f_used
+    theta = k - 2 * f
+    d2 = torch.cdist(flat_rows(valid), flat_rows(valid)).pow(2) if k > 1 else torch.zeros(1, 1, dtype=torch.float64)
+    d2.fill_diagonal_(float("inf"))
+    remaining = list(range(k))
+    selected: list[int] = []
+    for _ in range(theta):
+        idx = torch.tensor(remaining)
+        pick = _krum_pick(d2.index_select(0, idx).index_select(1, idx), f)
+        selected.append(remaining.pop(pick))
+    sel = torch.tensor(selected)
+    beta = theta - 2 * f
+
+    def around_median(x: Tensor) -> Tensor:
+        s = x.index_select(0, sel.to(x.device))
+        srt = s.sort(0).values
+        med = (srt[(theta - 1) // 2] + srt[theta // 2]) / 2  # the mean of the two middle values for an even count
+        order = torch.argsort((s - med.unsqueeze(0)).abs(), dim=0, stable=True)[:beta]
+        return torch.gather(s, 0, order).mean(0)
+
+    return T.tmap(around_median, valid)
+
+
+def _coordinate_median(flat: Tensor) -> Tensor:
+    k = flat.shape[0]
+    s = flat.sort(0).values
+    return (s[(k - 1) // 2] + s[k // 2]) / 2
+
+
+def centered_clip(stacked: Tree, weights: Tensor, tau: float | None, iterations: int) -> Tree:
+    """Centered clipping over the rows with positive weight: from the coordinate-wise median v,
+    ``iterations`` times ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i``.  ``tau`` None: the median distance of
+    the rows from the starting v (``math.inf``: no clipping, the weighted mean)."""
+    valid, w = _valid(stacked, weights)
+    leaves = T.leaves(valid)
+    flat = flat_rows(valid)  # (K, D) float64
+    wn = (w.double() / w.double().sum()).to(flat.device)
+    v = _coordinate_median(flat)
+    if tau is None:
+        tau = float((flat - v).norm(dim=1).median())
+    for _ in range(iterations):
+        diff = flat - v
+        norms = diff.norm(dim=1)
+        factor = torch.clamp(tau / norms.clamp_min(1e-300), max=1.0) if math.isfinite(tau) else torch.ones_like(norms)
+        v = v + (wn * factor) @ diff
+    out, at = [], 0
+    for x in leaves:
+        n = int(x[0].numel())
+        out.append(v[at : at + n].reshape(x.shape[1:]).to(x.dtype))
+        at += n
+    return _rebuild(valid, out)
+
+
+def _rebuild(stacked: Tree, new_leaves: list[Tensor]) -> Tree:
+    """A tree shaped like one row of ``stacked`` holding ``new_leaves`` (in ``T.leaves`` order)."""
+    it = iter(new_leaves)
+    return T.tmap(lambda x: next(it) if isinstance(x, Tensor) else x, T.take(stacked, 0))
+
+
+def bucketed(stacked: Tree, weights: Tensor, s: int, inner: Combine, generator: torch.Generator) -> Tree:
+    """Bucketing: the rows with positive weight randomly permuted (``generator``), cut into buckets of ``s``
+    consecutive rows, each bucket's weighted mean carrying the bucket's total weight, then ``inner`` on the
+    bucket means."""
+    valid, w = _valid(stacked, weights)
+    k = int(w.numel())
+    if k <= 1 or s <= 1:
+        return inner(stacked, weights)
+    perm = torch.randperm(k, generator=generator)
+    nb = -(-k // s)
+    bucket_of = torch.empty(k, dtype=torch.long)
+    bucket_of[perm] = torch.arange(k) // s  # row perm[j] goes to bucket j // s
+    wd = w.double()
+    assign = torch.zeros(nb, k, dtype=torch.float64)
+    assign[bucket_of, torch.arange(k)] = wd
+    totals = assign.sum(1)
+    assign = assign / totals.unsqueeze(1)
+    means = T.tmap(lambda x: torch.tensordot(assign.to(x.device, x.dtype), x, dims=1), valid)
+    return inner(means, totals)
+
+
 def clip_updates(updates: Tree, reference: Tree | None, weights: Tensor, clip_norm: float) -> Tree:
     """Scale each row's deviation from ``reference`` (None: from zero) to L2 norm at most ``clip_norm``."""
     dev = updates if reference is None else T.tmap(lambda u, r: u - r.unsqueeze(0), updates, reference)
@@ -160,15 +307,17 @@ def clip_updates(updates: Tree, reference: Tree | None, weights: Tensor, clip_no
 
 
 def reference_of(updates: Tree, payload: Tree) -> Tree | None:
-    """The payload when the updates are model-shaped like it (one row per client), else None."""
+    """The payload (the part of it the updates cover, e.g. FedBABU's body) when the updates are model-shaped like it
+    (one row per client), else None."""
     try:
-        ups, pay = T.to_named(T.take(updates, 0)), T.to_named(payload)
+        one = T.tmap(lambda x: x.new_empty(x.shape[1:]), updates)  # one row's structure (K may be 0)
+        ups, pay = T.to_named(one), T.to_named(payload)
     except Exception:
         return None
-    if ups.keys() != pay.keys() or any(ups[n].shape != pay[n].shape for n in ups):
+    if not ups.keys() <= pay.keys() or any(ups[n].shape != pay[n].shape for n in ups):
         return None
-    return T.from_named(pay, T.take(updates, 0))
+    return T.from_named({n: pay[n] for n in ups}, one)
 
 
-__all__ = ["AggregatorName", "RobustConfig", "clip_updates", "krum", "krum_scores", "median", "reference_of",
-           "trimmed_mean"]
+__all__ = ["AGGREGATORS", "BUCKETING_STREAM", "AggregatorName", "RobustConfig", "bucketed", "bulyan", "centered_clip",
+           "clip_updates", "krum", "krum_scores", "median", "reference_of", "trimmed_mean"]

@@ -1,0 +1,75 @@
+"""Reading files a user or a node could have written, defensively: the kind and size of a file are checked before a
+byte of it is read, so a FIFO, a device (``/dev/zero``, ``/dev/urandom``), a directory or a multi-gigabyte file given
+where a config, a checkpoint or a state file belongs is refused at once with one line naming it, instead of hanging
+or exhausting memory.
+
+``check_file(path, limit, what)`` returns the size of a regular file of at most ``limit`` bytes; ``read_bytes`` /
+``read_text`` read one (opened non-blocking, then checked again on the open descriptor, so a file swapped for a FIFO
+between the check and the open is refused too).  Errors are ``FileCheckError`` (a ``ValueError``: the command line
+reports it as invalid input, exit code 2) unless the caller passes its own error class.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["FileCheckError", "check_file", "read_bytes", "read_text"]
+
+
+class FileCheckError(ValueError):
+    """A file that is not a regular file of acceptable size, or cannot be read."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _check(st: os.stat_result, path: Path, limit: int, what: str, error: type[Exception]) -> int:
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: {_kind(st.st_mode)}, not a {what} file")
+    if st.st_size > limit:
+        raise error(f"{path}: {st.st_size} bytes; a {what} file is at most {limit} bytes")
+    return int(st.st_size)
+
+
+def check_file(path: str | Path, limit: int, what: str, error: type[Exception] = FileCheckError) -> int:
+    """The size of ``path`` if it is a regular file of at most ``limit`` bytes (symbolic links followed); else
+    ``error`` naming the file and what is wrong.  A missing file raises ``FileNotFoundError``."""
+    path = Path(path)
+    return _check(os.stat(path), path, limit, what, error)
+
+
+def read_bytes(path: str | Path, limit: int, what: str, error: type[Exception] = FileCheckError) -> bytes:
+    """The contents of the regular file ``path`` (at most ``limit`` bytes), checked before and after opening."""
+    path = Path(path)
+    check_file(path, limit, what, error)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in after the check must not block the open
+    try:
+        _check(os.fstat(fd), path, limit, what, error)
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:  # grew after the check
+                raise error(f"{path}: more than {limit} bytes; a {what} file is at most {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: str | Path, limit: int, what: str, error: type[Exception] = FileCheckError) -> str:
+    """``read_bytes`` decoded as UTF-8 (an undecodable file is ``error`` too)."""
+    data = read_bytes(path, limit, what, error)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None

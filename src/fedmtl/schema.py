@@ -1,0 +1,144 @@
+"""Declared valid ranges of numeric configuration keys: the config schema's numbers.
+
+A numeric field of a config table (``RunConfig``, ``SGD``, ``PrivacyConfig``, an algorithm dataclass, a dataset or
+model builder's keyword argument) declares its range in its annotation::
+
+    lr: Annotated[float, Range(0, 1000, lo_open=True)] = 0.1        # (0, 1000]
+    rounds: Annotated[int, Range(1, 10**7)] = 200                   # [1, 10^7]
+    lr_milestones: tuple[Annotated[float, Range(0, 1, True, True)], ...] = ()   # each item in (0, 1)
+
+``fedmtl.config`` checks every value against its range when a config is read (the error names the file and the
+key), the dataclasses check it again in ``__post_init__`` through ``check_fields`` (so Python callers get the same
+refusal), ``fedmtl list --table NAME`` / ``--algorithm NAME`` print the ranges, and the config fuzz test
+(``tests/test_fuzz.py``) generates its cases from them: a new key with a declared range is fuzzed without anyone
+writing a case.
+
+Beyond its range, every float a config holds is finite, of magnitude at most ``MAX_FLOAT`` and, unless it is 0,
+at least ``MIN_MAGNITUDE``: 1e-320 is a subnormal float that means nothing as a learning rate, a sampling rate or
+a decay factor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+__all__ = ["MAX_FLOAT", "MAX_INT", "MIN_MAGNITUDE", "Annotated", "DataSeed", "Fraction", "Range", "check_fields",
+           "check_number", "range_of", "strip", "type_hints"]
+
+MAX_FLOAT = 1e30
+MAX_INT = 10**9
+MIN_MAGNITUDE = 1e-12
+
+
+@dataclass(frozen=True)
+class Range:
+    """The interval a number must lie in: ``[lo, hi]``, either end open (``lo_open`` / ``hi_open``) or absent
+    (``None``: unbounded on that side, within ``MAX_FLOAT`` / ``MAX_INT``)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    #: the smallest magnitude a non-zero float may have (``MIN_MAGNITUDE`` unless a key needs tinier values)
+    min_magnitude: float = MIN_MAGNITUDE
+
+    def contains(self, v: float) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+    def text(self) -> str:
+        """``(0, 1000]``, ``[1, 10^7]``, ``>= 0``."""
+        if self.lo is not None and self.hi is not None:
+            return f"{'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
+        return "any"
+
+
+#: a dataset's seed
+DataSeed = Annotated[int, Range(0, 2**32 - 1)]
+#: a fraction of the examples or clients held out (test, validation, unseen): [0, 1)
+Fraction = Annotated[float, Range(0, 1, hi_open=True)]
+
+
+def _num(v: float) -> str:
+    if isinstance(v, int) and v == 2**63 - 1:
+        return "2^63 - 1"
+    if isinstance(v, int) and abs(v) >= 10**4 and math.log10(abs(v)).is_integer():
+        return f"10^{int(math.log10(abs(v)))}"
+    if isinstance(v, int) and v >= 2**20 and (v & (v - 1)) == 0:
+        return f"2^{v.bit_length() - 1}"
+    return f"{v:g}"
+
+
+def check_number(value: float, rng: Range | None, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``value`` is a sane setting inside ``rng``: a float is finite, of
+    magnitude at most ``MAX_FLOAT`` and, unless 0, at least the range's ``min_magnitude``; an int is at most
+    ``MAX_INT`` in magnitude unless its range declares a larger upper bound (seeds)."""
+    if isinstance(value, float):
+        if not math.isfinite(value) or abs(value) > MAX_FLOAT:
+            raise ValueError(f"{where} must be a finite number of magnitude <= {MAX_FLOAT:g}, got {value!r}")
+        tiny = rng.min_magnitude if rng is not None else MIN_MAGNITUDE
+        if value != 0 and abs(value) < tiny:
+            raise ValueError(f"{where} = {value!r} is below {tiny:g} in magnitude, which means nothing as a setting"
+                             f"{' (0 is allowed)' if rng is None or rng.contains(0) else ''}")
+    elif isinstance(value, int) and abs(value) > MAX_INT and (rng is None or rng.hi is None or rng.hi <= MAX_INT):
+        raise ValueError(f"{where}: {value} is beyond any sane size (|value| <= {MAX_INT:g})")
+    if rng is not None and not rng.contains(value):
+        raise ValueError(f"{where} must be in {rng.text()}, got {value!r}")
+
+
+def range_of(tp: Any) -> Range | None:
+    """The ``Range`` of an ``Annotated[..., Range(...)]`` annotation (None for any other)."""
+    if typing.get_origin(tp) is Annotated:
+        return next((m for m in tp.__metadata__ if isinstance(m, Range)), None)
+    return None
+
+
+def strip(tp: Any) -> Any:
+    """The annotation without its ``Annotated`` wrapper."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+
+
+@functools.cache
+def _hints(obj: Any) -> dict[str, Any]:
+    return typing.get_type_hints(obj, include_extras=True)
+
+
+def type_hints(obj: Any) -> dict[str, Any]:
+    """``typing.get_type_hints(obj, include_extras=True)``, cached per class or function."""
+    if isinstance(obj, functools.partial):  # a builder with some arguments fixed: the function's hints
+        return type_hints(obj.func)
+    try:
+        return _hints(obj)
+    except TypeError:  # unhashable: not cached
+        return typing.get_type_hints(obj, include_extras=True)
+
+
+def _check(value: Any, tp: Any, where: str) -> None:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        check_number(value, range_of(tp), where)
+    elif isinstance(value, tuple | list):
+        args = typing.get_args(strip(tp))
+        if args:
+            for i, v in enumerate(value):
+                _check(v, args[0], f"{where}[{i}]")
+
+
+def check_fields(obj: Any, table: str) -> None:
+    """Check every numeric init field of the dataclass instance ``obj`` against its declared range (and the
+    finite / magnitude rules); the error names ``table.field``."""
+    hints = type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.init:
+            _check(getattr(obj, f.name), hints.get(f.name, Any), f"{table}.{f.name}")
