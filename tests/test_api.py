@@ -93,6 +93,30 @@ def test_model_from_module_and_its_checks():
         Model.from_module(nn.Linear(5, 1), num_classes=1)
 
 
+def test_a_run_can_start_from_the_modules_own_weights():
+    """init="module": the run starts from the module's weights as they were when wrapped (e.g. pretrained); FedEM's
+    first component is them and its others are fresh draws; the default draws seeded weights."""
+    from fedmtl.algorithms import FedEM
+    from fedmtl.testing import simulator
+
+    train, test = _blobs(seed=1)
+    data = FederatedData.from_arrays(train, test)
+    module = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        module[0].weight.fill_(0.25)
+    mine = Model.from_module(module, num_classes=3, init="module")
+    with torch.no_grad():
+        module[0].weight.fill_(-1.0)  # a later change of the module does not move the start
+    st = simulator(FedEM(num_components=2), data, mine).init_state()
+    comps = st.server.components
+    assert torch.equal(comps["0.weight"][0], torch.full((16, 5), 0.25))
+    assert not torch.equal(comps["0.weight"][1], comps["0.weight"][0])
+    seeded = simulator(FedEM(num_components=2), data, Model.from_module(module, num_classes=3)).init_state()
+    assert not torch.equal(seeded.server.components["0.weight"][0], torch.full((16, 5), 0.25))
+    with pytest.raises(ModelError, match="init must be"):
+        Model.from_module(module, num_classes=3, init="pretrained")  # type: ignore[arg-type]
+
+
 def test_run_with_arrays_and_a_module():
     train, test = _blobs(seed=1)
     data = FederatedData.from_arrays(train, test)

@@ -35,9 +35,35 @@ def test_mlp_workload_reports_floor_ratios_for_fedavg_and_fedem():
     data = toy_data()
     out = _bench_mlp(data, rounds=1, gflops=100.0)
     params = 10 * 200 + 200 + 200 * 1 + 1  # binary: one logit
-    assert out["mlp_params"] == params and out["mlp_default_runner"] == "vmap"
+    assert out["mlp_params"] == params and out["mlp_default_runner"] == "stacked"
     for alg, flops in (("fedavg", 6), ("fedem", 24)):
         floor = flops * params * int(data.seen.train.counts.sum()) / 100e9
         assert out[f"mlp_{alg}_floor_s"] == pytest.approx(floor)
         assert out[f"mlp_{alg}_floor_ratio"] == pytest.approx(out[f"mlp_{alg}_round_s"] / floor)
         assert out[f"mlp_{alg}_speedup_vs_autograd"] > 0
+
+
+def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path):
+    """``fedmtl bench peers``: the federation (20 Dirichlet(0.1) clients of 12,000 Fashion-MNIST images, 75/25),
+    the per-client loops train (their global model moves and stays finite), and the keys are written."""
+    import argparse
+    import os
+
+    if not os.path.isdir("/usr/share/datasets/fashion-mnist"):
+        pytest.skip("Fashion-MNIST is not installed (make datasets)")
+    from fedmtl import bench_peers as bp
+
+    data = bp.peers_data()
+    counts = data.seen.train.counts
+    assert data.seen.num_clients == 20 and int(counts.sum() + data.seen.test.counts.sum()) == 12_000
+    assert int(counts.min()) >= 30 and int(counts.max()) > 5 * int(counts.min())  # Dirichlet(0.1): skewed sizes
+    loop = bp.PeerLoop(data, bp.mlp_module(), torch.device("cpu"))
+    before = [p.detach().clone() for p in loop.global_.parameters()]
+    for fn in (loop.fedavg_round, loop.lean_round, loop.ditto_round, loop.fedem_round):
+        fn()
+    after = list(loop.global_.parameters())
+    assert all(torch.isfinite(p).all() for p in after) and not torch.equal(after[0], before[0])
+    res = bp.run(argparse.Namespace(threads=1, device="cpu", rounds=1, models="mlp"))
+    for key in ("speedup_vs_per_client_mlp", "speedup_vs_lean_loop_mlp", "round_vs_centralized_mlp"):
+        assert res[key] > 0
+    assert res["path_mlp"] == "stacked" and res["torch_threads"] == 1

@@ -95,3 +95,39 @@ def test_ragged_batches_equal_padded_ones_without_padding():
             assert torch.equal(rag.x[s], pad.x[0, s, :k]) and torch.equal(rag.pos[s], pad.pos[0, s, :k])
             assert int(pad.mask[0, s].sum()) == k
         assert int(torch.cat(rag.pos).max()) < n  # positions index the client's real examples only
+
+
+def test_drop_last_leaves_out_each_epochs_partial_batch_on_both_runners():
+    """run.drop_last: a client trains on its full batches only (as DataLoader(drop_last=True)); a client with fewer
+    examples than a batch trains on none; vmap and loop agree; the default keeps every example."""
+    import numpy as np
+
+    import fedmtl
+    from fedmtl.data.federated import epoch_orders, ragged_batches, round_batches
+
+    rng = np.random.default_rng(0)
+    pairs = [(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, n)) for n in (25, 7, 40)]
+    data = fedmtl.FederatedData.from_arrays(pairs, pairs, num_classes=2)
+    tr = data.seen.train
+    orders = epoch_orders(tr.counts, 1, torch.Generator().manual_seed(0))
+    b = round_batches(tr, torch.arange(3), orders, torch.arange(3), 10, drop_last=True)
+    assert b.mask.sum(-1).tolist() == [[10, 10, 0, 0], [0] * 4, [10] * 4]
+    assert b.n.tolist() == [25, 7, 40]
+    full = round_batches(tr, torch.arange(3), orders, torch.arange(3), 10)
+    assert full.mask.sum().item() == 25 + 7 + 40
+    r = ragged_batches(tr, torch.arange(3), orders, 0, 10, drop_last=True)
+    assert [len(x) for x in r.x] == [10, 10]
+    assert torch.equal(r.idx[1], b.idx[0, 1])  # the same examples kept
+    tiny = ragged_batches(tr, torch.arange(3), orders, 1, 10, drop_last=True)
+    assert int(tiny.limit) == 0  # one step, never live
+    cfg = {"model": {"name": "linear"}, "algorithm": {"name": "fedavg"},
+           "run": {"rounds": 2, "batch_size": 10, "drop_last": True}}
+    a = fedmtl.run({**cfg, "run": {**cfg["run"], "runner": "vmap"}}, data=data)
+    c = fedmtl.run({**cfg, "run": {**cfg["run"], "runner": "loop"}}, data=data)
+    for k in a.server.params:
+        assert torch.allclose(a.server.params[k], c.server.params[k], atol=1e-6)
+    d = fedmtl.run({**cfg, "run": {**cfg["run"], "drop_last": False}}, data=data)
+    assert not torch.allclose(a.server.params["weight"], d.server.params["weight"])
+    assert "drop_last" not in d.summary["config"]["run"]  # the default is not recorded: older run dirs still match
+    with pytest.raises(ValueError, match="local_epochs = 1"):
+        fedmtl.run({**cfg, "run": {**cfg["run"], "local_epochs": 2}}, data=data)

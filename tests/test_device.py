@@ -57,9 +57,11 @@ def _summaries_close(a: dict, b: dict, what: str, atol: float = ATOL) -> None:
         assert abs(a[k] - b[k]) <= atol * max(1.0, abs(a[k])), f"{what}: {k} cpu {a[k]} vs {DEVICE} {b[k]}"
 
 
-@pytest.mark.parametrize("runner", ["vmap", "loop"])
+@pytest.mark.parametrize("runner", ["stacked", "vmap", "loop"])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_algorithm_on_the_device_equals_its_cpu_run(name, runner, small_data):
+    if runner == "stacked" and not ALGORITHMS[name].clients_form():
+        pytest.skip(f"{name} has no clients form (the stacked executor hands it to vmap)")
     out = {}
     for dev in ("cpu", DEVICE):
         eng = simulator(ALGORITHMS[name](**TOY.get(name, {})), small_data, toy_model(name), OPT.get(name),

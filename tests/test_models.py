@@ -111,7 +111,8 @@ def test_auto_runner_picks_loop_for_cnn_on_cpu():
     data = _image_data()
     cnn = build_model("cnn_femnist", (28, 28), 10, data.meta, hidden=16)
     assert make_sim(FedAvg(), data, model=cnn).clients.executor.name == "loop"
-    assert make_sim(FedAvg(), data, model=build_model("mlp", (28, 28), 10, data.meta)).clients.executor.name == "vmap"
+    mlp = build_model("mlp", (28, 28), 10, data.meta)
+    assert make_sim(FedAvg(), data, model=mlp).clients.executor.name == "stacked"
 
 
 def test_lstm_loop_and_vmap_runners_agree():
@@ -123,10 +124,85 @@ def test_lstm_loop_and_vmap_runners_agree():
     assert model.prefer_loop_on_cpu and make_sim(FedAvg(), data, model=model).clients.executor.name == "loop"
     # on a GPU as well (cuDNN's fused recurrence); the MLP vmaps on both
     assert make_executor("auto", model, torch.device("cuda")).name == "loop"
-    assert make_executor("auto", build_model("mlp", (10,), 80), torch.device("cuda")).name == "vmap"
+    assert make_executor("auto", build_model("mlp", (10,), 80), torch.device("cuda")).name == "stacked"
     states = []
     for runner in ("vmap", "loop"):
         st, _ = run_rounds(make_sim(FedAvg(), data, model=model, runner=runner, batch_size=4), 2)
         states.append(st.server.params)
     for a, b in zip(T.leaves(states[0]), T.leaves(states[1]), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_users_relu_mlp_runs_the_closed_form_and_equals_its_module():
+    """A ReLU MLP written as nn.Sequential (with a leading Flatten) is converted to the stacked closed form: its
+    forward and gradient equal autograd through the module; anything else keeps the module path."""
+    from torch import nn
+
+    from fedmtl.model import Model
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Flatten(), nn.Linear(12, 7), nn.ReLU(), nn.Dropout(0.0), nn.Linear(7, 3))
+    fast = Model.from_module(module, num_classes=3)
+    slow = Model.from_module(module, num_classes=3)
+    slow = type(slow)(module, "multiclass", 3, name="slow")  # the plain module path, for reference
+    assert fast.path == "closed form" and fast.supports_clients and slow.path == "module"
+    params = fast.init(1)
+    x, y = torch.randn(9, 3, 4), torch.randint(0, 3, (9,))
+    mask = torch.tensor([1.0] * 7 + [0.0] * 2)
+    assert torch.allclose(fast.apply(params, x), slow.apply(params, x), atol=1e-6)
+    ga, la = fast.value_and_grad(params, x, y, mask)
+    gb, lb = slow.value_and_grad(params, x, y, mask)
+    assert torch.allclose(la, lb, atol=1e-6)
+    for k in params:
+        assert torch.allclose(ga[k], gb[k], atol=1e-6), k
+    for other in (nn.Sequential(nn.Linear(12, 7), nn.Tanh(), nn.Linear(7, 3)),
+                  nn.Sequential(nn.Linear(12, 7), nn.ReLU(), nn.Dropout(0.5), nn.Linear(7, 3)),
+                  nn.Sequential(nn.Linear(12, 7), nn.ReLU())):
+        assert Model.from_module(other, num_classes=3).path == "module"
+
+
+def test_the_fused_clients_step_equals_gradient_then_update():
+    """``Model.clients_step`` (the gradient products accumulated straight into the weights) equals the stacked
+    gradient followed by p -= lr g, for K clients with their own batches and padding."""
+    from fedmtl.models import build_model
+
+    model = build_model("mlp", 6, 4, hidden=(5, 3))
+    k = 4
+    params = {n: torch.stack([model.init(s)[n] for s in range(k)]) for n in model.init(0)}
+    x, y = torch.randn(k, 8, 6), torch.randint(0, 4, (k, 8))
+    mask = (torch.arange(8).unsqueeze(0) < torch.tensor([[8], [5], [1], [3]])).float()
+    g, loss = model.value_and_grad_clients(params, x, y, mask)
+    want = {n: v - 0.3 * g[n] for n, v in params.items()}
+    got = {n: v.clone() for n, v in params.items()}
+    loss2 = model.clients_step(got, x, y, mask, 0.3)  # type: ignore[misc]
+    assert torch.allclose(loss, loss2)
+    for n in want:
+        assert torch.allclose(got[n], want[n], atol=1e-6), n
+    for i in range(k):  # each client's loss is its own batch's mean, as one client alone
+        gi, li = model.value_and_grad({n: v[i] for n, v in params.items()}, x[i], y[i], mask[i])
+        assert torch.allclose(loss[i], li, atol=1e-6)
+        assert torch.allclose(g["0.weight"][i], gi["0.weight"], atol=1e-6)
+
+
+def test_fedem_with_a_module_model_loops_its_components_and_equals_vmap():
+    """The loop runner runs the M components of a module model one after another (a vmapped convolution is several
+    times slower on a CPU); the result equals the vmap runner's."""
+    from torch import nn
+
+    import fedmtl
+    from fedmtl import tree as T
+
+    rng = torch.Generator().manual_seed(0)
+    pairs = [(torch.randn(n, 1, 6, 6, generator=rng), torch.randint(0, 3, (n,), generator=rng)) for n in (13, 30, 7)]
+    data = fedmtl.FederatedData.from_arrays(pairs, pairs, num_classes=3)
+    out = {}
+    for runner in ("loop", "vmap"):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+        model = fedmtl.Model.from_module(module, 3, init="module", channels_last=False)
+        res = fedmtl.run({"algorithm": {"name": "fedem", "num_components": 2}, "optim": {"lr": 0.1},
+                          "run": {"rounds": 2, "batch_size": 5, "runner": runner}}, data=data, model=model)
+        out[runner] = (res.server, res.client_states(), res.final["seen_test_acc_mean"])
+    for a, b in zip(T.leaves(out["loop"][:2]), T.leaves(out["vmap"][:2]), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert abs(out["loop"][2] - out["vmap"][2]) < 1e-6

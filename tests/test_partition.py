@@ -80,3 +80,46 @@ def test_train_test_split_disjoint():
     for a, b, c, p in zip(tr, va, te, parts, strict=True):
         _check_disjoint_cover([a, b, c], len(p))
         assert set(np.concatenate([a, b, c])) == set(p)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 30), st.integers(1, 5), st.integers(0, 10**6))
+def test_k_classes_gives_every_client_exactly_k_classes(clients, k, seed):
+    labels = np.random.default_rng(seed).integers(0, 10, 3000)
+    parts = P.k_classes(labels, clients, k, seed, min_size=1)
+    cat = np.concatenate(parts)
+    assert len(parts) == clients and cat.size == np.unique(cat).size  # disjoint
+    assert all(np.unique(labels[p]).size == k for p in parts)
+    if clients * k >= 10:  # every class dealt to someone: the split covers the data
+        assert cat.size == labels.size
+    assert all(np.array_equal(a, b) for a, b in zip(parts, P.k_classes(labels, clients, k, seed), strict=True))
+    with pytest.raises(ValueError, match="k must be in"):
+        P.k_classes(labels, clients, 11, seed)
+
+
+def test_quantity_skew_keeps_labels_iid_and_skews_sizes():
+    labels = np.random.default_rng(1).integers(0, 10, 20000)
+    parts = P.quantity_skew(labels.size, 20, beta=0.3, rng=3, min_size=20)
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.sum() == labels.size and sizes.min() >= 20
+    assert sizes.max() > 5 * np.median(sizes)  # skewed sizes...
+    big = parts[int(np.argmax(sizes))]
+    freq = np.bincount(labels[big], minlength=10) / big.size
+    assert np.abs(freq - 0.1).max() < 0.03  # ...labels as in the whole data
+    even = [len(p) for p in P.quantity_skew(labels.size, 20, beta=1000.0, rng=3)]
+    assert max(even) < 1.2 * min(even)
+
+
+def test_split_arrays_feeds_from_arrays_and_seeds_are_reproducible():
+    import fedmtl
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(600, 4)).astype(np.float32), rng.integers(0, 3, 600)
+    parts = P.dirichlet(y, 6, 0.5, rng=7, min_size=10)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, P.dirichlet(y, 6, 0.5, rng=7, min_size=10), strict=True))
+    train, test = P.split_arrays(x, y, parts, test_frac=0.25, rng=7)
+    data = fedmtl.FederatedData.from_arrays(train, test, num_classes=3)
+    assert int(data.seen.train.counts.sum()) + int(data.seen.test.counts.sum()) == 600
+    assert [len(t[1]) for t in test] == [round(0.25 * len(p)) for p in parts]
+    with pytest.raises(TypeError, match="int seed"):
+        P.iid(10, 2, rng="7")

@@ -133,7 +133,8 @@ def _bench(args: argparse.Namespace, which: str) -> int:
         "machine": platform.machine(), "cpu_count": os.cpu_count(), "rounds_timed": rounds,
         "data_generation_s": gen_s, "device": _device_name(args.device),
     }
-    for runner in ("vmap", "loop"):
+    runners = ("stacked", "vmap", "loop") if alg.clients_form() else ("vmap", "loop")
+    for runner in runners:
         sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner=runner, device=args.device))
         st = sim.init_state()
         ts = _time_rounds(lambda sim=sim, st=st: sim.round(st), rounds)
@@ -150,6 +151,8 @@ def _bench(args: argparse.Namespace, which: str) -> int:
     res["per_client_round_s"] = statistics.median(ts)
     res["speedup_vmap_vs_per_client"] = res["per_client_round_s"] / res["vmap_round_s"]
     res["speedup_vmap_vs_loop"] = res["loop_round_s"] / res["vmap_round_s"]
+    res["default_runner"] = make_executor("auto", model, torch.device(args.device)).for_algorithm(alg).name
+    res["speedup_default_vs_per_client"] = res["per_client_round_s"] / res[f"{res['default_runner']}_round_s"]
     res["peak_rss_mb"] = _peak_rss_mb()
     write_json(_out(args.out), res)
     for k, v in res.items():
@@ -484,3 +487,12 @@ def _bench_seeds(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS["seeds"] = _bench_seeds
+
+
+def _bench_peers(args: argparse.Namespace) -> int:
+    from .bench_peers import main
+
+    return main(args)
+
+
+BENCHMARKS["peers"] = _bench_peers

@@ -325,6 +325,10 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["run"].pop("seeds")
     if not optim.lr_milestone_rounds:
         resolved["optim"].pop("lr_milestone_rounds")
+    if not run.drop_last:
+        resolved["run"].pop("drop_last")
+    if "privacy" in resolved and not privacy.reproducible_noise:
+        resolved["privacy"].pop("reproducible_noise")
     return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc,
                             sopt)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,13 @@ class Model:
     #: the parameter names of the model's ``fedmtl.BatchNorm`` layers (affine weights and running statistics), found
     #: from the module; empty for a model without batch norm.  FedBN keeps them per client
     batch_norm: tuple[str, ...] = field(init=False, default=(), compare=False)
+    #: optional ``(params (K, ...), x (K, n, ...), y, mask (K, n), lr) -> (K,) losses``: one plain SGD step of K clients
+    #: applied in place with the gradient fused into the update (``models.stacked.mlp_sgd_step_clients``)
+    clients_step: Callable[..., Tensor] | None = field(default=None, compare=False)
+    #: where a run starts: ``None``, fresh weights from the module's initializer seeded by the run (``init``); or
+    #: these weights (``from_module(..., init="module")``: the module's own, e.g. pretrained).  Further independent
+    #: models a method keeps (FedEM's other components, IFCA's other clusters) are still drawn from the initializer
+    initial_params: Params | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -95,6 +102,11 @@ class Model:
         if stray:
             raise ModelError(f"parameters {stray} are named like batch-norm statistics ({batchnorm.STATISTICS}) but "
                              "are not a fedmtl.BatchNorm's; training would assign them: rename them")
+        if self.initial_params is not None:
+            shapes = {k: tuple(v.shape) for k, v in self.module.named_parameters()}
+            if {k: tuple(v.shape) for k, v in self.initial_params.items()} != shapes:
+                raise ModelError(f"Model.initial_params must hold the module's parameters {list(shapes)} with their "
+                                 "shapes")
         if self.head is not None:
             names = dict(self.module.named_parameters())
             unknown = [h for h in self.head if h not in names]
@@ -164,9 +176,10 @@ class Model:
         output: Literal["multiclass", "binary"] | None = None,
         input_transform: Callable[[Tensor], Tensor] | None = None,
         name: str | None = None,
-        prefer_loop_on_cpu: bool = False,
+        prefer_loop_on_cpu: bool | None = None,
         head: list[str] | tuple[str, ...] | None | Literal["auto"] = "auto",
-        channels_last: bool = False,
+        channels_last: bool | None = None,
+        init: Literal["seeded", "module"] = "seeded",
     ) -> Model:
         """Wrap any ``nn.Module`` mapping a batch of features (n, *feature_shape) to logits.
 
@@ -174,10 +187,17 @@ class Model:
         ``"binary"`` (one logit per example, (n, 1), logistic loss; needs ``num_classes=2``).  Left out, it is
         binary exactly when ``num_classes == 2`` and the module's last ``nn.Linear`` has one output.
         ``input_transform`` runs on every batch before the module (e.g. uint8 images to normalized floats).
-        The module's own initializer (``reset_parameters``) makes the initial weights, seeded by the run.
+        ``init``: ``"seeded"`` (default) makes the initial weights with the module's own initializer
+        (``reset_parameters``), seeded by the run; ``"module"`` starts every run from the module's current weights
+        (yours, e.g. pretrained; copied now, so later changes to the module do not move them).
+        ``prefer_loop_on_cpu``: the executor on a CPU when the run says ``runner = "auto"``; None (default) decides by
+        the module's layers: a module with convolutions or recurrent layers loops over clients (compute-bound layers
+        run fastest per client: measured), a ReLU MLP given as a ``nn.Sequential`` runs the ``stacked`` executor
+        (converted to the stacked closed form), anything else vmaps.  ``summary.json`` records the path taken.
         ``head``: the parameter names of the head for body/head methods; ``"auto"`` takes the last sub-module
         that owns parameters (``None`` for a one-layer module).  ``channels_last``: run a convolutional module in
-        the channels-last memory format on CPU outside torch.func transforms (faster pooling and convolutions).
+        the channels-last memory format on CPU outside torch.func transforms (faster pooling and convolutions); None
+        (default) does so for modules with 2-d convolutions.
         Any module works with the ``loop`` executor; ``vmap`` needs operations that ``torch.func.vmap``
         batches (most do; in-place updates of buffers such as BatchNorm's running statistics do not).
         """
@@ -186,10 +206,30 @@ class Model:
         if output is None:
             last = [m for m in module.modules() if isinstance(m, nn.Linear)]
             output = "binary" if num_classes == 2 and last and last[-1].out_features == 1 else "multiclass"
+        if init not in ("seeded", "module"):
+            raise ModelError(f"Model.from_module init must be 'seeded' or 'module', got {init!r}")
+        initial = ({k: v.detach().cpu().clone() for k, v in module.named_parameters()} if init == "module" else None)
+        fast: dict[str, Any] = {}
+        dense = dense_layers(module, output == "binary")
+        if dense is not None:  # a ReLU MLP: the stacked closed form (the built-in mlp's fast paths)
+            from .models.stacked import mlp_functions
+
+            layers, flatten = dense
+            forward, grad, step = mlp_functions(layers, output == "binary")
+            fast = {"forward": forward, "analytic_grad": grad, "stacks": True, "clients_step": step}
+            if flatten:  # the module's leading nn.Flatten, done before the closed form (a no-op in the module then)
+                input_transform = Chain(input_transform, Flatten()) if input_transform is not None else Flatten()
+        recurrent = any(isinstance(m, nn.RNNBase) for m in module.modules())
+        if channels_last is None:  # a CNN's pooling and convolutions on one CPU thread: ~30% faster so (measured)
+            channels_last = any(isinstance(m, nn.Conv2d) for m in module.modules())
+        if prefer_loop_on_cpu is None:  # the rule: compute-bound layers loop on a CPU
+            prefer_loop_on_cpu = recurrent or any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
         return cls(module, output, num_classes, input_transform=input_transform,
                    name=name or type(module).__name__, prefer_loop_on_cpu=prefer_loop_on_cpu,
+                   prefer_loop_on_cuda=recurrent,  # cuDNN's fused recurrence beats a vmapped one (measured, H100)
                    channels_last=channels_last,
-                   head=default_head(module) if head == "auto" else (None if head is None else tuple(head)))
+                   head=default_head(module) if head == "auto" else (None if head is None else tuple(head)),
+                   initial_params=initial, **fast)
 
     def check_features(self, x: Tensor) -> None:
         """Run the model on a few examples ``x`` (n, *features) of the data and check the output shape; a
@@ -230,6 +270,13 @@ class Model:
         finally:
             if dev.type != "cpu":
                 self.module.to(dev)
+
+    def start(self, seed: int) -> Params:
+        """The run's initial model: ``initial_params`` (copies, on the module's device) if set, else ``init(seed)``."""
+        if self.initial_params is None:
+            return self.init(seed)
+        dev = self.device
+        return {k: v.clone().to(dev) for k, v in self.initial_params.items()}
 
     @property
     def device(self) -> torch.device:
@@ -300,6 +347,9 @@ class Model:
             if self.input_transform is not None:
                 x = self.input_transform(x)
             return self.forward(params, x)
+        if _eager():  # the loop runner: one module call per model (a vmapped convolution is several times slower)
+            m = next(iter(params.values())).shape[0]
+            return torch.stack([self.apply({k: v[i] for k, v in params.items()}, x) for i in range(m)])
         return vmap(self.apply, in_dims=(0, None))(params, x)
 
     def value_and_grad_stacked(
@@ -314,9 +364,39 @@ class Model:
             if self.input_transform is not None:
                 x = self.input_transform(x)
             return self.analytic_grad(params, x, y, mask, weight)
+        if _eager():  # the loop runner: one autograd pass per model (a vmapped convolution is several times slower)
+            m = next(iter(params.values())).shape[0]
+            outs = [self.value_and_grad({k: v[i] for k, v in params.items()}, x, y, mask,
+                                        None if weight is None else weight[i]) for i in range(m)]
+            return ({k: torch.stack([g[k] for g, _ in outs]) for k in params}, torch.stack([loss for _, loss in outs]))
         return vmap(self.value_and_grad, in_dims=(0, None, None, None, 0 if weight is not None else None))(
             params, x, y, mask, weight
         )
+
+    @property
+    def path(self) -> str:
+        """How the model computes: ``"closed form"`` (stacked products and a hand-written backward: ``linear``,
+        ``mlp``, and ReLU MLPs given as a ``nn.Sequential``), ``"forward"`` (its own pure forward under autograd),
+        or ``"module"`` (``torch.func.functional_call`` of the module under autograd)."""
+        if self.analytic_grad is not None:
+            return "closed form"
+        return "forward" if self.forward is not None else "module"
+
+    @property
+    def supports_clients(self) -> bool:
+        """Whether ``value_and_grad_clients`` exists: models with the stacked closed-form gradient (``linear``,
+        ``mlp``, and user modules converted to it) and no batch norm."""
+        return self.stacks and self.analytic_grad is not None and not self.batch_norm
+
+    def value_and_grad_clients(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
+        """``value_and_grad`` of K clients' models (params (K, ...)) on their own batches x (K, B, ...) already
+        through ``input_transform``, y and mask (K, B): (K stacked gradients, (K,) losses), each client's loss the
+        mean over its own real samples (the ``stacked`` executor)."""
+        if not self.supports_clients:
+            raise ModelError(f"model {self.name!r} has no clients form (the stacked executor needs a closed-form "
+                             "stacked gradient)")
+        assert self.analytic_grad is not None
+        return self.analytic_grad(params, x, y, mask, None)
 
     def value_and_grad(
         self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
@@ -407,6 +487,47 @@ def _eager() -> bool:
 
 # --------------------------------------------------------------------------------------------
 # Input transforms: data is stored compactly (uint8 images, uint8 characters), converted on the fly.
+
+
+def dense_layers(module: nn.Module, binary: bool) -> tuple[list[tuple[str, str | None]], bool] | None:
+    """The dense layers of a ReLU MLP written as an ``nn.Sequential`` (an optional leading ``nn.Flatten``, then
+    ``nn.Linear`` layers separated by ``nn.ReLU``, ending with a ``nn.Linear``; ``nn.Identity`` and ``nn.Dropout(p=0)``
+    anywhere): ((weight name, bias name) per layer, has the flatten), or None for any other module (which keeps the
+    module's autograd path).  What the user's module computes is exactly ``models.stacked.mlp_forward``'s."""
+    if not isinstance(module, nn.Sequential):
+        return None
+    items = [(name, m) for name, m in module.named_children()
+             if not isinstance(m, nn.Identity) and not (isinstance(m, nn.Dropout) and m.p == 0)]
+    flatten = bool(items) and isinstance(items[0][1], nn.Flatten)
+    if flatten:
+        fl = items[0][1]
+        if (fl.start_dim, fl.end_dim) != (1, -1):  # type: ignore[union-attr]
+            return None
+        items = items[1:]
+    layers: list[tuple[str, str | None]] = []
+    for i, (name, m) in enumerate(items):
+        want_linear = i % 2 == 0
+        if want_linear and isinstance(m, nn.Linear):
+            layers.append((f"{name}.weight", f"{name}.bias" if m.bias is not None else None))
+        elif not want_linear and isinstance(m, nn.ReLU):
+            continue
+        else:
+            return None
+    if not layers or len(items) % 2 == 0:  # ends with a ReLU, or empty
+        return None
+    if binary and module.get_submodule(layers[-1][0].rsplit(".", 1)[0]).out_features != 1:  # type: ignore[union-attr]
+        return None
+    return layers, flatten
+
+
+class Chain:
+    """Two input transforms, one after the other."""
+
+    def __init__(self, first: Callable[[Tensor], Tensor], second: Callable[[Tensor], Tensor]):
+        self.first, self.second = first, second
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.second(self.first(x))
 
 
 class ImageNormalize:

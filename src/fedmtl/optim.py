@@ -52,6 +52,33 @@ class Batches(NamedTuple):
     idx: Tensor | None = None
 
 
+class ClientBatches(NamedTuple):
+    """K clients' training batches for the ``stacked`` executor, in step-major row blocks: the clients are sorted
+    by their number of live steps (non-empty, within the straggler limit), most first, so the clients live at step s
+    are a prefix, ``live[s]`` of them, and rows ``[sum(live[:s]), sum(live[:s + 1]))`` are their batches for step s
+    (``step(s)``).  Only live batches are held.  Features are already through the model's input transform.
+
+    x: (N, B, *feat)   y: (N, B)   mask: (N, B) float   n: (K,) float   live: the prefix size of every step
+    """
+
+    x: Tensor
+    y: Tensor
+    mask: Tensor
+    n: Tensor
+    live: tuple[int, ...]
+
+    def steps(self) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
+        """(live clients n, x (n, B, ...), y (n, B), mask (n, B)) of every step, in order."""
+        at = 0
+        for n in self.live:
+            yield n, self.x[at:at + n], self.y[at:at + n], self.mask[at:at + n]
+            at += n
+
+
+class StackedUnsupported(TypeError):
+    """An operation that the ``stacked`` executor's clients mode cannot run (the engine then uses vmap)."""
+
+
 def live_steps(batches: Batches) -> Tensor:
     """(S,) bool: the steps a client actually runs — non-empty, and within its straggler ``limit``."""
     if isinstance(batches.x, list):
@@ -230,6 +257,10 @@ def local_sgd(
     (``known_live_steps``).  With a float ``lr`` all these forms give the same bits (tested); with a tensor ``lr`` they
     agree to rounding.
     """
+    if isinstance(batches, ClientBatches):
+        if sample_weight is not None or steps is not None:
+            raise StackedUnsupported("local_sgd with per-sample weights or a step range has no clients mode")
+        return local_sgd_clients(grad_fn, params, batches, lr, opt, prox_center, prox_mu, grad_shift)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
     owned: set[str] = set()  # parameters (and momentum buffers) this call allocated: updated in place from then on
@@ -324,6 +355,89 @@ def local_sgd(
     (params, _), loss = masked_steps(batches, eager_step if eager else step, (params, buf0), steps,
                                      masks_itself=True)
     return params, loss
+
+
+def local_sgd_clients(
+    grad_fn: GradFn,
+    params: Params,
+    batches: ClientBatches,
+    lr: float | Tensor,
+    opt: SGD,
+    prox_center: Params | None = None,
+    prox_mu: float = 0.0,
+    grad_shift: Params | None = None,
+) -> tuple[Params, Tensor]:
+    """``local_sgd`` for K clients at once (the ``stacked`` executor): returns (K stacked params, (K,) mean losses).
+
+    ``grad_fn`` must be a model's ``value_and_grad``; the model's ``value_and_grad_clients`` runs instead, on the
+    live prefix of the clients at every step: step s updates, in place, the first ``batches.live[s]`` clients'
+    parameters (views of the stacked tensors), and the others are neither computed nor touched.  No padding is
+    computed and no step is masked.  ``params``, ``prox_center`` and ``grad_shift`` are stacked (K, ...) or one
+    model's (broadcast to every client).  The same arithmetic as ``local_sgd`` per client (tested against the loop
+    executor to rounding: the batched products sum in another order)."""
+    model = getattr(grad_fn, "__self__", None)
+    clients_grad = getattr(model, "value_and_grad_clients", None)
+    if clients_grad is None or getattr(grad_fn, "__name__", "") != "value_and_grad" or \
+            not getattr(model, "supports_clients", False):
+        raise StackedUnsupported("the stacked executor runs local_sgd on a model's value_and_grad only, for models "
+                                 "with a clients form (Model.supports_clients)")
+    k = batches.n.shape[0]
+    template = dict(model.module.named_parameters())  # type: ignore[union-attr]
+
+    def per_client(tree: Params) -> Params:  # (K, ...) owned copies; one model's tensors broadcast to K
+        return {n: (v.unsqueeze(0).expand(k, *v.shape) if v.dim() == template[n].dim() else v).clone()
+                for n, v in tree.items()}
+
+    def stacked(tree: Params | None) -> Params | None:  # read-only (K, ...) or broadcast views
+        if tree is None:
+            return None
+        return {n: v.unsqueeze(0) if v.dim() == template[n].dim() else v for n, v in tree.items()}
+
+    p = per_client(params)
+    center, shift = stacked(prox_center), stacked(grad_shift)
+    mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
+    fused = getattr(model, "clients_step", None)
+    if fused is not None and not (mom or wd or mu) and shift is None and isinstance(lr, float | int):
+        # plain SGD: the model applies each step in place with its gradients fused into the update
+        first = next(iter(p.values()))
+        loss_sum = torch.zeros(k, dtype=torch.float32, device=first.device)
+        steps = torch.zeros(k, dtype=torch.float32, device=first.device)
+        for n, xs, ys, ms in batches.steps():
+            if n == 0:
+                break
+            loss = fused({name: v[:n] for name, v in p.items()}, xs, ys, ms, float(lr))
+            loss_sum[:n] += loss.detach().to(torch.float32)
+            steps[:n] += 1.0
+        return p, loss_sum / steps.clamp_min(1.0)
+    buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
+    first = next(iter(p.values()))
+    loss_sum = torch.zeros(k, dtype=torch.float32, device=first.device)
+    steps = torch.zeros(k, dtype=torch.float32, device=first.device)
+    rate = float(lr) if isinstance(lr, float | int) else lr
+    for n, xs, ys, ms in batches.steps():
+        if n == 0:
+            break
+        view = {name: v[:n] for name, v in p.items()}
+        g, loss = clients_grad(view, xs, ys, ms)
+        for name, v in view.items():
+            d = g[name]
+            if wd:
+                d = d.add_(v, alpha=wd)  # g is this step's own tensor
+            if mu:
+                d = d.add_(v - center[name][:n] if center[name].shape[0] == k else v - center[name],  # type: ignore[index]
+                           alpha=mu)
+            if shift is not None:
+                d = d.add_(shift[name][:n] if shift[name].shape[0] == k else shift[name])
+            if mom > 0:
+                d = d.add_(buf[name][:n], alpha=mom)
+                buf[name][:n] = d
+            if isinstance(rate, float):
+                v.sub_(d, alpha=rate)
+            else:
+                v.sub_(d * rate)
+        loss_sum[:n] += loss.detach().to(torch.float32)
+        steps[:n] += 1.0
+    return p, loss_sum / steps.clamp_min(1.0)
 
 
 def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:

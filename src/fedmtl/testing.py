@@ -10,7 +10,8 @@ model, momentum SGD), each with tolerances that a wrong algorithm fails:
   client state has tensors);
 * ``loop_equals_vmap``: the ``loop`` and ``vmap`` executors give the same server, client states, losses and
   evaluation (half the clients sampled, two local epochs), and grouping clients differently into vmap calls
-  (no bucketing; chunks of 3) changes nothing;
+  (no bucketing; chunks of 3) changes nothing; for an algorithm with a clients form (``stacked_clients``) on a
+  model with one, the ``stacked`` executor gives the same too (with stragglers, drops and chunks of 3 as well);
 * ``no_input_mutation``: the payload, the states and the data are not modified in place;
 * ``deterministic``: the same seed gives identical rounds and evaluation, another seed different ones;
 * ``learns``: the training loss over all clients falls on the toy task;
@@ -183,6 +184,28 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
         st, _ = run_rounds(eng, 2)
         outs.append((st.server, all_client_states(eng)))
     _close(outs[0], outs[1], 1e-6, "grouping clients into vmap calls changed the result")
+    eng = sim()
+    if not (eng.alg.clients_form() and eng.model.supports_clients):
+        return
+    from .engine.systems import SystemsModel
+
+    res = {}
+    for runner in ("stacked", "loop"):
+        eng = sim(runner=runner, sampling_rate=0.5, local_epochs=2)
+        if eng.clients.executor.name != runner:  # type: ignore[attr-defined]
+            raise ContractError(f"asked for the {runner} executor, got {eng.clients.executor.name}")  # type: ignore[attr-defined]
+        st, rows = run_rounds(eng, 3)
+        res[runner] = (st.server, all_client_states(eng), [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
+    (sa, ca, la, ea), (sb, cb, lb, eb) = res["stacked"], res["loop"]
+    _close(sa, sb, atol, "server state, stacked vs loop")
+    _close(ca, cb, atol, "client states, stacked vs loop")
+    if not np.allclose(la, lb, atol=atol, rtol=atol):
+        raise ContractError(f"training losses, stacked {la} vs loop {lb}")
+    _summaries_close(ea, eb, atol, "evaluation, stacked vs loop")
+    systems = SystemsModel(variability="high", drop_prob=0.2)  # stragglers' limits cut steps; some clients drop
+    outs = [run_rounds(sim(runner=r, systems=systems, chunk_size=c), 2)[0].server
+            for r, c in (("stacked", 3), ("loop", 0))]
+    _close(outs[0], outs[1], atol, "stacked (chunks of 3) vs loop with stragglers and drops")
 
 
 def _no_mutation(sim: Callable[..., Engine], data: FederatedData) -> None:

@@ -101,6 +101,12 @@ class Algorithm:
     #: running statistics are assigned, never stepped (``fedmtl.batchnorm``); methods with their own update rule or loss
     #: leave it False and refuse models with batch norm
     supports_batch_norm: ClassVar[bool] = False
+    #: ``client_update`` is local SGD of the model (``optim.local_sgd`` on ``Model.value_and_grad``) and elementwise
+    #: arithmetic on its results only, so it runs unchanged on K stacked clients (the ``stacked`` executor: payload and
+    #: states stacked or broadcast, batches ``optim.ClientBatches``).  Checked by the contract suite (stacked equals
+    #: loop); leave False where the update reduces over parameters (norms, dot products) or uses per-sample state.
+    #: A subclass that overrides ``client_update`` must declare it again (``clients_form``)
+    stacked_clients: ClassVar[bool] = False
     #: fields of the server state (NamedTuple field names) that are released without noise under ``[privacy]``
     #: because they do not depend on the clients' data, each with the reason (``fedmtl.testing``'s
     #: ``private_release`` check accepts exactly these as equal with and without noise)
@@ -109,6 +115,18 @@ class Algorithm:
     def __post_init__(self) -> None:
         check_literals(self)
         check_fields(self, "algorithm")  # the declared ranges (fedmtl.schema) of the numeric hyperparameters
+
+    @classmethod
+    def clients_form(cls) -> bool:
+        """Whether ``client_update`` runs on K stacked clients (``stacked_clients``), as declared by the class that
+        wrote the ``client_update`` in use: a subclass that overrides ``client_update`` without declaring
+        ``stacked_clients`` itself does not inherit the claim."""
+        for klass in cls.__mro__:
+            if "stacked_clients" in klass.__dict__:
+                return bool(klass.__dict__["stacked_clients"])
+            if "client_update" in klass.__dict__:
+                return False
+        return False
 
     def check_privacy(self) -> None:
         """Refuse ``[privacy]`` (``ValueError``) where this method's server would release something not computed

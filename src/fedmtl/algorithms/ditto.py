@@ -32,6 +32,7 @@ class PersonalModel(NamedTuple):
 @dataclass(frozen=True)
 class Ditto(Algorithm):
     name: ClassVar[str] = "ditto"
+    stacked_clients: ClassVar[bool] = True  # local SGD only: runs on K stacked clients as written
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True

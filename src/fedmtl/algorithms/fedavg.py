@@ -28,6 +28,7 @@ class FedAvg(Algorithm):
     """FedAvg: local SGD from the global model, the server averages the returned models weighted by samples."""
 
     name: ClassVar[str] = "fedavg"
+    stacked_clients: ClassVar[bool] = True  # local SGD only: runs on K stacked clients as written
     supports_batch_norm: ClassVar[bool] = True
 
     def client_update(
@@ -42,6 +43,7 @@ class FedProx(FedAvg):
     """FedAvg with the proximal term (mu / 2) ||w - w_global||^2 in every local objective."""
 
     name: ClassVar[str] = "fedprox"
+    stacked_clients: ClassVar[bool] = True  # local SGD with a proximal term: runs on K stacked clients as written
     #: FedProx's proximal weight mu (0 = FedAvg)
     mu: Annotated[float, Range(0, 1e4)] = 0.01
 

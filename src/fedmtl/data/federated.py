@@ -410,29 +410,81 @@ def steps_per_epoch(counts: Tensor, batch_size: int) -> Tensor:
     return (counts + batch_size - 1) // batch_size
 
 
-def round_batches(
-    split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None = None
-) -> Batches:
-    """Padded training batches for clients ``clients[rows]``: x (K, E*S, B, ...), masks, positions.
+def usable_counts(counts: Tensor, batch_size: int, drop_last: bool) -> Tensor:
+    """The examples a client trains on per epoch: all of them, or with ``drop_last`` (``run.drop_last``, as a
+    ``DataLoader(drop_last=True)``) only its full batches (a client with fewer examples than a batch trains on
+    none)."""
+    return (counts // batch_size) * batch_size if drop_last else counts
 
-    ``orders`` are the epoch permutations of all of ``clients`` (``epoch_orders``); ``rows`` selects
-    the clients of this batched call.  ``steps`` S is the number of steps per epoch (default: enough
-    for the largest selected client).
-    """
-    dev = split.x.device
+
+def _slots(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None,
+           drop_last: bool) -> tuple[Tensor, Tensor, int, int, int, int, int, Tensor, Tensor, Tensor]:
+    """The slot layout of padded batches for clients ``clients[rows]``: (selected ids, their example counts, K,
+    epochs E, steps per epoch S, batch size B, width S * B, arange(width), valid (K, W): the slot holds an
+    example, local (K, E, W): each slot's example in the client's own numbering, 0 on padding)."""
     sel = clients[rows]
-    counts = split.counts[sel].cpu()  # (K,)
+    n_all = split.counts[sel].cpu()  # (K,)
+    counts = usable_counts(n_all, batch_size, drop_last)
     kk = sel.numel()
     epochs = orders.local.shape[0]
     s = int(steps_per_epoch(counts, batch_size).max()) if steps is None else steps
     if s == 1:  # a batch larger than every client's data is the client's whole data: pad only that far
         batch_size = max(1, min(batch_size, int(counts.max())))
+    if s == 0:  # drop_last and no client has a full batch: one empty (dead) step keeps every shape non-empty
+        s = 1
     width = s * batch_size
     j = torch.arange(width)
     valid = j.unsqueeze(0) < counts.unsqueeze(1)  # (K, W)
     flat = orders.starts[rows].unsqueeze(1) + torch.where(valid, j.unsqueeze(0), torch.zeros_like(j))
     local = orders.local[:, flat]  # (E, K, W)
     local = torch.where(valid.unsqueeze(0), local, torch.zeros_like(local)).permute(1, 0, 2)  # (K, E, W)
+    return sel, n_all, kk, epochs, s, batch_size, width, j, valid, local
+
+
+def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int,
+                   drop_last: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[int, ...]]:
+    """The ``stacked`` executor's batches of clients ``clients[rows]`` (sorted by their live steps, most first):
+    (x (N, B, ...), y (N, B), mask (N, B) float, n (K,) float, live).  Row blocks in step-major order: step s holds
+    the batches of the ``live[s]`` clients live at s (a prefix of ``rows``), each client's live steps (non-empty,
+    within its straggler limit) in its own order.  Only those batches are gathered: no padded step is built."""
+    dev = split.x.device
+    sel, n_all, kk, epochs, s, batch_size, width, _, valid, local = _slots(split, clients, orders, rows, batch_size,
+                                                                           None, drop_last)
+    slots = (split.offsets[sel].cpu().view(kk, 1, 1) + local).reshape(kk, epochs * s, batch_size)  # global ids
+    filled = valid.unsqueeze(1).expand(kk, epochs, width).reshape(kk, epochs * s, batch_size)
+    nonempty = filled.any(-1)  # (K, E*S)
+    limit = torch.full((kk,), epochs * s, dtype=torch.long) if orders.limit is None else orders.limit[rows].cpu()
+    live = nonempty & (torch.cumsum(nonempty.to(torch.long), 1) <= limit.unsqueeze(1))
+    n_live = live.sum(1)
+    if bool((n_live[1:] > n_live[:-1]).any()):
+        raise ValueError("client_batches: the rows must be sorted by their live steps, most first (the clients live "
+                         "at a step are then a prefix)")
+    steps = max(int(n_live.max()), 1) if kk else 1
+    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :steps]  # each client's live steps first
+    pick = torch.gather(live, 1, order).T  # (L, K): step-major; the live clients of a step are a prefix
+    slots = torch.gather(slots, 1, order.unsqueeze(-1).expand(kk, steps, batch_size)).transpose(0, 1)[pick]
+    filled = torch.gather(filled, 1, order.unsqueeze(-1).expand(kk, steps, batch_size)).transpose(0, 1)[pick]
+    flat = slots.reshape(-1).to(dev)
+    x = split.x.index_select(0, flat).reshape(-1, batch_size, *split.x.shape[1:])
+    y = split.y.index_select(0, flat).reshape(-1, batch_size)
+    live_counts = tuple(int((n_live > t).sum()) for t in range(steps))
+    return x, y, filled.to(dev, torch.float32), n_all.to(dev, torch.float32), live_counts
+
+
+def round_batches(
+    split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None = None,
+    drop_last: bool = False,
+) -> Batches:
+    """Padded training batches for clients ``clients[rows]``: x (K, E*S, B, ...), masks, positions.
+
+    ``orders`` are the epoch permutations of all of ``clients`` (``epoch_orders``); ``rows`` selects
+    the clients of this batched call.  ``steps`` S is the number of steps per epoch (default: enough
+    for the largest selected client).  ``drop_last``: each epoch's last partial batch is left out (the examples
+    at the end of that epoch's permutation: random ones, as a shuffling ``DataLoader(drop_last=True)`` drops).
+    """
+    dev = split.x.device
+    sel, n_all, kk, epochs, s, batch_size, width, j, valid, local = _slots(split, clients, orders, rows, batch_size,
+                                                                           steps, drop_last)
     if epochs == 1:
         pos = j.view(1, 1, -1).expand(kk, 1, width)
     else:  # position of each example in the first epoch's order (inverse permutation of epoch 0)
@@ -450,20 +502,25 @@ def round_batches(
         y=y,
         mask=mask.to(dev, torch.float32),
         pos=pos.reshape(kk, epochs * s, batch_size).to(dev),
-        n=counts.to(dev, torch.float32),
+        n=n_all.to(dev, torch.float32),
         limit=(torch.full((kk,), epochs * s, dtype=torch.long) if orders.limit is None else orders.limit[rows]).to(dev),
         idx=local.reshape(kk, epochs * s, batch_size).to(dev),
     )
     return out
 
 
-def ragged_batches(split: Split, clients: Tensor, orders: Orders, row: int, batch_size: int) -> Batches:
+def ragged_batches(split: Split, clients: Tensor, orders: Orders, row: int, batch_size: int,
+                   drop_last: bool = False) -> Batches:
     """One client's batches without padding (the loop runner): x, y, mask, pos are lists of (b_s, ...)
     tensors whose last batch of each epoch holds only the remaining examples, as a DataLoader gives.
     Numerically identical to the padded batches (padding rows have zero weight)."""
-    b = round_batches(split, clients, orders, torch.tensor([row]), batch_size)
-    n = int(b.n[0])
+    b = round_batches(split, clients, orders, torch.tensor([row]), batch_size, drop_last=drop_last)
+    n = int(usable_counts(b.n[:1].long().cpu(), batch_size, drop_last)[0])
     steps = int(steps_per_epoch(torch.tensor(n), batch_size))
+    if steps == 0:  # drop_last and fewer examples than a batch: one masked step that is never live (limit 0)
+        one = [[t[0, 0, :1]] for t in (b.x, b.y, b.mask, b.pos, b.idx)]  # type: ignore[index]
+        return Batches(one[0], one[1], one[2], one[3], b.n[0], torch.zeros((), dtype=torch.long),  # type: ignore[arg-type]
+                       one[4])  # type: ignore[arg-type]
     epochs = orders.local.shape[0]
     last = n - (steps - 1) * batch_size
     k = epochs * steps

@@ -65,9 +65,12 @@ class LocalClients:
 
     def __init__(self, alg: Algorithm, data: FederatedData, executor: Executor, device: torch.device,
                  batch_size: int, eval_chunk_elems: int = 2**24, store: StoreKind = "memory",
-                 store_dir: str | Path | None = None, journal: bool = False, global_ids: Tensor | None = None):
+                 store_dir: str | Path | None = None, journal: bool = False, global_ids: Tensor | None = None,
+                 drop_last: bool = False):
+        # the stacked executor serves the algorithms that have a clients form; the others its fallback (vmap)
+        executor = executor.for_algorithm(alg)
         self.alg, self.data, self.executor, self.device = alg, data, executor, device
-        self.batch_size, self.eval_chunk_elems = batch_size, eval_chunk_elems
+        self.batch_size, self.eval_chunk_elems, self.drop_last = batch_size, eval_chunk_elems, drop_last
         self.store_kind, self.store_dir, self.journal = store, store_dir, journal
         self.global_ids = None if global_ids is None else global_ids.to(torch.long).cpu()
         if self.global_ids is not None and bool((self.global_ids[1:] <= self.global_ids[:-1]).any()):
@@ -118,7 +121,7 @@ class LocalClients:
         assert self.store is not None, "start() first"
         rows = self.rows_of(ids)
         states = T.to(self.store.read(rows), self.device)
-        batches = TrainBatches(self.data.seen.train, rows, orders, self.batch_size, self.device)
+        batches = TrainBatches(self.data.seen.train, rows, orders, self.batch_size, self.device, self.drop_last)
         updates, new_states, losses = self.executor.train(self._update, payload, states, batches, lr)
         return self.accept(rows, updates, new_states, losses, round_idx)
 
@@ -196,7 +199,8 @@ def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[
     payload = T.take(T.stack(payloads), replica)  # each client's own replica's payload
     stacked = T.tmap(lambda *xs: torch.cat(xs), *states) if T.leaves(states[0]) else states[0]
     all_rows = torch.cat(rows)
-    batches = TrainBatches(first.data.seen.train, all_rows, concat_orders(orders), first.batch_size, first.device)
+    batches = TrainBatches(first.data.seen.train, all_rows, concat_orders(orders), first.batch_size, first.device,
+                           first.drop_last)
     updates, new_states, losses = first.executor.train(first._update, payload, stacked, batches, lr, payload_rows=True)
     outs, at = [], 0
     for m, r, k in zip(members, rows, sizes, strict=True):

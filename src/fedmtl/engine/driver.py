@@ -94,6 +94,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc:
         alg, data, make_executor(rc.runner, model, device, rc.chunk_size, rc.bucketing), device,
         rc.batch_size, rc.eval_chunk_elems, rc.client_store,
         None if out_dir is None else out_dir / "client_store", journal=out_dir is not None and rc.checkpoint_every > 0,
+        drop_last=rc.drop_last,
     )
     return Engine(alg, model, opt, rc, clients, Federation.of(data), systems, robust, attack, privacy, server_opt)
 
@@ -338,6 +339,9 @@ def _finish(rep: Replica) -> RunResult:
         "lr_decay_from_rounds": [m + 1 for m in cfg.optim.milestone_rounds(cfg.run.rounds)],
         "config": cfg.raw,
     }
+    executor = getattr(engine.clients, "executor", None)
+    # the path the engine chose for this model and algorithm (fedmtl.engine.executors.make_executor)
+    summary["path"] = {"executor": executor.name if executor is not None else "remote", "model": engine.model.path}
     if engine.attack.active:
         summary["attackers"] = engine.attackers.tolist()
     if engine.accountant is not None:

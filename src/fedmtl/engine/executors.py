@@ -8,11 +8,16 @@ That is all an executor does; the round loop (``engine.round``) decides what run
   (``optim.masked_steps``), so the grouping never changes the result.
 * ``loop``: one client at a time over the same function, with unpadded (ragged) batches as a DataLoader
   gives; the reference in tests, readable tracebacks, and the faster path for compute-bound models on CPU.
+* ``stacked``: the clients as one eager computation on stacked tensors, no transform: the function runs once
+  on all of them (``ClientBatches``), each local step on the clients still live (a prefix), updating their
+  stacked parameters in place.  For methods with a clients form (``Algorithm.clients_form``) on models with one
+  (``Model.supports_clients``); a round's sequential steps are then the largest client's, with no padding computed.
 * ``flower`` (``fedmtl.flower.executor``) sends the function's inputs to SuperNodes, which run it with one
-  of the two above.
+  of the above.
 
-``auto`` (``make_executor``) picks ``loop`` for models that declare ``prefer_loop_on_cpu`` (convolutions, the
-LSTM) on CPU or ``prefer_loop_on_cuda`` (the LSTM) on a GPU, and ``vmap`` otherwise.
+``auto`` (``make_executor``) picks ``stacked`` for models with a clients form (methods without one fall back to
+``vmap``), ``loop`` for models that declare ``prefer_loop_on_cpu`` (convolutions, recurrent layers) on CPU or
+``prefer_loop_on_cuda`` (recurrent layers) on a GPU, and ``vmap`` otherwise.
 """
 
 from __future__ import annotations
@@ -25,26 +30,55 @@ from torch import Tensor
 from torch.func import vmap
 
 from .. import tree as T
-from ..data.federated import Orders, Split, ragged_batches, round_batches, steps_per_epoch
+from ..data.federated import (
+    Orders,
+    Split,
+    client_batches,
+    ragged_batches,
+    round_batches,
+    steps_per_epoch,
+    usable_counts,
+)
 from ..model import Model
-from ..optim import Batches, known_live_steps
+from ..optim import Batches, ClientBatches, known_live_steps
 
-ExecutorName = Literal["auto", "vmap", "loop"]
+ExecutorName = Literal["auto", "stacked", "vmap", "loop"]
 
 
 class TrainBatches:
     """The training batches of a round's clients: rows ``rows`` of ``split`` visiting their examples in
     ``orders``; built per bucket (padded) or per client (ragged) and moved to ``device`` only then."""
 
-    def __init__(self, split: Split, rows: Tensor, orders: Orders, batch_size: int, device: torch.device):
+    def __init__(self, split: Split, rows: Tensor, orders: Orders, batch_size: int, device: torch.device,
+                 drop_last: bool = False):
         self.split, self.rows, self.orders, self.batch_size, self.device = split, rows, orders, batch_size, device
-        self.counts = split.counts[rows]
+        self.drop_last = drop_last
+        self.counts = usable_counts(split.counts[rows], batch_size, drop_last)  # what the steps cover: bucketing's key
 
     def padded(self, pos: Tensor) -> Batches:
-        return T.to(round_batches(self.split, self.rows, self.orders, pos, self.batch_size), self.device)
+        return T.to(round_batches(self.split, self.rows, self.orders, pos, self.batch_size, drop_last=self.drop_last),
+                    self.device)
 
     def ragged(self, i: int) -> Batches:
-        return T.to(ragged_batches(self.split, self.rows, self.orders, i, self.batch_size), self.device)
+        return T.to(ragged_batches(self.split, self.rows, self.orders, i, self.batch_size, self.drop_last), self.device)
+
+    def live_counts(self) -> Tensor:
+        """(K,) the live steps of every client: its epochs' batches, within its straggler limit."""
+        epochs = self.orders.local.shape[0]
+        steps = steps_per_epoch(self.counts, self.batch_size) * epochs
+        if self.orders.limit is not None:
+            steps = torch.minimum(steps, self.orders.limit.cpu())
+        return steps
+
+    def clients(self, pos: Tensor, transform: Callable[[Tensor], Tensor] | None) -> ClientBatches:
+        """The ``stacked`` executor's batches of the clients at ``pos`` (sorted by live steps, most first;
+        ``data.federated.client_batches``), features through ``transform``, on the device."""
+        x, y, mask, n, live = client_batches(self.split, self.rows, self.orders, pos, self.batch_size, self.drop_last)
+        if transform is not None:
+            flat = transform(x.reshape(-1, *x.shape[2:]))
+            x = flat.reshape(x.shape[0], x.shape[1], *flat.shape[1:])
+        x, y, mask, n = T.to((x, y, mask, n), self.device)
+        return ClientBatches(x, y, mask, n, live)
 
 
 def _in_dims(*args: Any) -> tuple[int | None, ...]:
@@ -66,6 +100,10 @@ class Executor:
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
         """``fn(shared, *row_k)`` for every row k of the stacked arguments (``None`` arguments pass through)."""
         raise NotImplementedError
+
+    def for_algorithm(self, alg: Any) -> Executor:
+        """The executor that trains ``alg``'s clients (this one; the stacked executor may hand over to vmap)."""
+        return self
 
 
 class VmapExecutor(Executor):
@@ -139,15 +177,56 @@ class LoopExecutor(Executor):
         return T.stack(rows)
 
 
+class StackedExecutor(Executor):
+    """All clients of a call as one eager computation on stacked tensors, no torch.func transform: each local step
+    runs on the clients still live at that step (a prefix, the clients sorted by their number of steps, most first),
+    updating their stacked parameters in place (``optim.local_sgd_clients``, ``Model.value_and_grad_clients``).
+    Nothing is padded or masked and every step is one batched product per layer, so a round's sequential steps are
+    the largest client's, not the sum of the step buckets'.  For algorithms that declare a clients form
+    (``Algorithm.stacked_clients``: their ``client_update`` is local SGD of the model, run unchanged on K stacked
+    clients) and models that have one (``Model.supports_clients``); others use ``fallback`` (vmap)."""
+
+    name = "stacked"
+
+    def __init__(self, model: Model, fallback: Executor, chunk_size: int = 0):
+        self.model, self.fallback, self.chunk_size = model, fallback, chunk_size
+
+    def for_algorithm(self, alg: Any) -> Executor:
+        """This executor where ``alg`` has a clients form, else the fallback."""
+        return self if alg.clients_form() and self.model.supports_clients else self.fallback
+
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+              payload_rows: bool = False) -> Any:
+        steps = batches.live_counts()
+        order = torch.argsort(-steps, stable=True)  # most steps first: the live clients of every step are a prefix
+        outs = []
+        for pos in torch.split(order, self.chunk_size or max(len(order), 1)):
+            p = pos.to(batches.device)
+            b = batches.clients(pos, self.model.input_transform)
+            outs.append(fn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+        out = outs[0] if len(outs) == 1 else T.tmap(lambda *xs: torch.cat(xs), *outs)
+        inverse = torch.argsort(order).to(batches.device)
+        return T.tmap(lambda x: x.index_select(0, inverse), out)
+
+    def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
+        return self.fallback.map(fn, shared, *stacked)
+
+
 def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
                   bucketing: Literal["steps", "none"] = "steps") -> Executor:
-    """The executor ``name``; ``auto`` loops where the model prefers it on this device (``prefer_loop_on_cpu``,
-    ``prefer_loop_on_cuda``), and vmaps otherwise."""
+    """The executor ``name``; ``auto``: ``stacked`` for models with a clients form (``Model.supports_clients``;
+    algorithms without one fall back to vmap), else loops where the model prefers it on this device
+    (``prefer_loop_on_cpu``, ``prefer_loop_on_cuda``), and vmaps otherwise."""
     if name == "auto":
         loop = model.prefer_loop_on_cuda if device.type == "cuda" else model.prefer_loop_on_cpu
-        name = "loop" if loop else "vmap"
+        name = "stacked" if model.supports_clients else "loop" if loop else "vmap"
     if name == "vmap":
         return VmapExecutor(chunk_size, bucketing)
     if name == "loop":
         return LoopExecutor()
-    raise ValueError(f"unknown executor {name!r}; use auto, vmap or loop")
+    if name == "stacked":
+        if not model.supports_clients:
+            raise ValueError(f"run.runner = 'stacked': model {model.name!r} has no clients form (a closed-form "
+                             "stacked gradient: linear, mlp or a converted dense user module); use vmap or loop")
+        return StackedExecutor(model, VmapExecutor(chunk_size, bucketing), chunk_size)
+    raise ValueError(f"unknown executor {name!r}; use auto, stacked, vmap or loop")

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import tree as T
 from ..algorithms.base import Algorithm, Context
-from ..data.federated import FederatedData, Orders, epoch_orders
+from ..data.federated import FederatedData, Orders, epoch_orders, usable_counts
 from ..model import Model, ModelError
 from ..optim import SGD
 from ..privacy import Accountant, PrivacyConfig, calibrate, dp_combine, sampling_probability, secure_generator
@@ -56,11 +56,14 @@ class RunConfig:
     batch_size: Annotated[int, Range(1, 10**7)] = 128
     #: local epochs per round
     local_epochs: Annotated[int, Range(1, 10**4)] = 1
+    #: leave out each epoch's last partial batch, as DataLoader(drop_last=True) (a client with fewer examples than a
+    #: batch then trains on none); with local_epochs = 1
+    drop_last: bool = False
     #: fraction of the clients sampled each round (Poisson sampling under [privacy]: the inclusion probability q)
     sampling_rate: Annotated[float, Range(0, 1, lo_open=True)] = 1.0
     #: > 0: clients sampled each round (overrides sampling_rate)
     clients_per_round: Annotated[int, Range(0, 10**9)] = 0
-    #: the local executor: auto, vmap or loop
+    #: the local executor: auto, stacked, vmap or loop
     runner: ExecutorName = "auto"
     #: at most this many clients per batched call (0 = no limit)
     chunk_size: Annotated[int, Range(0, 10**9)] = 0
@@ -85,14 +88,18 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "run")
-        if self.runner not in ("auto", "vmap", "loop"):
-            raise ValueError(f"run.runner must be 'auto', 'vmap' or 'loop', got {self.runner!r}")
+        if self.runner not in ("auto", "stacked", "vmap", "loop"):
+            raise ValueError(f"run.runner must be 'auto', 'stacked', 'vmap' or 'loop', got {self.runner!r}")
         if self.bucketing not in ("steps", "none"):
             raise ValueError(f"run.bucketing must be 'steps' or 'none', got {self.bucketing!r}")
         if self.client_store not in ("memory", "mmap"):
             raise ValueError(f"run.client_store must be 'memory' or 'mmap', got {self.client_store!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"run.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if self.drop_last and self.local_epochs > 1:
+            # later epochs would visit examples the first epoch dropped, outside the first epoch's index space (the
+            # per-example state some methods keep, FedEM's responsibilities): one epoch per round only
+            raise ValueError("run.drop_last = true needs run.local_epochs = 1")
         if len(set(self.seeds)) != len(self.seeds) or len(self.seeds) > 1000:
             raise ValueError(f"run.seeds must be distinct (at most 1000), got {list(self.seeds)}")
 
@@ -296,7 +303,7 @@ class Engine:
     def init_state(self, resume: dict[str, Any] | None = None) -> EngineState:
         """A fresh run (the clients' stores opened empty), or, with ``resume`` (a loaded checkpoint), the
         checkpoint's round, server and history with the clients' states restored."""
-        params = T.to(self.model.init(self.cfg.seed), self.device)
+        params = T.to(self.model.start(self.cfg.seed), self.device)
         # an algorithm builds its server state's extra tensors (assignments, counters) where it likes; they live on
         # the run's device from here on
         server0 = T.to(self.alg.init_server(self.ctx, params, self.cfg.seed), self.device)
@@ -339,7 +346,8 @@ class Engine:
         lr = self.opt.lr_at(r, cfg.rounds)
         payload = alg.payload(state.server)
         counts = self.fed.train_counts[ids]
-        budget = alg.step_budget(counts, cfg.batch_size, cfg.local_epochs).numpy()
+        usable = usable_counts(counts, cfg.batch_size, cfg.drop_last)
+        budget = alg.step_budget(usable, cfg.batch_size, cfg.local_epochs).numpy()
         draw = self.systems.draw(cfg.seed, r, ids.numpy())
         done = self.systems.steps(draw, budget)
         est = self._estimated_seconds(payload, draw, budget, done)

@@ -149,8 +149,9 @@ def _local_clients(node: _Node, conf: dict[str, Any]) -> tuple[LocalClients, Tre
         cfg, dev = node.cfg, torch.device("cpu")
         lc = LocalClients(node.alg, node.data, make_executor(cfg.run.runner, node.model, dev, cfg.run.chunk_size,
                                                              cfg.run.bucketing),
-                          dev, cfg.run.batch_size, cfg.run.eval_chunk_elems, global_ids=node.ids)
-        server0 = node.alg.init_server(ctx, node.model.init(cfg.run.seed), cfg.run.seed)
+                          dev, cfg.run.batch_size, cfg.run.eval_chunk_elems, global_ids=node.ids,
+                          drop_last=cfg.run.drop_last)
+        server0 = node.alg.init_server(ctx, node.model.start(cfg.run.seed), cfg.run.seed)
         lc.start(ctx, server0)
         node.clients[key] = (lc, server0)
     return node.clients[key]

@@ -1,8 +1,10 @@
 """The stacked-layer fast path of dense networks: forward and backward of a ReLU MLP written as batched matrix
 products, with no autograd.
 
-One function serves one model (weights (out, in)) and M stacked models on the same inputs (weights (M, out, in),
-FedEM's components: the M axis is the batch axis of every product).  Under ``torch.func.vmap`` over the sampled
+One function serves one model (weights (out, in)), M stacked models on the same inputs (weights (M, out, in),
+FedEM's components: the M axis is the batch axis of every product), and K clients' models on their own batches
+side by side (weights (K, out, in), inputs (K, n, in), masks (K, n): the ``stacked`` executor's form, each client's
+loss divided by its own count).  Under ``torch.func.vmap`` over the sampled
 clients each product becomes one batched GEMM over clients (and components) -- the forward ``baddbmm`` per layer,
 the backward two -- instead of the per-operation graph that ``torch.func.grad`` records and replays.  The first
 layer's input gradient is never formed (nothing needs it), which saves a third of that layer's backward.
@@ -74,17 +76,23 @@ def mlp_forward(params: Params, x: Tensor, layers: Layers, binary: bool) -> tupl
 def head_residual(z: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None, binary: bool,
                   num_out: int) -> tuple[Tensor, Tensor]:
     """(loss, d loss / d logits) of the mean (sample-weighted) logistic or softmax loss over the real samples:
-    ``loss = sum(w * nll) / count``, the residual (p - onehot(y)) w / count shaped (..., n, out)."""
-    wt = mask.to(z.dtype) if weight is None else mask.to(z.dtype) * weight  # (n,) or (M, n)
-    count = mask.to(z.dtype).sum().clamp_min(1.0)
+    ``loss = sum(w * nll) / count``, the residual (p - onehot(y)) w / count shaped (..., n, out).  A mask (n,) is
+    one batch (of one model, or of M stacked models); a mask (K, n) is K clients' batches side by side (the
+    ``stacked`` executor), each divided by its own count."""
+    wt = mask.to(z.dtype) if weight is None else mask.to(z.dtype) * weight  # (n,), (M, n) or (K, n)
+    if mask.dim() > 1:  # K clients' batches: one count per client
+        count = mask.to(z.dtype).sum(-1).clamp_min(1.0)  # (K,)
+        rc = count.unsqueeze(-1)
+    else:
+        count = rc = mask.to(z.dtype).sum().clamp_min(1.0)
     if binary:
         yf = y.to(z.dtype)
         loss = ((F.softplus(z) - yf * z) * wt).sum(-1) / count
-        return loss, ((torch.sigmoid(z) - yf) * wt / count).unsqueeze(-1)
+        return loss, ((torch.sigmoid(z) - yf) * wt / rc).unsqueeze(-1)
     logp = F.log_softmax(z, dim=-1)
     nll = -torch.gather(logp, -1, y.long().expand(z.shape[:-1]).unsqueeze(-1)).squeeze(-1)
     loss = (nll * wt).sum(-1) / count
-    return loss, (logp.exp() - F.one_hot(y.long(), num_out).to(z.dtype)) * (wt / count).unsqueeze(-1)
+    return loss, (logp.exp() - F.one_hot(y.long(), num_out).to(z.dtype)) * (wt / rc).unsqueeze(-1)
 
 
 def mlp_value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None, layers: Layers,
@@ -110,9 +118,35 @@ def mlp_value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weigh
     return {k: grads[k] for k in params}, loss
 
 
+def mlp_sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float, layers: Layers,
+                         binary: bool) -> Tensor:
+    """One plain SGD step (no momentum, weight decay or extra terms) of K clients' MLPs on their own batches,
+    applied in place: each weight's gradient product is accumulated straight into the weight
+    (``baddbmm_(residual^T, activation, alpha=-lr)``) after the residual has passed through it, so the gradient is
+    never stored: one pass over each parameter instead of the three of forming it, scaling it and subtracting it.
+    params (K, ...) (views of the stacked parameters), x (K, n, in), y and mask (K, n); returns the (K,) losses
+    (before the step).  The same arithmetic as ``mlp_value_and_grad`` then ``p -= lr g`` up to the rounding of the
+    fused multiply-add (tested)."""
+    z, pre = mlp_forward(params, x, layers, binary)
+    num_out = params[layers[-1][0]].shape[-2]
+    loss, r = head_residual(z, y, mask, None, binary, num_out)
+    for i in range(len(layers) - 1, -1, -1):
+        wn, bn = layers[i]
+        a = x if i == 0 else F.relu(pre[i - 1])
+        r_next = (r @ params[wn]) * (pre[i - 1] > 0).to(r.dtype) if i > 0 else None  # with the weight before its step
+        params[wn].baddbmm_(r.transpose(-1, -2), a, alpha=-lr)
+        if bn:
+            params[bn].sub_(r.sum(-2), alpha=lr)
+        if r_next is not None:
+            r = r_next
+    return loss
+
+
 def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tensor], Tensor],
-                                                          Callable[..., tuple[Params, Tensor]]]:
-    """(forward, value_and_grad) of an MLP with these dense layers, for ``Model(forward=..., analytic_grad=...)``."""
+                                                          Callable[..., tuple[Params, Tensor]],
+                                                          Callable[..., Tensor]]:
+    """(forward, value_and_grad, sgd_step_clients) of an MLP with these dense layers, for ``Model(forward=...,
+    analytic_grad=..., clients_step=...)``."""
     layers = tuple(layers)
 
     def forward(params: Params, x: Tensor) -> Tensor:
@@ -122,4 +156,7 @@ def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tenso
                        ) -> tuple[Params, Tensor]:
         return mlp_value_and_grad(params, x, y, mask, weight, layers, binary)
 
-    return forward, value_and_grad
+    def sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float) -> Tensor:
+        return mlp_sgd_step_clients(params, x, y, mask, lr, layers, binary)
+
+    return forward, value_and_grad, sgd_step_clients

@@ -1,0 +1,144 @@
+"""The ``stacked`` executor: all clients of a round as one eager computation on stacked tensors, each step on the
+clients still live (a prefix).  It equals the loop executor on every path it takes (plain SGD with the fused step,
+momentum, drop_last, several epochs, stragglers, several seeds batched), is what ``auto`` picks for models with a
+clients form, falls back to vmap for algorithms without one, and says so in the summary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedmtl
+from fedmtl import tree as T
+from fedmtl.data.federated import client_batches, epoch_orders
+from fedmtl.engine.seeds import run_seeds
+
+
+def _data(seed: int = 0) -> fedmtl.FederatedData:
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(6, 3))
+    pairs = []
+    for n in (57, 9, 33, 120, 14, 71):  # unequal clients: many steps for some, one for others
+        x = rng.normal(size=(n, 2, 3)).astype(np.float32)
+        pairs.append((x, np.argmax(x.reshape(n, -1) @ w + rng.normal(size=(n, 3)), 1)))
+    return fedmtl.FederatedData.from_arrays(pairs, pairs, num_classes=3)
+
+
+def _module() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _run(runner: str, algorithm: dict, optim: dict, run: dict | None = None) -> fedmtl.RunResult:
+    torch.manual_seed(0)
+    cfg = {"algorithm": algorithm, "optim": optim, "run": {"rounds": 3, "batch_size": 10, "runner": runner,
+                                                            "eval_every": 3, **(run or {})}}
+    return fedmtl.run(cfg, data=_data(), model=fedmtl.Model.from_module(_module(), 3, init="module"))
+
+
+@pytest.mark.parametrize("algorithm,optim,run", [
+    ({"name": "fedavg"}, {"lr": 0.1}, {}),  # plain SGD: the fused step
+    ({"name": "fedavg"}, {"lr": 0.1}, {"drop_last": True, "sampling_rate": 0.5}),
+    ({"name": "fedprox", "mu": 0.5}, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}, {"local_epochs": 2}),
+    ({"name": "ditto", "lam": 0.3}, {"lr": 0.1, "momentum": 0.5}, {"batch_size": 7}),
+])
+def test_stacked_equals_the_loop_on_every_path(algorithm, optim, run):
+    a, b = _run("stacked", algorithm, optim, run), _run("loop", algorithm, optim, run)
+    assert a.summary["path"] == {"executor": "stacked", "model": "closed form"}
+    for x, y in zip(T.leaves(a.server), T.leaves(b.server), strict=True):
+        assert torch.allclose(x, y, atol=1e-5), float((x - y).abs().max())
+    if algorithm["name"] == "ditto":
+        assert torch.allclose(a.client_states().v["1.weight"], b.client_states().v["1.weight"], atol=1e-5)
+    for ra, rb in zip(a.history, b.history, strict=True):
+        assert abs(ra["train_loss"] - rb["train_loss"]) < 1e-5
+    assert abs(a.final["seen_test_acc_mean"] - b.final["seen_test_acc_mean"]) < 1e-6
+
+
+def test_auto_picks_stacked_where_it_applies_and_vmap_elsewhere():
+    assert _run("auto", {"name": "fedavg"}, {"lr": 0.1}).summary["path"]["executor"] == "stacked"
+    fedem = _run("auto", {"name": "fedem", "num_components": 2}, {"lr": 0.1})
+    assert fedem.summary["path"] == {"executor": "vmap", "model": "closed form"}  # no clients form: vmap
+    torch.manual_seed(0)
+    res = fedmtl.run({"algorithm": {"name": "fedavg"}, "run": {"rounds": 1}}, data=_data(),
+                     model=fedmtl.Model.from_module(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Tanh()), 3))
+    assert res.summary["path"] == {"executor": "vmap", "model": "module"}
+    with pytest.raises(ValueError, match="no clients form"):
+        fedmtl.run({"algorithm": {"name": "fedavg"}, "run": {"rounds": 1, "runner": "stacked"}}, data=_data(),
+                   model=fedmtl.Model.from_module(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Tanh()), 3))
+
+
+def test_several_seeds_batched_on_the_stacked_executor_equal_their_separate_runs():
+    """Replicas share the stacked calls (each client trains from its own replica's model)."""
+    from fedmtl.config import validate
+
+    raw = {"model": {"name": "mlp", "hidden": [8]}, "algorithm": {"name": "fedavg"}, "optim": {"lr": 0.1},
+           "run": {"rounds": 2, "batch_size": 10, "sampling_rate": 0.5}}
+    cfg = validate(raw, data_given=True)
+    together = run_seeds(cfg, [4, 9], data=_data(), progress=False)
+    for seed, res in zip((4, 9), together.runs, strict=True):
+        alone = fedmtl.run({**raw, "run": {**raw["run"], "seed": seed}}, data=_data())
+        for x, y in zip(T.leaves(res.server), T.leaves(alone.server), strict=True):
+            assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_client_batches_hold_only_live_batches_in_step_major_prefix_order():
+    data = _data()
+    tr = data.seen.train
+    counts = tr.counts
+    orders = epoch_orders(counts, 2, torch.Generator().manual_seed(1))
+    orders = orders._replace(limit=torch.tensor([3, 1, 5, 30, 2, 4]))  # stragglers: at most this many steps
+    steps = torch.minimum(2 * ((counts + 9) // 10), orders.limit)
+    with pytest.raises(ValueError, match="sorted by their live steps"):
+        client_batches(tr, torch.arange(6), orders, torch.arange(6), 10)
+    order = torch.argsort(-steps, stable=True)  # most live steps first
+    x, y, mask, n, live = client_batches(tr, torch.arange(6), orders, order, 10)
+    steps = steps[order]
+    assert list(live) == [int((steps > s).sum()) for s in range(int(steps.max()))]
+    assert x.shape[0] == sum(live) == int(steps.sum()) and mask.shape == (sum(live), 10)
+    assert n.tolist() == counts[order].float().tolist()
+    assert int(mask.sum()) <= 2 * int(counts.sum())
+
+
+def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_form():
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from fedmtl.algorithms import Ditto, FedAvg, FedEM, FedProx
+    from fedmtl.algorithms.fedavg import FedAvgFT
+
+    @dataclass(frozen=True)
+    class Mine(FedAvg):
+        name: ClassVar[str] = "mine_stacked_test"
+
+        def client_update(self, ctx, payload, state, batches, lr):
+            return super().client_update(ctx, payload, state, batches, lr)
+
+    assert FedAvg.clients_form() and FedProx.clients_form() and FedAvgFT.clients_form() and Ditto.clients_form()
+    assert not FedEM.clients_form() and not Mine.clients_form()
+
+
+def test_the_engine_picks_a_user_modules_path_by_its_layers():
+    """No undocumented flag: convolutions and recurrent layers loop on a CPU (recurrent ones on a GPU too), a ReLU
+    MLP runs the stacked executor, anything else vmaps; an explicit prefer_loop_on_cpu still decides."""
+    from fedmtl.engine.executors import make_executor
+
+    cpu = torch.device("cpu")
+    cnn = fedmtl.Model.from_module(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3)), 3)
+    assert cnn.prefer_loop_on_cpu and not cnn.prefer_loop_on_cuda and make_executor("auto", cnn, cpu).name == "loop"
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.out = nn.GRU(4, 5, batch_first=True), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.out(self.rnn(x)[0][:, -1])
+
+    rec = fedmtl.Model.from_module(Rec(), 3)
+    assert rec.prefer_loop_on_cpu and rec.prefer_loop_on_cuda
+    assert make_executor("auto", fedmtl.Model.from_module(_module(), 3), cpu).name == "stacked"
+    odd = fedmtl.Model.from_module(nn.Sequential(nn.Linear(6, 3), nn.Tanh()), 3)
+    assert make_executor("auto", odd, cpu).name == "vmap"
+    forced = fedmtl.Model.from_module(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()), 3, prefer_loop_on_cpu=False)
+    assert make_executor("auto", forced, cpu).name == "vmap"
