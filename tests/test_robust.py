@@ -407,7 +407,8 @@ def _synthetic(sets: list[str]) -> float:
 
 @pytest.mark.slow
 def test_centered_clipping_with_bucketing_withstands_ipm_where_krum_does_not():
-    """The README's robustness setting (30 clients, 30 rounds, FedAvg), 20% IPM attackers (epsilon 0.1)."""
+    """The handbook's robustness setting (docs/results/robustness.md: 30 clients, 30 rounds, FedAvg), 20% IPM
+    attackers (epsilon 0.1)."""
     clean = _synthetic([])
     ipm = ["attack.kind=ipm", "attack.fraction=0.2", "attack.strength=0.1"]
     ccb = ["robust.aggregator=centered_clip", "robust.bucketing=2"]

@@ -1,0 +1,98 @@
+"""The handbook (mkdocs.yml, docs/): it builds with ``mkdocs build --strict`` (a broken link or anchor, a missing
+page, a docstring mkdocstrings cannot render fails), its generated pages (the configuration reference, one page per
+benchmark JSON) are in the site and never in the tree, and no page reads like a lab notebook."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        pytest.importorskip(mod, reason=f"{mod} is not installed (the 'docs' extra: pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+                        "--site-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return out
+
+
+def _page(site: Path, path: str) -> str:
+    f = site / path / "index.html"
+    assert f.is_file(), f"{path}: not in the built site"
+    return f.read_text()
+
+
+def test_handbook_builds_strict_with_its_key_pages(site):
+    for path in ("", "getting-started", "guide/python-api", "guide/algorithms", "guide/configuration",
+                 "guide/flower", "guide/privacy-robustness", "guide/mocha", "guide/networked", "reference/partition",
+                 "reference/testing", "results/main-job", "results/speed", "results/scale", "results/robustness",
+                 "explanations/evaluation-protocol", "explanations/deviations"):
+        _page(site, path)
+    # DEPLOY.md is included as it is, not copied
+    assert "Deploying fedmtl over Flower" in _page(site, "guide/deploy")
+    # figures from benchmarks/results and docs/compare are in the site
+    assert (site / "results/data/robustness/robustness.png").is_file()
+    assert (site / "compare/curves.png").is_file()
+
+
+def test_api_reference_renders_every_public_name(site):
+    import fedmtl
+
+    html = _page(site, "reference/api")
+    for name in fedmtl.__all__:
+        if not name.startswith("_"):
+            assert f'id="fedmtl.{name}"' in html, f"fedmtl.{name} is not in the API reference"
+    assert 'id="fedmtl.testing.check_algorithm"' in _page(site, "reference/testing")
+    assert 'id="fedmtl.data.partition.dirichlet"' in _page(site, "reference/partition")
+
+
+def test_config_reference_is_generated_from_the_dataclasses(site):
+    from fedmtl.config import ALGORITHMS, table_targets
+    from fedmtl.registry import field_table
+
+    html = _page(site, "reference/config")
+    for table, target in table_targets().items():
+        assert f"[{table}]" in html, table
+        for name, *_ in field_table(target):
+            assert f"<code>{name}</code>" in html, f"[{table}] {name}"
+    for name in ALGORITHMS:
+        assert f'name = "{name}"' in html.replace("&quot;", '"'), name
+    assert "float in (0, 1000]" in html  # optim.lr's declared range
+    assert not (ROOT / "docs" / "reference" / "config.md").exists(), "generated pages are built into the site only"
+
+
+def test_every_benchmark_json_has_a_results_page(site):
+    files = sorted(RESULTS.rglob("*.json"))
+    assert files
+    index = _page(site, "results/data")
+    for f in files:
+        rel = f.relative_to(RESULTS).with_suffix("").as_posix()
+        html = _page(site, f"results/data/{rel}")
+        data = json.loads(f.read_text())
+        if isinstance(data, dict) and "torch" in data:
+            assert str(data["torch"]) in html, f"{rel}: the torch version it records"
+        assert rel in index
+    assert not (ROOT / "docs" / "results" / "data").exists(), "generated pages are built into the site only"
+
+
+def test_no_page_reads_like_a_lab_notebook():
+    """The README and the handbook speak of releases, machines by their hardware and measurements, never of a
+    working session or of 'this machine'."""
+    pages = [ROOT / "README.md", ROOT / "DEPLOY.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    bad = re.compile(r"\bsessions?\b|this machine|this version|previous version|measured here", re.I)
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in pages
+             for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert not found, "\n".join(found)
