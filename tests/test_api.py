@@ -230,6 +230,7 @@ def _cli(args, cwd, **env):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_loads_plugins_with_import_and_entry_points(tmp_path):
     (tmp_path / "myplug.py").write_text(PLUGIN)
     (tmp_path / "c.toml").write_text(PLUGIN_CONFIG)
@@ -254,6 +255,7 @@ def test_cli_loads_plugins_with_import_and_entry_points(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_readme_python_api_section_runs_as_written(tmp_path):
     text = (ROOT / "README.md").read_text()
     section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
