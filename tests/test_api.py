@@ -231,6 +231,7 @@ def _cli(args, cwd, **env):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_loads_plugins_with_import_and_entry_points(tmp_path):
     (tmp_path / "myplug.py").write_text(PLUGIN)
     (tmp_path / "c.toml").write_text(PLUGIN_CONFIG)
@@ -269,6 +270,7 @@ def _run_python_blocks(text, tmp_path, name, min_blocks=1):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_python_api_docs_page_runs_as_written(tmp_path):
     """The handbook's Python API page (docs/guide/python-api.md): every code block runs as written."""
     _run_python_blocks((ROOT / "docs" / "guide" / "python-api.md").read_text(), tmp_path, "python_api", 3)

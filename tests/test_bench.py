@@ -12,6 +12,7 @@ from fedmtl.models import build_model
 from fedmtl.testing import toy_data
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("device, msg", [("cuda", "no CUDA device"), ("gpu", "cpu, cuda or cuda:N")])
 def test_bench_refuses_a_device_it_cannot_use(tmp_path, device, msg):
@@ -43,6 +44,7 @@ def test_mlp_workload_reports_floor_ratios_for_fedavg_and_fedem():
         assert out[f"mlp_{alg}_speedup_vs_autograd"] > 0
 
 
+@pytest.mark.slow
 def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path):
     """``fedmtl bench peers``: the federation (20 Dirichlet(0.1) clients of 12,000 Fashion-MNIST images, 75/25),
     the per-client loops train (their global model moves and stays finite), and the keys are written."""

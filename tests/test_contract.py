@@ -38,6 +38,7 @@ def toy_model(name: str) -> Model | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_registered_algorithm_keeps_the_contract(name, small_data):
     model = toy_model(name)

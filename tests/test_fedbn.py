@@ -13,10 +13,10 @@ from fedmtl.algorithms import FedAvg, FedBN, FedPer, Local, PFedMe
 from fedmtl.batchnorm import training
 from fedmtl.data.federated import from_clients
 from fedmtl.engine.evaluation import summarize
+from fedmtl.engine.server_opt import ServerOptConfig
 from fedmtl.model import ModelError
 from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches, local_sgd
-from fedmtl.server_opt import ServerOptConfig
 from fedmtl.testing import check_algorithm
 
 from .conftest import all_client_states, make_sim, run_rounds
@@ -174,8 +174,7 @@ def test_fedbn_with_one_client_is_fedavg():
 def test_server_optimizers_average_the_statistics(small_data):
     m = _bn_mlp()
     plain, _ = run_rounds(make_sim(FedAvg(), small_data, model=m), 1)
-    sim = make_sim(FedAvg(), small_data, model=m)
-    sim.server_opt = ServerOptConfig(name="adam", lr=0.05)
+    sim = make_sim(FedAvg(), small_data, model=m, server_opt=ServerOptConfig(name="adam", lr=0.05))
     st, _ = run_rounds(sim, 1)
     for k in m.batch_norm:
         if k.endswith(("running_mean", "running_var")):

@@ -12,7 +12,7 @@ from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.fedem import MixtureEval, MixtureWeights
 from fedmtl.data.synthetic import fedem_synthetic
 from fedmtl.engine.evaluation import summarize
-from fedmtl.engine.round import sample_clients
+from fedmtl.engine.sampling import sample_clients
 from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches
 
@@ -94,6 +94,7 @@ def _align(learned_w, learned_b, theta, dim):
     return best, agree
 
 
+@pytest.mark.slow
 def test_fedem_recovers_mixture_weights_on_separated_components():
     d = fedem_synthetic(num_clients=40, dim=6, n_test=100, seed=11, min_samples=200, max_samples=600)
     sim = make_sim(FedEM(num_components=3), d, opt=SGD(lr=0.5, momentum=0.9), rounds=150, batch_size=64)
@@ -107,6 +108,7 @@ def test_fedem_recovers_mixture_weights_on_separated_components():
     assert float(err.mean()) < 0.15 and float(err.max()) < 0.45
 
 
+@pytest.mark.slow
 def test_fedem_beats_fedavg_and_local_on_mixture_data():
     d = fedem_synthetic(num_clients=40, dim=10, n_test=200, seed=11, max_samples=600)
     acc = {}

@@ -323,6 +323,7 @@ def _run_case(tmp_path, capsys, i: int, raw: dict, what: str) -> tuple[int, str]
     return code, err
 
 
+@pytest.mark.slow
 def test_schema_fuzz_refuses_every_value_outside_a_declared_range(tmp_path, capsys):
     """Every numeric key, beyond each end of its range, NaN, +-Inf, 1e-320, 1e300, a string and a bool: one line
     naming the file and the key, exit 2, before any work (a case is one config through ``fedmtl run``)."""

@@ -29,10 +29,10 @@ from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.perfedavg import role_batch, role_batches
 from fedmtl.data.synthetic import permuted_groups
 from fedmtl.engine.evaluation import summarize
+from fedmtl.engine.server_opt import ServerOptConfig
 from fedmtl.model import ModelError
 from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches
-from fedmtl.server_opt import ServerOptConfig
 
 from .conftest import all_client_states, make_sim, run_rounds
 from .test_personalization import _batches
@@ -335,8 +335,7 @@ def test_ifca_finds_the_groups(permuted):
 # ------------------------------------------------------------------------------------------------ server optimizers
 def test_server_sgd_with_rate_one_is_fedavg(small_data):
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
-    eng = make_sim(FedAvg(), small_data, sampling_rate=0.5)
-    eng.server_opt = ServerOptConfig("sgd", 1.0)
+    eng = make_sim(FedAvg(), small_data, sampling_rate=0.5, server_opt=ServerOptConfig("sgd", 1.0))
     sb, _ = run_rounds(eng, 3)
     _same(sa.server.params, sb.server.params, atol=1e-6)
 
@@ -348,8 +347,7 @@ def test_server_adam_takes_the_papers_step(small_data):
     base.round(st0)
     delta = T.sub(st0.server.params, x0)  # what FedAvg's aggregation gives, minus x0
     cfg = ServerOptConfig("adam", lr=0.05, beta1=0.9, beta2=0.99, tau=1e-3)
-    eng = make_sim(FedAvg(), small_data)
-    eng.server_opt = cfg
+    eng = make_sim(FedAvg(), small_data, server_opt=cfg)
     st = eng.init_state()
     eng.round(st)
     m = T.scale(delta, 0.1)
@@ -362,9 +360,8 @@ def test_server_optimizers_resume_exactly(name, small_data):
     from fedmtl.testing import _checkpoint_round_trip, simulator
 
     def sim(**run):
-        eng = simulator(FedAvg(), small_data, **run)
-        eng.server_opt = ServerOptConfig(name, lr=0.1 if name != "avgm" else 1.0)
-        return eng
+        return simulator(FedAvg(), small_data, server_opt=ServerOptConfig(name, lr=0.1 if name != "avgm" else 1.0),
+                         **run)
 
     _checkpoint_round_trip(sim)
 
@@ -372,10 +369,8 @@ def test_server_optimizers_resume_exactly(name, small_data):
 def test_server_optimizer_refuses_a_method_without_a_global_model(small_data):
     from fedmtl.algorithms import FedEM
 
-    eng = make_sim(FedEM(), small_data)
-    eng.server_opt = ServerOptConfig("adam")
     with pytest.raises(ValueError, match="no single global model"):
-        eng.init_state()
+        make_sim(FedEM(), small_data, server_opt=ServerOptConfig("adam")).init_state()
 
 
 def test_server_opt_table_is_validated(tmp_path):
@@ -412,6 +407,7 @@ def test_omnifedge_paper_omega_is_lambda_over_loss_and_simplex_is_an_option():
     assert torch.allclose(s, torch.tensor([[0.5, 0.5]]))
 
 
+@pytest.mark.slow
 def test_omnifedge_learns_personal_heads(permuted):
     mlp4 = build_model("mlp", 10, 4, hidden=(16,))
     # Omni-Fedge takes one gradient step per round, FedAvg a local epoch (4 steps here): 2x the rounds still

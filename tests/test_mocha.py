@@ -45,6 +45,7 @@ def cvx_solution(xs, ys, omega, lam, loss):
     return W.value, prob.value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["hinge", "squared_hinge"])
 @pytest.mark.parametrize("omega_kind", ["mean", "random"])
 def test_w_step_matches_cvxpy(loss, omega_kind):
@@ -66,6 +67,7 @@ def test_w_step_matches_cvxpy(loss, omega_kind):
     assert gaps[-1] < 1e-3 * gaps[0]
 
 
+@pytest.mark.slow
 def test_identity_coupling_is_independent_svms():
     from sklearn.svm import LinearSVC
 
@@ -223,6 +225,7 @@ def test_full_mocha_learns_omega_and_decreases_objective():
     assert same > diff + 0.3  # the learned task covariance recovers the two groups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["cocoa", "mbsdca", "mbsgd"])
 def test_baselines_approach_the_optimum(method):
     xs, ys, data = tasks(9)
@@ -254,6 +257,7 @@ def test_reference_w_update_equals_paper_for_fixed_omega():
     assert p >= dv - 1e-12
 
 
+@pytest.mark.slow
 def test_table1_mtl_beats_local_and_global_on_related_tasks():
     from fedmtl.mtl.reproduce import synthetic_tasks, table1
 

@@ -149,7 +149,7 @@ def test_vmapped_in_place_steps_equal_the_functional_steps_bit_for_bit(monkeypat
     with optim.known_live_steps(stacked._replace(mask=mask.clone())):  # a hint for other batches is not taken
         run()
     assert seen[-1] is None
-    monkeypatch.setattr(optim, "_only_vmap", lambda: False)
+    monkeypatch.setattr(optim, "only_vmap", lambda: False)
     ref = run()
     # a tensor rate cannot be a fused scalar factor in place: there the branches agree to rounding
     same = torch.equal if isinstance(rate, float) else (lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-6))

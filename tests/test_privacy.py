@@ -40,6 +40,7 @@ def test_epsilon_equals_the_library_for_a_known_setting():
     assert epsilon(cfg_pld, 1.1, 1000, 10000, 100, 0.01) < epsilon(cfg, 1.1, 1000, 10000, 100, 0.01)
 
 
+@pytest.mark.slow
 def test_round_by_round_accountant_equals_the_library_and_stays_quiet(caplog):
     """The run's accountant (one round's RDP curve, scaled) equals the library composing r rounds, for both
     sampling schemes; the library's fractional-order convergence warnings are filtered out."""
@@ -158,7 +159,7 @@ def test_the_noise_cannot_be_recomputed_from_the_public_seed():
     summary.json) could subtract it.  Now it comes from the OS's CSPRNG: the same config twice gives different
     private models, and the noise regenerated from the seed does not recover the noise-free aggregate.  Only
     reproducible_noise = true (recorded in summary.json) repeats a run."""
-    from fedmtl.engine.round import round_generator
+    from fedmtl.engine.sampling import round_generator
 
     body = '\n[privacy]\nclip_norm = 0.5\nnoise_multiplier = 1.0\nsampling = "fixed"\n'
     a, b = _run(body), _run(body)

@@ -8,7 +8,7 @@ from fedmtl import tree as T
 from fedmtl.algorithms import FedAvg, FedEM, FedProx, Local
 from fedmtl.data.federated import epoch_orders
 from fedmtl.engine.evaluation import summarize
-from fedmtl.engine.round import round_generator, sample_clients
+from fedmtl.engine.sampling import round_generator, sample_clients
 from fedmtl.optim import SGD
 
 from .conftest import all_client_states, make_sim, run_rounds

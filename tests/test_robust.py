@@ -17,7 +17,7 @@ import torch
 from fedmtl import tree as T
 from fedmtl.config import ConfigError, validate
 from fedmtl.engine.driver import run_experiment
-from fedmtl.engine.round import round_generator
+from fedmtl.engine.sampling import round_generator
 from fedmtl.robust.aggregators import (
     BUCKETING_STREAM,
     RobustConfig,

@@ -244,6 +244,7 @@ def _snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
             if f.is_file() and f.name != ".lock"}
 
 
+@pytest.mark.slow
 def test_a_resume_that_does_not_fit_the_directory_touches_nothing(tmp_path, capsys):
     """Finding: `fedmtl run ... --seeds 1,2 --resume` on a single-seed run directory deleted its checkpoint,
     clients.csv and config.toml (exit code 0).  Every mismatch (single-seed vs seeds, other seeds, another config)

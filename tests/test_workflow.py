@@ -32,6 +32,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,extra", [
     ("synthetic/fedem", ("run.sampling_rate=0.5",)),  # partial participation: every replica samples its own
     ("synthetic/ditto", ("run.runner=loop",)),  # the loop executor
@@ -73,6 +74,7 @@ def test_stats_of_one_and_of_none():
     assert stats([float("nan")])["mean"] is None
 
 
+@pytest.mark.slow
 def test_run_seeds_cli_writes_per_seed_folders_and_resumes(tmp_path, capsys):
     out = tmp_path / "fedem"
     sets = [a for s in SMALL for a in ("--set", s)]
@@ -109,6 +111,7 @@ def test_fedmtl_run_with_seeds_from_python():
         fedmtl.run("synthetic/fedavg", seeds=[1, 1])
 
 
+@pytest.mark.slow
 def test_logging_without_a_terminal_prints_plain_lines(tmp_path):
     """Under nohup or a scheduler (no TTY): a line for building the data and one per evaluated round, flushed."""
     sets = [a for s in SMALL for a in ("--set", s)]
@@ -209,6 +212,7 @@ def test_list_algorithm_fields_all_documented(capsys):
     assert main(["list", "--algorithm", "nope"]) == 2
 
 
+@pytest.mark.slow
 def test_bundled_config_and_quick_reproduction_from_any_folder(tmp_path):
     """After an install, configs and reproductions work outside the repository, and --quick says so."""
     cmd = [sys.executable, "-m", "fedmtl", "-q", "reproduce", "personalization", "--quick", "--out", "repro"]
@@ -277,11 +281,11 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
 def test_seeds_memory_check_counts_every_replica(monkeypatch):
     """The replicas' clients share the batched calls: a run that fits with one seed can be refused with three,
     before anything is trained (the machine's memory is faked small here)."""
-    import fedmtl.config
+    import fedmtl.machine
 
     cfg = _cfg("synthetic/fedem")  # 24 clients, 3 linear components of 151 parameters (binary: W (1, 150), b)
     one = 4.0 * 151 * 3 * (3 * 24 + 4)
-    monkeypatch.setattr(fedmtl.config, "physical_memory", lambda: int(one / 0.8 * 1.5))
+    monkeypatch.setattr(fedmtl.machine, "physical_memory", lambda: int(one / 0.8 * 1.5))
     run_experiment(cfg, None, progress=False)  # one seed fits
     with pytest.raises(ValueError, match=r"x 3 replicas \(seeds\)"):
         run_seeds(cfg, [1, 2, 3], progress=False)

@@ -31,7 +31,7 @@ from .data.federated import FederatedData
 from .data.synthetic import fedem_synthetic
 from .engine.driver import make_engine
 from .engine.executors import make_executor
-from .engine.round import RunConfig
+from .engine.spec import RunConfig, RunSpec
 from .models import build_model
 from .optim import SGD
 from .report import write_json
@@ -135,7 +135,7 @@ def _bench(args: argparse.Namespace, which: str) -> int:
     }
     runners = ("stacked", "vmap", "loop") if alg.clients_form() else ("vmap", "loop")
     for runner in runners:
-        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner=runner, device=args.device))
+        sim = make_engine(alg, model, data, RunSpec(RunConfig(rounds=200, runner=runner, device=args.device), OPT))
         st = sim.init_state()
         ts = _time_rounds(lambda sim=sim, st=st: sim.round(st), rounds)
         res[f"{runner}_round_s"] = statistics.median(ts)
@@ -167,7 +167,7 @@ def _perfedavg_ratios(data: FederatedData, model: Any, rounds: int, device: str 
     out: dict[str, Any] = {}
     for name, alg in (("fedavg", FedAvg()), ("perfedavg_fo", PerFedAvg(alpha=0.01, beta=0.01, variant="fo")),
                       ("perfedavg_hf", PerFedAvg(alpha=0.01, beta=0.01, variant="hf"))):
-        sim = make_engine(alg, model, data, OPT, RunConfig(rounds=200, runner="vmap", device=device))
+        sim = make_engine(alg, model, data, RunSpec(RunConfig(rounds=200, runner="vmap", device=device), OPT))
         st = sim.init_state()
         out[f"{name}_round_s"] = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), rounds))
     n = data.seen.train.counts.double()
@@ -314,8 +314,8 @@ def _bench_models(args: argparse.Namespace) -> int:
             t = _time_rounds(lambda m=mod, d=data, b=bsz, t=tx, cl=cl: _per_client_module_round(m, d, b, t, dev, cl),
                              max(1, args.rounds), warmup)
         else:
-            sim = make_engine(FedAvg(), model, data, opt, RunConfig(rounds=10, runner=runner, batch_size=bsz,
-                                                                   chunk_size=chunk, device=args.device))
+            sim = make_engine(FedAvg(), model, data, RunSpec(RunConfig(
+                rounds=10, runner=runner, batch_size=bsz, chunk_size=chunk, device=args.device), opt))
             st = sim.init_state()
             t = _time_rounds(lambda sim=sim, st=st: sim.round(st), args.rounds, warmup)
         times[key][runner] = statistics.median(t)
@@ -391,7 +391,8 @@ def _bench_mlp(fm: FederatedData, rounds: int, gflops: float, device: str = "cpu
     for alg, flops in ((FedAvg(), 6), (FedEM(num_components=3), 24)):
         floor = flops * params * n / (gflops * 1e9)
         for tag, m in (("", model), ("_autograd", autograd)):
-            sim = make_engine(alg, m, fm, SGD(0.05, 0.9, 5e-4), RunConfig(rounds=10, batch_size=128, device=device))
+            sim = make_engine(alg, m, fm, RunSpec(RunConfig(rounds=10, batch_size=128, device=device),
+                                                      SGD(0.05, 0.9, 5e-4)))
             st = sim.init_state()
             t = statistics.median(_time_rounds(lambda sim=sim, st=st: sim.round(st), rounds))
             out[f"mlp_{alg.name}_round_s{tag}"] = t

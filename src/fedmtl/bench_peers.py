@@ -48,7 +48,7 @@ from .data import partition
 from .data.federated import FederatedData
 from .engine.driver import make_engine
 from .engine.executors import make_executor
-from .engine.round import RunConfig
+from .engine.spec import RunConfig, RunSpec
 from .model import Model
 from .optim import SGD
 from .report import write_json
@@ -258,8 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = Model.from_module(module, num_classes=10, init="module")
         res[f"path_{name}"] = make_executor("auto", model, device).name
         for alg_name, alg in algs.items():
-            sim = make_engine(alg, model, data, SGD(lr=LR), RunConfig(rounds=10, batch_size=BATCH, drop_last=True,
-                                                                    device=args.device, eval_every=10**6))
+            sim = make_engine(alg, model, data, RunSpec(RunConfig(
+                rounds=10, batch_size=BATCH, drop_last=True, device=args.device, eval_every=10**6), SGD(lr=LR)))
             st = sim.init_state()
             res[f"fedmtl_{alg_name}_round_s_{name}"] = _median_round(lambda sim=sim, st=st: sim.round(st),
                                                                      args.rounds, device)

@@ -42,7 +42,7 @@ def worker(n: int, alg_name: str, store: str, rounds: int, threads: int) -> dict
     from .algorithms import Ditto, FedAvg, FedEM
     from .data.synthetic import linear_mixture
     from .engine.driver import make_engine
-    from .engine.round import RunConfig
+    from .engine.spec import RunConfig, RunSpec
     from .models import build_model
     from .optim import SGD
 
@@ -58,7 +58,7 @@ def worker(n: int, alg_name: str, store: str, rounds: int, threads: int) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(rounds=rounds + 1, clients_per_round=min(K, n), batch_size=128, eval_clients=10_000,
                         client_store=store, checkpoint_every=0, seed=1)  # type: ignore[arg-type]
-        eng = make_engine(alg, model, data, SGD(lr=0.1, momentum=0.9), cfg, out_dir=Path(tmp))
+        eng = make_engine(alg, model, data, RunSpec(cfg, SGD(lr=0.1, momentum=0.9)), out_dir=Path(tmp))
         st = eng.init_state()
         eng.round(st)  # warm-up
         times = []

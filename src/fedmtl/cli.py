@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedmtl: config error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return EXIT_INPUT
     except ValueError as e:  # DataError, ModelError, CheckpointError, RunDirError, ...
-        msg = " ".join(str(e).split("\n"))
+        msg = " ".join([*str(e).split("\n"), *getattr(e, "__notes__", [])])
         source = getattr(args, "config", None)
         if isinstance(source, str) and source not in msg:
             msg = f"{source}: {msg}"  # the file whose settings led here

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 import tomllib
 import types
 import typing
@@ -42,15 +41,16 @@ from typing import Any
 from . import algorithms as _algorithms  # noqa: F401  (registers the built-in algorithms)
 from . import data as _data  # noqa: F401  (registers the built-in datasets)
 from . import models as _models  # noqa: F401  (registers the built-in models)
-from .engine.round import RunConfig
+from .engine.server_opt import ServerOptConfig
+from .engine.spec import RunConfig
 from .engine.systems import SystemsModel
+from .machine import physical_memory
 from .optim import SGD
 from .privacy import PrivacyConfig
 from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
 from .schema import Range, check_number, range_of, strip, type_hints
-from .server_opt import ServerOptConfig
 from .tblog import LogConfig
 
 TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
@@ -219,14 +219,6 @@ def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str
     if not isinstance(name, str) or name not in registry:
         raise ConfigError(f"{src}: [{tname}].name = {name!r} is not one of {sorted(registry)}")
     return name, registry[name]
-
-
-def physical_memory() -> int:
-    """Bytes of RAM on this machine."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
 
 
 # names the built-in dataset builders use for sizes: clients, training and test examples per client, features

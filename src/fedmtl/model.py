@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from . import batchnorm
+from .transforms import eager
 from .tree import Params
 
 
@@ -289,9 +290,9 @@ class Model:
         """Forward pass: (n, *features) -> (n,) logits (binary) or (n, C) logits."""
         if self.input_transform is not None:
             x = self.input_transform(x)
-        if self.forward is not None and not (self.module_when_eager and _eager()):
+        if self.forward is not None and not (self.module_when_eager and eager()):
             out = self.forward(params, x)
-        elif x.dim() == 4 and self.runs_channels_last(x.device) and _eager():
+        elif x.dim() == 4 and self.runs_channels_last(x.device) and eager():
             # clone, not contiguous(): a 1-channel tensor already counts as channels-last without its strides
             cl = torch.channels_last
             params = {k: v.clone(memory_format=cl) if v.dim() == 4 else v for k, v in params.items()}
@@ -347,7 +348,7 @@ class Model:
             if self.input_transform is not None:
                 x = self.input_transform(x)
             return self.forward(params, x)
-        if _eager():  # the loop runner: one module call per model (a vmapped convolution is several times slower)
+        if eager():  # the loop runner: one module call per model (a vmapped convolution is several times slower)
             m = next(iter(params.values())).shape[0]
             return torch.stack([self.apply({k: v[i] for k, v in params.items()}, x) for i in range(m)])
         return vmap(self.apply, in_dims=(0, None))(params, x)
@@ -364,7 +365,7 @@ class Model:
             if self.input_transform is not None:
                 x = self.input_transform(x)
             return self.analytic_grad(params, x, y, mask, weight)
-        if _eager():  # the loop runner: one autograd pass per model (a vmapped convolution is several times slower)
+        if eager():  # the loop runner: one autograd pass per model (a vmapped convolution is several times slower)
             m = next(iter(params.values())).shape[0]
             outs = [self.value_and_grad({k: v[i] for k, v in params.items()}, x, y, mask,
                                         None if weight is None else weight[i]) for i in range(m)]
@@ -408,7 +409,7 @@ class Model:
             return self.analytic_grad(params, x, y, mask, weight)
         if self.batch_norm:
             return self._value_and_grad_bn(params, x, y, mask, weight)
-        if _eager():  # plain autograd: torch.func.grad's per-op overhead is 5x here for recurrent nets
+        if eager():  # plain autograd: torch.func.grad's per-op overhead is 5x here for recurrent nets
             with torch.enable_grad():
                 leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
                 loss = self.loss(leaves, x, y, mask, weight)
@@ -430,7 +431,7 @@ class Model:
                 loss = self.loss(p, x, y, mask, weight)
             return loss, dict(updates)
 
-        if _eager():
+        if eager():
             with torch.enable_grad():
                 leaves = {k: v.detach().requires_grad_(not batchnorm.is_statistic(k)) for k, v in params.items()}
                 loss, stats = loss_and_stats(leaves)
@@ -469,7 +470,7 @@ def default_head(module: nn.Module) -> tuple[str, ...] | None:
 def value_and_grad_of(fn: Callable[[Params], Tensor], params: Params) -> tuple[Params, Tensor]:
     """(gradient of the scalar ``fn(params)`` w.r.t. ``params``, its value) for a loss of an algorithm's own:
     plain autograd outside torch.func transforms (the loop runner), ``torch.func.grad_and_value`` inside (vmap)."""
-    if _eager():
+    if eager():
         with torch.enable_grad():
             leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
             loss = fn(leaves)
@@ -478,11 +479,6 @@ def value_and_grad_of(fn: Callable[[Params], Tensor], params: Params) -> tuple[P
                                                                                           strict=True)}
         return out, loss.detach()
     return grad_and_value(fn)(params)
-
-
-def _eager() -> bool:
-    """True when no torch.func transform (vmap, grad) is active."""
-    return torch._C._functorch.peek_interpreter_stack() is None
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from torch import Tensor
 
 from .batchnorm import is_statistic
 from .schema import Annotated, Range, check_fields
+from .transforms import eager as is_eager
+from .transforms import only_vmap, unbatched
 from .tree import Params, tmap
 
 
@@ -121,12 +123,7 @@ def _known_live(batches: Batches) -> tuple[bool, ...] | None:
     hints = _KNOWN_LIVE.get()
     if not hints or isinstance(batches.mask, list):
         return None
-    f = torch._C._functorch
-
-    def base(t: Tensor | None) -> Tensor | None:  # the stacked tensor under one level of vmap
-        return f.get_unwrapped(t) if t is not None and f.is_batchedtensor(t) else None
-
-    mask, limit = base(batches.mask), base(batches.limit)
+    mask, limit = unbatched(batches.mask), unbatched(batches.limit)
     for m, lim, version, flags in reversed(hints):
         if mask is m and limit is lim and m._version == version:
             return flags
@@ -215,19 +212,6 @@ def masked_steps(
     return carry, loss_sum / count.clamp_min(1.0)
 
 
-def _only_vmap() -> bool:
-    """True when every active torch.func transform is a vmap (or none is): then a step may update the tensors it
-    allocated itself in place.  Under ``grad``/``jvp`` (an algorithm differentiating through its local steps)
-    in-place updates would corrupt the derivative, so the steps stay functional there."""
-    try:
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        return all(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
-    except (ImportError, AttributeError):  # another torch: the functional steps
-        return False
-
-
 def local_sgd(
     grad_fn: GradFn,
     params: Params,
@@ -264,7 +248,7 @@ def local_sgd(
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
     owned: set[str] = set()  # parameters (and momentum buffers) this call allocated: updated in place from then on
-    in_place = _only_vmap()
+    in_place = only_vmap()
     known = _known_live(batches) if in_place else None  # steps live for every client of the enclosing vmap call
 
     def step(carry: tuple[Params, Params], s: int, active: Tensor) -> tuple[tuple[Params, Params], Tensor]:
@@ -351,7 +335,7 @@ def local_sgd(
         return (new_p, new_buf), loss
 
     buf0 = {k: torch.zeros_like(v) for k, v in params.items()} if mom > 0 else {}
-    eager = torch._C._functorch.peek_interpreter_stack() is None
+    eager = is_eager()
     (params, _), loss = masked_steps(batches, eager_step if eager else step, (params, buf0), steps,
                                      masks_itself=True)
     return params, loss

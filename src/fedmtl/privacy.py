@@ -82,10 +82,6 @@ class PrivacyConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "privacy")
-        if self.sampling not in ("poisson", "fixed"):
-            raise ValueError(f"privacy.sampling must be 'poisson' or 'fixed', got {self.sampling!r}")
-        if self.accountant not in ("rdp", "pld"):
-            raise ValueError(f"privacy.accountant must be 'rdp' or 'pld', got {self.accountant!r}")
         if self.enabled:
             if not 0 < self.delta < 1:
                 raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta}")

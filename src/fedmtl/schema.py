@@ -124,6 +124,11 @@ def type_hints(obj: Any) -> dict[str, Any]:
 
 
 def _check(value: Any, tp: Any, where: str) -> None:
+    if typing.get_origin(strip(tp)) is typing.Literal:
+        allowed = typing.get_args(strip(tp))
+        if value not in allowed:
+            raise ValueError(f"{where} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return
     if isinstance(value, bool):
         return
     if isinstance(value, int | float):
@@ -136,8 +141,10 @@ def _check(value: Any, tp: Any, where: str) -> None:
 
 
 def check_fields(obj: Any, table: str) -> None:
-    """Check every numeric init field of the dataclass instance ``obj`` against its declared range (and the
-    finite / magnitude rules); the error names ``table.field``."""
+    """Check every init field of the dataclass instance ``obj``: a ``Literal[...]`` field against its choices, a
+    numeric one against its declared range (and the finite / magnitude rules); the error names ``table.field``.
+    The one validation of the config dataclasses (``config._coerce`` adds the types and conversions of TOML values;
+    ``fedmtl list --table`` documents the same annotations)."""
     hints = type_hints(type(obj))
     for f in dataclasses.fields(obj):
         if f.init:

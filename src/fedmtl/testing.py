@@ -44,7 +44,8 @@ from .data.federated import FederatedData
 from .engine import checkpoint
 from .engine.driver import make_engine
 from .engine.evaluation import summarize
-from .engine.round import Engine, RunConfig
+from .engine.round import Engine
+from .engine.spec import RunConfig, RunSpec
 from .model import Model
 from .optim import SGD
 from .privacy import PrivacyConfig
@@ -69,8 +70,10 @@ def simulator(alg: Algorithm, data: FederatedData, model: Model | None = None, o
     model = model or build_model("linear", data.feature_shape, data.num_classes, data.meta)
     opt = opt or SGD(lr=0.1, momentum=0.9, weight_decay=5e-4, lr_milestones=(0.5, 0.75))
     cfg = {"rounds": 6, "batch_size": 32, "seed": 7, **run}
-    systems, privacy = cfg.pop("systems", None), cfg.pop("privacy", None)
-    return make_engine(alg, model, data, opt, RunConfig(**cfg), systems, privacy=privacy)
+    tables = {k: cfg.pop(k) for k in ("systems", "robust", "attack", "privacy", "server_opt") if cfg.get(k) is not None}
+    for k in ("systems", "robust", "attack", "privacy", "server_opt"):
+        cfg.pop(k, None)
+    return make_engine(alg, model, data, RunSpec(RunConfig(**cfg), opt, **tables))
 
 
 def run_rounds(engine: Engine, n: int) -> tuple[Any, list[dict[str, Any]]]:

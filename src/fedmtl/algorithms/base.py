@@ -167,6 +167,12 @@ class Algorithm:
         """``syncs_clients`` methods: after aggregation, the stacked states of ALL clients (gossip)."""
         return server, clients
 
+    def gossip_edges(self, server: Any) -> Tensor | None:
+        """``syncs_clients`` methods: the communication graph's edges (E, 2) that ``sync`` mixes over, so that a relay
+        (Flower's server-relayed gossip) forwards each client only its neighbours' states; None: every client may
+        read every other."""
+        return None
+
     def sync_average(self, server: Any, mean_state: Tree) -> Any:
         """``syncs_clients`` methods over Flower (server-relayed gossip): the server state after a ``sync`` whose
         clients' new states average to ``mean_state`` (one client state), computed without the clients' states.

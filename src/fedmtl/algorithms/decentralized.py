@@ -83,6 +83,9 @@ class _Gossip:
         """The models part of a client state (what gossip mixes)."""
         raise NotImplementedError
 
+    def gossip_edges(self, server: Gossip) -> Tensor:
+        return server.mixing.edges
+
     def sync_average(self, server: Gossip, mean_state: Tree) -> Gossip:
         """The mixing matrices used are doubly stochastic: whoever mixes, the server's average is the clients'."""
         return Gossip(server.mixing, self._models(mean_state))

@@ -109,7 +109,7 @@ def _read_info(path: Path) -> dict[str, Any]:
 
 
 def _read_client(f: Path, train_only: bool = False) -> dict[str, np.ndarray]:
-    from ..config import physical_memory
+    from ..machine import physical_memory
 
     try:
         check_file(f, physical_memory(), "client data (.npz)", DataError)  # never np.load a FIFO or a device

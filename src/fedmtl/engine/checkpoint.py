@@ -52,7 +52,7 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
 
 def load(path: str | Path) -> dict[str, Any]:
     """Read and sanity-check a checkpoint (format, round, finite server state); tensors on the CPU."""
-    from ..config import physical_memory
+    from ..machine import physical_memory
 
     path = Path(path)
     try:

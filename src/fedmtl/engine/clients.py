@@ -122,7 +122,11 @@ class LocalClients:
         rows = self.rows_of(ids)
         states = T.to(self.store.read(rows), self.device)
         batches = TrainBatches(self.data.seen.train, rows, orders, self.batch_size, self.device, self.drop_last)
-        updates, new_states, losses = self.executor.train(self._update, payload, states, batches, lr)
+        try:
+            updates, new_states, losses = self.executor.train(self._update, payload, states, batches, lr)
+        except Exception as e:
+            name_failure(e, self.alg.name, round_idx, ids, "client_update", self.executor.name)
+            raise
         return self.accept(rows, updates, new_states, losses, round_idx)
 
     def accept(self, rows: Tensor, updates: Tree, new_states: Tree, losses: Tensor, round_idx: int) -> TrainOut:
@@ -141,7 +145,11 @@ class LocalClients:
     def gossip(self, fn: Callable[[Tree, Tree], tuple[Tree, Tree]], server: Tree, round_idx: int) -> Tree:
         """``fn(server, all states) -> (server, all states)`` over the whole population (decentralized methods)."""
         assert self.store is not None
-        server, states = fn(server, T.to(self.store.read_all(), self.device))
+        try:
+            server, states = fn(server, T.to(self.store.read_all(), self.device))
+        except Exception as e:
+            name_failure(e, self.alg.name, round_idx, None, "sync (gossip)", "the whole population")
+            raise
         self.store.write_all(states, round_idx)
         return server
 
@@ -151,7 +159,12 @@ class LocalClients:
         """Per-client scores of clients ``ids`` of ``group`` ("seen": federation-wide ids; "unseen": indices
         into the unseen clients) on each of their splits, predicting with ``alg.personalize``.  ``adapt``:
         the adaptation orders of ``ids`` (for algorithms that adapt, and for unseen clients)."""
-        return evaluate_together([self], group, [payload], [server], ids, [adapt], lr)[0]
+        try:
+            return evaluate_together([self], group, [payload], [server], ids, [adapt], lr)[0]
+        except Exception as e:
+            name_failure(e, self.alg.name, None, ids, f"evaluation of the {group} clients (personalize, predict)",
+                         self.executor.name)
+            raise
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -170,6 +183,24 @@ class LocalClients:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def name_failure(exc: BaseException, algorithm: str, round_idx: int | None, ids: Tensor | None, stage: str,
+                 executor: str) -> None:
+    """Add to ``exc`` (raised inside a client's function) a note naming the algorithm, round, client(s) and stage;
+    the exception itself, its type and message, are kept (fedjax's debug backend names the failing client)."""
+    if getattr(exc, "fedmtl_named", False):
+        return
+    rows = getattr(exc, "fedmtl_rows", None)
+    who = f"every client ({executor})"
+    if ids is not None:
+        failed = sorted(ids.tolist() if rows is None else ids[torch.as_tensor(rows, dtype=torch.long)].tolist())
+        shown = ", ".join(map(str, failed[:20])) + (", ..." if len(failed) > 20 else "")
+        who = f"client {failed[0]} ({executor} executor)" if len(failed) == 1 else (
+            f"one of clients [{shown}] (one batched {executor} call; run.runner = 'loop' names the client)")
+    when = "" if round_idx is None else f", round {round_idx + 1}"
+    exc.add_note(f"fedmtl: raised in {algorithm}'s {stage}{when}, {who}")
+    exc.fedmtl_named = True  # type: ignore[attr-defined]
 
 
 def concat_orders(orders: list[Orders]) -> Orders:

@@ -29,22 +29,18 @@ from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
 from ..model import Model
-from ..optim import SGD
-from ..privacy import PrivacyConfig
 from ..progress import Progress
 from ..report import atomic, plot_history, write_clients_csv, write_history_csv, write_json
-from ..robust.aggregators import RobustConfig
-from ..robust.attacks import AttackConfig, flip_labels
-from ..server_opt import ServerOptConfig
+from ..robust.attacks import flip_labels
 from ..tree import Tree
 from . import checkpoint
 from .clients import Clients, LocalClients, evaluate_together, train_together
 from .evaluation import summarize
 from .executors import make_executor
-from .round import Engine, EngineState, Federation, RunConfig
+from .round import Engine, EngineState, Federation
 from .rundir import COMMIT, NEXT, RunDirectory, check_resumable
+from .spec import RunSpec
 from .store import StoreError
-from .systems import SystemsModel
 
 log = logging.getLogger("fedmtl")
 
@@ -79,14 +75,13 @@ class RunResult:
         return self.clients.read(sel)
 
 
-def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc: RunConfig,
-                systems: SystemsModel | None = None, out_dir: Path | None = None,
-                robust: RobustConfig | None = None, attack: AttackConfig | None = None,
-                privacy: PrivacyConfig | None = None, server_opt: ServerOptConfig | None = None) -> Engine:
-    """An engine over ``LocalClients`` holding all of ``data`` (a simulation)."""
+def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec,
+                out_dir: Path | None = None) -> Engine:
+    """An engine over ``LocalClients`` holding all of ``data`` (a simulation) that runs as ``spec`` says."""
+    rc, attack = spec.run, spec.attack
     if data.is_regression:
         raise DataError(f"{data.name}: real-valued targets; the round engine trains classifiers")
-    if attack is not None and attack.kind == "labelflip" and attack.active:
+    if attack.kind == "labelflip" and attack.active:
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:2])
     device = torch.device(rc.device)
@@ -96,7 +91,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, opt: SGD, rc:
         None if out_dir is None else out_dir / "client_store", journal=out_dir is not None and rc.checkpoint_every > 0,
         drop_last=rc.drop_last,
     )
-    return Engine(alg, model, opt, rc, clients, Federation.of(data), systems, robust, attack, privacy, server_opt)
+    return Engine(alg, model, clients, Federation.of(data), spec)
 
 
 def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model: Model | None = None,
@@ -105,8 +100,7 @@ def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model:
     data = data if data is not None else cfg.build_data()
     if model is None:
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-    return make_engine(cfg.build_algorithm(), model, data, cfg.optim, cfg.run, cfg.systems, out_dir, cfg.robust,
-                       cfg.attack, cfg.privacy, cfg.server_opt)
+    return make_engine(cfg.build_algorithm(), model, data, RunSpec.of(cfg), out_dir)
 
 
 def run_experiment(
@@ -342,13 +336,13 @@ def _finish(rep: Replica) -> RunResult:
     executor = getattr(engine.clients, "executor", None)
     # the path the engine chose for this model and algorithm (fedmtl.engine.executors.make_executor)
     summary["path"] = {"executor": executor.name if executor is not None else "remote", "model": engine.model.path}
-    if engine.attack.active:
+    if engine.spec.attack.active:
         summary["attackers"] = engine.attackers.tolist()
-    if engine.accountant is not None:
-        summary["epsilon"] = engine.accountant.epsilon_after(state.round)
-        summary["delta"] = engine.privacy.delta
-        summary["noise_multiplier"] = engine.noise_multiplier
-        summary["reproducible_noise"] = engine.privacy.reproducible_noise
+    if (dp := engine.privacy) is not None:
+        summary["epsilon"] = dp.accountant.epsilon_after(state.round)
+        summary["delta"] = dp.cfg.delta
+        summary["noise_multiplier"] = dp.noise_multiplier
+        summary["reproducible_noise"] = dp.cfg.reproducible_noise
     if out_dir is not None:
         _write_privacy(out_dir, state, engine)
         write_history_csv(out_dir / "metrics.csv", state.history)
@@ -394,5 +388,5 @@ def _checkpoint_group(reps: list[Replica], group_dir: Path | None) -> None:
 
 def _write_privacy(out_dir: Path, state: EngineState, engine: Engine) -> None:
     """``privacy.json``: the accountant's events composed so far (runs under ``[privacy]``)."""
-    if engine.accountant is not None:
-        write_json(out_dir / "privacy.json", engine.accountant.record(state.round))
+    if engine.privacy is not None:
+        write_json(out_dir / "privacy.json", engine.privacy.accountant.record(state.round))

@@ -136,8 +136,12 @@ class VmapExecutor(Executor):
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
             p, b = pos.to(batches.device), batches.padded(pos)
-            with known_live_steps(b):  # steps live for the whole bucket skip local_sgd's dead-step masking
-                outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+            try:
+                with known_live_steps(b):  # steps live for the whole bucket skip local_sgd's dead-step masking
+                    outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+            except Exception as e:
+                failed_at(e, pos.tolist())
+                raise
             where.append(pos)
         if len(outs) == 1:
             inverse = torch.argsort(where[0]).to(batches.device)
@@ -157,6 +161,13 @@ class VmapExecutor(Executor):
         return vmap(fn, in_dims=(None, *_in_dims(*stacked)), randomness="error")(shared, *stacked)
 
 
+def failed_at(exc: BaseException, rows: list[int]) -> None:
+    """Record on ``exc`` the rows of the call whose client function raised it (the innermost executor that knows
+    them first: a loop names one row, a batched call its rows); ``LocalClients`` turns them into client ids."""
+    if not hasattr(exc, "fedmtl_rows"):
+        exc.fedmtl_rows = rows  # type: ignore[attr-defined]
+
+
 class LoopExecutor(Executor):
     name = "loop"
 
@@ -164,7 +175,11 @@ class LoopExecutor(Executor):
               payload_rows: bool = False) -> Any:
         result = None
         for i in range(len(batches.rows)):  # written straight into a preallocated stack
-            out = fn(T.take(payload, i) if payload_rows else payload, T.take(states, i), batches.ragged(i), lr)
+            try:
+                out = fn(T.take(payload, i) if payload_rows else payload, T.take(states, i), batches.ragged(i), lr)
+            except Exception as e:
+                failed_at(e, [i])
+                raise
             if result is None:
                 result = T.tmap(lambda x: x.new_empty((len(batches.rows), *x.shape)), out)
             for dst, src in zip(T.leaves(result), T.leaves(out), strict=True):
@@ -203,13 +218,25 @@ class StackedExecutor(Executor):
         for pos in torch.split(order, self.chunk_size or max(len(order), 1)):
             p = pos.to(batches.device)
             b = batches.clients(pos, self.model.input_transform)
-            outs.append(fn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+            try:
+                outs.append(fn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+            except Exception as e:
+                failed_at(e, pos.tolist())
+                raise
         out = outs[0] if len(outs) == 1 else T.tmap(lambda *xs: torch.cat(xs), *outs)
         inverse = torch.argsort(order).to(batches.device)
         return T.tmap(lambda x: x.index_select(0, inverse), out)
 
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
         return self.fallback.map(fn, shared, *stacked)
+
+
+#: executor name -> its constructor from (model, chunk_size, bucketing); a new executor is a class and one line here
+EXECUTORS: dict[str, Callable[[Model, int, Literal["steps", "none"]], Executor]] = {
+    "vmap": lambda model, chunk, bucketing: VmapExecutor(chunk, bucketing),
+    "loop": lambda model, chunk, bucketing: LoopExecutor(),
+    "stacked": lambda model, chunk, bucketing: StackedExecutor(model, VmapExecutor(chunk, bucketing), chunk),
+}
 
 
 def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
@@ -220,13 +247,9 @@ def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_
     if name == "auto":
         loop = model.prefer_loop_on_cuda if device.type == "cuda" else model.prefer_loop_on_cpu
         name = "stacked" if model.supports_clients else "loop" if loop else "vmap"
-    if name == "vmap":
-        return VmapExecutor(chunk_size, bucketing)
-    if name == "loop":
-        return LoopExecutor()
-    if name == "stacked":
-        if not model.supports_clients:
-            raise ValueError(f"run.runner = 'stacked': model {model.name!r} has no clients form (a closed-form "
-                             "stacked gradient: linear, mlp or a converted dense user module); use vmap or loop")
-        return StackedExecutor(model, VmapExecutor(chunk_size, bucketing), chunk_size)
+    if name == "stacked" and not model.supports_clients:
+        raise ValueError(f"run.runner = 'stacked': model {model.name!r} has no clients form (a closed-form "
+                         "stacked gradient: linear, mlp or a converted dense user module); use vmap or loop")
+    if name in EXECUTORS:
+        return EXECUTORS[name](model, chunk_size, bucketing)
     raise ValueError(f"unknown executor {name!r}; use auto, stacked, vmap or loop")

@@ -134,10 +134,6 @@ class SystemsModel:
 
     def __post_init__(self) -> None:
         check_fields(self, "systems")
-        if self.variability not in VARIABILITY:
-            raise ValueError(f"systems.variability must be one of {sorted(VARIABILITY)}, got {self.variability!r}")
-        if self.mode not in ("deadline", "wait"):
-            raise ValueError(f"systems.mode must be 'deadline' or 'wait', got {self.mode!r}")
         TimeModel(self.network, self.device_flops)  # validates network / device_flops
 
     @property

@@ -49,6 +49,7 @@ from ..engine.driver import RunResult, drive
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
 from ..engine.rundir import RunDirectory, RunDirError
+from ..engine.spec import RunSpec
 from ..files import check_file
 from ..model import Model
 from ..tree import Tree
@@ -523,8 +524,7 @@ def _serve(grid: Any, cfg_text: str, cfg: ExperimentConfig, alg: Algorithm, opts
     clients = FlowerClients(grid, owner, alg, fed.feature_shape, dtype, opts.round_timeout)
     if cfg.attack.kind == "labelflip" and cfg.attack.active:
         raise NodeError("attack.kind = 'labelflip' poisons the attackers' data, which only a simulation holds")
-    engine = Engine(alg, model, cfg.optim, cfg.run, clients, fed, cfg.systems, cfg.robust, cfg.attack, cfg.privacy,
-                    cfg.server_opt)
+    engine = Engine(alg, model, clients, fed, RunSpec.of(cfg))
     return drive(engine, cfg, out, resume=resume, progress=False)
 
 

@@ -242,11 +242,11 @@ class FlowerClients:
             ks = [int(c) for c in from_record(rep.content["config"])["clients"]]  # type: ignore[arg-type]
             states[nid] = (ks, rep.content["states"])
         owner_pos = {k: (nid, j) for nid, (ks, _) in states.items() for j, k in enumerate(ks)}
-        mixing = getattr(server, "mixing", None)
+        edges = self.alg.gossip_edges(server)
         n = len(self.nodes)
         neighbours: dict[int, set[int]] = {k: set() for k in range(n)}
-        if mixing is not None:
-            for i, j in mixing.edges.tolist():
+        if edges is not None:
+            for i, j in edges.tolist():
                 neighbours[i].add(j)
                 neighbours[j].add(i)
         else:  # no sparse graph known to the server: every client may read every other

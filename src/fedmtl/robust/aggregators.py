@@ -49,7 +49,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -61,7 +61,7 @@ from ..tree import Tree
 log = logging.getLogger("fedmtl")
 
 AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clip"]
-AGGREGATORS: tuple[str, ...] = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clip")
+AGGREGATORS: tuple[str, ...] = get_args(AggregatorName)
 Combine = Callable[[Tree, Tensor], Tree]
 #: the stream of ``round_generator(seed, round, stream)`` that bucketing's permutations come from
 BUCKETING_STREAM = 15
@@ -81,8 +81,6 @@ class RobustConfig:
     cc_iterations: Annotated[int, Range(1, 100)] = 3  # centered_clip: clipping iterations
 
     def __post_init__(self) -> None:
-        if self.aggregator not in AGGREGATORS:
-            raise ValueError(f"robust.aggregator must be one of {', '.join(AGGREGATORS)}, got {self.aggregator!r}")
         check_fields(self, "robust")
 
     @property
@@ -109,19 +107,7 @@ class RobustConfig:
         return bucketed_combine
 
     def _base(self) -> Combine:
-        if self.aggregator == "mean":
-            return T.weighted_mean
-        if self.aggregator == "median":
-            return median
-        if self.aggregator == "trimmed_mean":
-            return lambda u, w: trimmed_mean(u, w, self.trim)
-        if self.aggregator == "krum":
-            return lambda u, w: krum(u, w, self.num_byzantine, 1)
-        if self.aggregator == "multi_krum":
-            return lambda u, w: krum(u, w, self.num_byzantine, self.multi_krum_m or None)
-        if self.aggregator == "bulyan":
-            return lambda u, w: bulyan(u, w, self.num_byzantine)
-        return lambda u, w: centered_clip(u, w, self.cc_tau or None, self.cc_iterations)
+        return _AGGREGATORS[self.aggregator](self)
 
 
 def _valid(stacked: Tree, weights: Tensor) -> tuple[Tree, Tensor]:
@@ -317,6 +303,20 @@ def reference_of(updates: Tree, payload: Tree) -> Tree | None:
     if not ups.keys() <= pay.keys() or any(ups[n].shape != pay[n].shape for n in ups):
         return None
     return T.from_named({n: pay[n] for n in ups}, one)
+
+
+#: aggregator name -> the combine function its ``[robust]`` settings give; a new aggregator is a function above and
+#: one line here (and its name in ``AggregatorName``)
+_AGGREGATORS: dict[str, Callable[[RobustConfig], Combine]] = {
+    "mean": lambda c: T.weighted_mean,
+    "median": lambda c: median,
+    "trimmed_mean": lambda c: lambda u, w: trimmed_mean(u, w, c.trim),
+    "krum": lambda c: lambda u, w: krum(u, w, c.num_byzantine, 1),
+    "multi_krum": lambda c: lambda u, w: krum(u, w, c.num_byzantine, c.multi_krum_m or None),
+    "bulyan": lambda c: lambda u, w: bulyan(u, w, c.num_byzantine),
+    "centered_clip": lambda c: lambda u, w: centered_clip(u, w, c.cc_tau or None, c.cc_iterations),
+}
+assert tuple(_AGGREGATORS) == AGGREGATORS
 
 
 __all__ = ["AGGREGATORS", "BUCKETING_STREAM", "AggregatorName", "RobustConfig", "bucketed", "bulyan", "centered_clip",

@@ -111,7 +111,7 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
     """The study (``datasets`` of ``config_dir``, default ``configs/robust``); ``privacy``: also the
     privacy-utility part.  A dataset not in ``MATRIX`` runs the matrix for FedAvg with one seed."""
     from ..config import load
-    from ..engine.round import clients_per_round
+    from ..engine.sampling import clients_per_round
     from ..reproduce import run_methods
     from ..resources import configs_root
 

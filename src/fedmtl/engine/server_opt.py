@@ -20,17 +20,38 @@ APFL, SCAFFOLD, FedDyn, the body of FedPer / FedRep / FedBABU, LG-FedAvg's head)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from . import tree as T
-from .batchnorm import is_statistic
-from .schema import Annotated, Range, check_fields
-from .tree import Params
+from .. import tree as T
+from ..batchnorm import is_statistic
+from ..schema import Annotated, Range, check_fields
+from ..tree import Params, Tree
 
 ServerOptName = Literal["none", "sgd", "avgm", "adam", "yogi", "adagrad"]
+
+
+class NoState(NamedTuple):
+    """``sgd`` keeps no state."""
+
+
+class MomentumState(NamedTuple):
+    """``avgm``: the server momentum."""
+
+    m: Params
+
+
+class AdaptiveState(NamedTuple):
+    """``adam``, ``yogi``, ``adagrad``: first and second moments."""
+
+    m: Params
+    v: Params
+
+
+ServerOptState = NoState | MomentumState | AdaptiveState
 
 
 @dataclass(frozen=True)
@@ -49,8 +70,6 @@ class ServerOptConfig:
     tau: Annotated[float, Range(0, 1, lo_open=True)] = 1e-3
 
     def __post_init__(self) -> None:
-        if self.name not in ("none", "sgd", "avgm", "adam", "yogi", "adagrad"):
-            raise ValueError(f"server_opt.name must be one of none, sgd, avgm, adam, yogi, adagrad, got {self.name!r}")
         check_fields(self, "server_opt")
 
     @property
@@ -62,36 +81,64 @@ class ServerOptConfig:
             raise ValueError(f"[server_opt] name = {self.name!r}: {method} has no single global model (its server "
                              "state has no 'params'); server optimizers apply to global-model methods")
 
-    def init(self, params: Params) -> dict[str, Params]:
+    def init(self, params: Params) -> ServerOptState:
         """The optimizer's state for the global model ``params``."""
         if self.name in ("sgd", "none"):
-            return {}
+            return NoState()
         if self.name == "avgm":
-            return {"m": T.zeros_like(params)}
-        return {"m": T.zeros_like(params), "v": T.tmap(lambda p: torch.full_like(p, self.tau**2), params)}
+            return MomentumState(T.zeros_like(params))
+        return AdaptiveState(T.zeros_like(params), T.tmap(lambda p: torch.full_like(p, self.tau**2), params))
 
-    def step(self, old: Params, new: Params, state: dict[str, Params]) -> tuple[Params, dict[str, Params]]:
+    def step(self, old: Params, new: Params, state: ServerOptState) -> tuple[Params, ServerOptState]:
         """One server step from the previous model ``old`` given the aggregation's model ``new``.  Batch-norm running
         statistics are not optimized: they take the aggregation's value (their average, as FedAvg's)."""
         stats = {k: v for k, v in new.items() if is_statistic(k)}
         if stats:
             learn = [k for k in new if not is_statistic(k)]
-            x, st = self.step({k: old[k] for k in learn}, {k: new[k] for k in learn},
-                              {n: {k: s[k] for k in learn} for n, s in state.items()})
-            return {k: stats[k] if k in stats else x[k] for k in new}, {n: {**state[n], **s} for n, s in st.items()}
+            part = type(state)(*({k: s[k] for k in learn} for s in state))
+            x, st = self.step({k: old[k] for k in learn}, {k: new[k] for k in learn}, part)
+            return {k: stats[k] if k in stats else x[k] for k in new}, type(state)(
+                *({**s0, **s1} for s0, s1 in zip(state, st, strict=True)))
         delta = T.sub(new, old)
         if self.name == "sgd":
             return T.tmap(lambda x, d: x + self.lr * d, old, delta), state
         b1, b2 = self.beta1, self.beta2
-        if self.name == "avgm":
-            m = T.tmap(lambda mm, d: b1 * mm + d, state["m"], delta)
-            return T.tmap(lambda x, mm: x + self.lr * mm, old, m), {"m": m}
-        m = T.tmap(lambda mm, d: b1 * mm + (1 - b1) * d, state["m"], delta)
-        if self.name == "adagrad":
-            v = T.tmap(lambda vv, d: vv + d * d, state["v"], delta)
-        elif self.name == "yogi":
-            v = T.tmap(lambda vv, d: vv - (1 - b2) * d * d * torch.sign(vv - d * d), state["v"], delta)
-        else:  # adam
-            v = T.tmap(lambda vv, d: b2 * vv + (1 - b2) * d * d, state["v"], delta)
+        if isinstance(state, MomentumState):  # avgm
+            m = T.tmap(lambda mm, d: b1 * mm + d, state.m, delta)
+            return T.tmap(lambda x, mm: x + self.lr * mm, old, m), MomentumState(m)
+        assert isinstance(state, AdaptiveState), f"server_opt.name = {self.name!r} with a {type(state).__name__}"
+        m = T.tmap(lambda mm, d: b1 * mm + (1 - b1) * d, state.m, delta)
+        second = _SECOND_MOMENT[self.name]
+        v = T.tmap(lambda vv, d: second(vv, d, b2), state.v, delta)
         x = T.tmap(lambda xx, mm, vv: xx + self.lr * mm / (vv.sqrt() + self.tau), old, m, v)
-        return x, {"m": m, "v": v}
+        return x, AdaptiveState(m, v)
+
+
+#: the adaptive optimizers' second-moment updates v_t(v_{t-1}, Delta_t, beta2) (Reddi et al., Algorithm 2)
+_SECOND_MOMENT: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "adagrad": lambda vv, d, b2: vv + d * d,
+    "yogi": lambda vv, d, b2: vv - (1 - b2) * d * d * torch.sign(vv - d * d),
+    "adam": lambda vv, d, b2: b2 * vv + (1 - b2) * d * d,
+}
+
+
+class ServerOptStep:
+    """The update pipeline's server step (``fedmtl.engine.updates``): after the algorithm aggregated, step the global
+    model from the previous one with the ``[server_opt]`` optimizer."""
+
+    def __init__(self, cfg: ServerOptConfig, method: str):
+        self.cfg, self.method = cfg, method
+
+    def init(self, server: Tree) -> ServerOptState:
+        self.cfg.check(server, self.method)
+        return self.cfg.init(server.params)
+
+    def __call__(self, before: Tree, after: Tree, state: Tree) -> tuple[Tree, Tree]:
+        params, state = self.cfg.step(before.params, after.params, state)
+        return after._replace(params=params), state
+
+
+def legacy_state_names(named: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoints written before the states were NamedTuples name the moments ``['m']...``: read them as ``.m...``."""
+    return {(f".{k[2]}{k[5:]}" if k[:2] == "['" and k[2] in "mv" and k[3:5] == "']" else k): t
+            for k, t in named.items()}

@@ -1,0 +1,93 @@
+"""What a run is, besides its algorithm, model, clients and federation: the ``[run]`` table (``RunConfig``) and the
+one typed spec the engine takes (``RunSpec``: the run, the local optimizer and the server-side tables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ..optim import SGD
+from ..privacy import PrivacyConfig
+from ..robust.aggregators import RobustConfig
+from ..robust.attacks import AttackConfig
+from ..schema import Annotated, Range, check_fields
+from .executors import ExecutorName
+from .server_opt import ServerOptConfig
+from .systems import SystemsModel
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The ``[run]`` table: everything about a run that is not the algorithm."""
+
+    #: communication rounds
+    rounds: Annotated[int, Range(1, 10**7)] = 200
+    #: the run's seed: model initialization, client sampling, batch orders, systems draws, attackers
+    seed: Annotated[int, Range(0, 2**63 - 1)] = 1234
+    #: local mini-batch size
+    batch_size: Annotated[int, Range(1, 10**7)] = 128
+    #: local epochs per round
+    local_epochs: Annotated[int, Range(1, 10**4)] = 1
+    #: leave out each epoch's last partial batch, as DataLoader(drop_last=True) (a client with fewer examples than a
+    #: batch then trains on none); with local_epochs = 1
+    drop_last: bool = False
+    #: fraction of the clients sampled each round (Poisson sampling under [privacy]: the inclusion probability q)
+    sampling_rate: Annotated[float, Range(0, 1, lo_open=True)] = 1.0
+    #: > 0: clients sampled each round (overrides sampling_rate)
+    clients_per_round: Annotated[int, Range(0, 10**9)] = 0
+    #: the local executor: auto, stacked, vmap or loop
+    runner: ExecutorName = "auto"
+    #: at most this many clients per batched call (0 = no limit)
+    chunk_size: Annotated[int, Range(0, 10**9)] = 0
+    #: steps: group clients into vmap calls by their number of local steps; none: one group
+    bucketing: Literal["steps", "none"] = "steps"
+    #: cpu, cuda or cuda:<i>
+    device: str = "cpu"
+    #: evaluate every this many rounds (and after the last)
+    eval_every: Annotated[int, Range(1, 10**7)] = 10
+    #: checkpoint every this many rounds (0 = never)
+    checkpoint_every: Annotated[int, Range(0, 10**7)] = 10
+    #: bound on the elements of a padded evaluation tensor
+    eval_chunk_elems: Annotated[int, Range(1, 2**40)] = 2**24
+    #: > 0: evaluate a fixed uniform sample of this many clients per group
+    eval_clients: Annotated[int, Range(0, 10**9)] = 0
+    #: memory, or mmap: client states in files of the run directory
+    client_store: Literal["memory", "mmap"] = "memory"
+    #: torch intra-op threads (0 = leave torch's default)
+    threads: Annotated[int, Range(0, 1024)] = 0
+    #: several seeds: independent replicas of the run, batched (fedmtl.engine.seeds)
+    seeds: tuple[Annotated[int, Range(0, 2**63 - 1)], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_fields(self, "run")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"run.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if self.drop_last and self.local_epochs > 1:
+            # later epochs would visit examples the first epoch dropped, outside the first epoch's index space (the
+            # per-example state some methods keep, FedEM's responsibilities): one epoch per round only
+            raise ValueError("run.drop_last = true needs run.local_epochs = 1")
+        if len(set(self.seeds)) != len(self.seeds) or len(self.seeds) > 1000:
+            raise ValueError(f"run.seeds must be distinct (at most 1000), got {list(self.seeds)}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything ``Engine`` runs besides the algorithm, model, clients and federation: the ``[run]`` table, the
+    local optimizer, the systems model and the server-side tables the update pipeline is built from
+    (``fedmtl.engine.updates``)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    optim: SGD = field(default_factory=SGD)
+    systems: SystemsModel = field(default_factory=SystemsModel)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> RunSpec:
+        """The spec of a validated experiment config."""
+        return cls(cfg.run, cfg.optim, cfg.systems, cfg.robust, cfg.attack, cfg.privacy, cfg.server_opt)

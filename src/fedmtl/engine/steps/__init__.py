@@ -1,0 +1,1 @@
+"""The update pipeline's steps, one module each (composed by ``fedmtl.engine.updates``)."""
