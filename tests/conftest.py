@@ -25,3 +25,13 @@ def small_model():
 def make_sim(alg, data, model=None, opt=None, **run):
     """An in-process engine (``fedmtl.testing.simulator``): linear model, momentum SGD, 6 rounds of batch 32."""
     return simulator(alg, data, model, opt, **run)
+
+
+def pytest_collection_modifyitems(items):
+    """The contract items (one per algorithm and check) beyond the quick checks belong to the slow tier."""
+    from .test_contract import QUICK_CHECKS
+
+    for item in items:
+        if getattr(item, "originalname", "") == "test_every_registered_algorithm_keeps_the_contract" and \
+                item.callspec.params["check"] not in QUICK_CHECKS:
+            item.add_marker(pytest.mark.slow)

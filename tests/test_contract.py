@@ -6,47 +6,19 @@ from typing import ClassVar
 
 import pytest
 import torch
-from torch import nn
 
 import fedmtl
-from fedmtl import BatchNorm, Model
 from fedmtl.algorithms import ALGORITHMS, FedAvg
-from fedmtl.models import build_model
-from fedmtl.optim import SGD
-from fedmtl.testing import ContractError, check_algorithm
+from fedmtl.testing import ContractError, check_algorithm, parametrize_with_checks
 
-# hyper-parameters for the toy task where a default is tuned for other data (Per-FedAvg's beta = 0.001
-# is the paper's MNIST value; with it 15 rounds barely move the loss)
-TOY = {"perfedavg": {"beta": 0.05}, "clustered": {"warmup_rounds": 2}, "pfedme": {"personal_lr": 0.05},
-       "mocha": {"lam": 0.01, "omega_every": 2}, "fedrep": {"head_epochs": 1},
-       "fedbabu": {"finetune_epochs": 1, "finetune_lr": 0.05}}
-# methods that split the model into a body and a head need a model that has one
-BODY_HEAD = {"fedper", "fedrep", "lgfedavg", "fedbabu", "omnifedge", "knnper", "moon", "fedrod", "fedala"}
-# momentum makes the control-variate correction unstable on the toy task (the paper's local steps are plain SGD)
-OPT = {"scaffold": SGD(0.1)}
+# one item per algorithm and check; each algorithm runs with the toy settings it declares (Algorithm.toy).  The
+# checks other than QUICK_CHECKS (a second or less each) are in the slow tier (tests/conftest.py marks them)
+QUICK_CHECKS = ("capabilities", "no_input_mutation")
 
 
-def toy_model(name: str) -> Model | None:
-    """The model each algorithm runs on the toy task (None: the contract suite's linear model); a fresh one each
-    call (an engine moves its model's module to the run's device)."""
-    if name == "mocha":
-        return build_model("linear", 10, 2, bias=False)
-    if name in BODY_HEAD:
-        return build_model("mlp", 10, 2, hidden=(16,))
-    if name == "fedbn":  # FedBN needs batch-norm layers
-        return Model.from_module(nn.Sequential(nn.Linear(10, 16), BatchNorm(16), nn.ReLU(), nn.Linear(16, 1)), 2)
-    return None
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_every_registered_algorithm_keeps_the_contract(name, small_data):
-    model = toy_model(name)
-    res = check_algorithm(ALGORITHMS[name], TOY.get(name, {}), data=small_data, model=model, opt=OPT.get(name),
-                          # Omni-Fedge: one gradient query a round; FedBABU: a frozen random head
-                          toy_rounds=45 if name in ("omnifedge", "fedbabu") else 15)
-    assert set(res) == {"capabilities", "loop_equals_vmap", "no_input_mutation", "deterministic", "learns",
-                        "checkpoint_round_trip", "nan_excluded", "private_release"}
+@parametrize_with_checks(ALGORITHMS)
+def test_every_registered_algorithm_keeps_the_contract(algorithm, check, small_data):
+    assert check_algorithm(algorithm, data=small_data, checks=(check,)) == {check: "ok"}
 
 
 @dataclass(frozen=True)

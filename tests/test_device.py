@@ -20,9 +20,8 @@ from fedmtl.cli import main
 from fedmtl.data.federated import ClientGroup, FederatedData, Split
 from fedmtl.engine.evaluation import summarize
 from fedmtl.models import build_model
-from fedmtl.testing import all_client_states, run_rounds, simulator
+from fedmtl.testing import all_client_states, run_rounds, simulator, toy_model, toy_opt
 
-from .test_contract import OPT, TOY, toy_model
 from .test_models import _image_data
 from .test_rundir import TINY
 
@@ -64,7 +63,8 @@ def test_every_algorithm_on_the_device_equals_its_cpu_run(name, runner, small_da
         pytest.skip(f"{name} has no clients form (the stacked executor hands it to vmap)")
     out = {}
     for dev in ("cpu", DEVICE):
-        eng = simulator(ALGORITHMS[name](**TOY.get(name, {})), small_data, toy_model(name), OPT.get(name),
+        cls = ALGORITHMS[name]
+        eng = simulator(cls(**cls.toy.kwargs), small_data, toy_model(cls, small_data), toy_opt(cls),
                         runner=runner, sampling_rate=0.5, device=dev)
         st, rows = run_rounds(eng, 3)
         _on(st.server, dev)

@@ -131,6 +131,7 @@ def permuted():
     return permuted_groups(num_clients=12, num_groups=2, dim=10, num_classes=4, n_train=120, n_test=100, seed=1)
 
 
+@pytest.mark.slow
 def test_clustered_fl_separates_permuted_groups(permuted):
     alg = ClusteredFL(eps1=0.1, eps2=0.3, warmup_rounds=5)
     sim = make_sim(alg, permuted, opt=SGD(0.1, 0.9), rounds=40, batch_size=32)
@@ -147,6 +148,7 @@ def test_clustered_fl_separates_permuted_groups(permuted):
     assert acc > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.15
 
 
+@pytest.mark.slow
 def test_clustered_fl_does_not_split_a_homogeneous_population():
     same = permuted_groups(num_clients=10, num_groups=1, dim=10, num_classes=4, n_train=120, n_test=50, seed=2)
     sim = make_sim(ClusteredFL(eps1=0.1, eps2=0.3, warmup_rounds=5), same, opt=SGD(0.1, 0.9), rounds=40,

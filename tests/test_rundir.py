@@ -282,6 +282,7 @@ def _final_states(out: Path, seeds: tuple[int, ...]) -> list[dict]:
     return [torch.load(out / f"seed-{s}" / "checkpoint.pt", weights_only=True) for s in seeds]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["written", "marked", "renamed"])
 def test_several_seeds_resume_exactly_wherever_a_kill_falls_in_their_checkpoint(tmp_path, monkeypatch, phase):
     """Finding: with --seeds 1,2,3 a kill between the replicas' checkpoints left seed 3 a round behind, and the

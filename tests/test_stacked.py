@@ -37,6 +37,7 @@ def _run(runner: str, algorithm: dict, optim: dict, run: dict | None = None) -> 
     return fedmtl.run(cfg, data=_data(), model=fedmtl.Model.from_module(_module(), 3, init="module"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,optim,run", [
     ({"name": "fedavg"}, {"lr": 0.1}, {}),  # plain SGD: the fused step
     ({"name": "fedavg"}, {"lr": 0.1}, {"drop_last": True, "sampling_rate": 0.5}),

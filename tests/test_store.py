@@ -110,6 +110,7 @@ def test_rounds_touch_only_sampled_clients(small_data):
     assert int(eng.clients.store.written.sum()) <= 12
 
 
+@pytest.mark.slow
 def test_evaluation_on_a_fixed_client_sample(small_data):
     eng = simulator(FedEM(num_components=2), small_data, eval_clients=5)
     st, _ = run_rounds(eng, 2)

@@ -3,6 +3,15 @@
     from fedmtl.testing import check_algorithm
     check_algorithm(MyAlg, {"mu": 0.1})          # raises ContractError naming the broken promise
 
+or, in a pytest suite, one test item per algorithm and check (as scikit-learn's ``parametrize_with_checks``)::
+
+    @parametrize_with_checks([MyAlg])
+    def test_contract(algorithm, check):
+        check_algorithm(algorithm, checks=(check,))
+
+Each algorithm runs with the toy settings it declares (``Algorithm.toy``: hyper-parameters, model, optimizer,
+rounds), unless the call gives others.
+
 Checks, on a small synthetic federation (20 clients, 16 seen and 4 unseen, binary, 10 features, linear
 model, momentum SGD), each with tolerances that a wrong algorithm fails:
 
@@ -53,6 +62,47 @@ from .privacy import PrivacyConfig
 
 class ContractError(AssertionError):
     """An algorithm breaks the contract; the message names the check and what differed."""
+
+
+#: the contract's checks, in the order ``check_algorithm`` runs them
+CHECKS: tuple[str, ...] = ("capabilities", "no_input_mutation", "deterministic", "loop_equals_vmap", "learns",
+                           "checkpoint_round_trip", "nan_excluded", "private_release")
+
+
+def toy_model(cls: type[Algorithm], data: FederatedData | None = None) -> Model | None:
+    """The model ``cls.toy`` names for the toy federation (None: the suite's linear model); a fresh one each call (an
+    engine moves its model's module to the run's device)."""
+    from torch import nn
+
+    from .batchnorm import BatchNorm
+    from .models import build_model
+
+    kind = cls.toy.model
+    d = 10 if data is None else int(np.prod(data.feature_shape))
+    if kind == "linear":
+        return None
+    if kind == "linear_nobias":
+        return build_model("linear", d, 2, bias=False)
+    if kind == "mlp":  # a body and a head
+        return build_model("mlp", d, 2, hidden=(16,))
+    if kind == "batchnorm":
+        return Model.from_module(nn.Sequential(nn.Linear(d, 16), BatchNorm(16), nn.ReLU(), nn.Linear(16, 1)), 2)
+    raise ValueError(f"{cls.__name__}.toy.model = {kind!r}: one of linear, linear_nobias, mlp, batchnorm")
+
+
+def toy_opt(cls: type[Algorithm]) -> SGD | None:
+    """Plain SGD where ``cls.toy`` asks for it (None: the suite's momentum SGD)."""
+    return SGD(cls.toy.sgd_lr) if cls.toy.sgd_lr is not None else None
+
+
+def parametrize_with_checks(algorithms: Any) -> Any:
+    """A ``pytest.mark.parametrize`` over ``(algorithm, check)``: one test item per algorithm class (a list, or a
+    name -> class mapping such as ``fedmtl.algorithms.ALGORITHMS``) and contract check, with ids ``name-check``."""
+    import pytest
+
+    classes = list(algorithms.values()) if isinstance(algorithms, dict) else list(algorithms)
+    cases = [(cls, check) for cls in classes for check in CHECKS]
+    return pytest.mark.parametrize("algorithm, check", cases, ids=[f"{c.name}-{k}" for c, k in cases])
 
 
 def toy_data() -> FederatedData:
@@ -110,20 +160,26 @@ def check_algorithm(
     data: FederatedData | None = None,
     model: Model | None = None,
     opt: SGD | None = None,
-    toy_rounds: int = 15,
+    toy_rounds: int | None = None,
     atol: float = 1e-5,
     checks: tuple[str, ...] | None = None,
 ) -> dict[str, str]:
     """Run the contract suite (module docstring) on ``cls(**kwargs)``; returns ``{check: "ok"}`` or raises
-    ``ContractError``.  ``data`` / ``model`` / ``opt`` replace the toy federation, the linear model and the
-    optimizer (e.g. a bias-free model for MOCHA); ``toy_rounds``: rounds of the ``learns`` check (more for
-    methods that make one gradient query per round); ``checks``: a subset to run."""
-    kwargs = kwargs or {}
+    ``ContractError``.  ``kwargs`` / ``model`` / ``opt`` / ``toy_rounds`` default to what the class declares in
+    ``Algorithm.toy`` (hyper-parameters, model, optimizer, rounds of the ``learns`` check); ``data`` replaces the
+    toy federation; ``checks``: a subset of ``CHECKS`` to run."""
+    unknown = sorted(set(checks or ()) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; the checks are {list(CHECKS)}")
+    kwargs = dict(cls.toy.kwargs) if kwargs is None else kwargs
+    toy_rounds = cls.toy.rounds if toy_rounds is None else toy_rounds
+    opt = opt if opt is not None else toy_opt(cls)
     try:
         alg = cls(**kwargs)
     except Exception as e:
         raise ContractError(f"constructing {cls.__name__}(**{kwargs}): {type(e).__name__}: {e}") from e
     data = data if data is not None else toy_data()
+    model = model if model is not None else toy_model(cls, data)
 
     def sim(a: Algorithm = alg, **run: Any) -> Engine:
         return simulator(a, data, model, opt, **run)

@@ -23,8 +23,6 @@ Capabilities are class attributes, read by the engine and by Flower:
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -75,15 +73,16 @@ class ClientId(NamedTuple):
     id: Tensor  # () long, the client's federation-wide id
 
 
-def check_literals(obj: Any) -> None:
-    """Check every ``Literal[...]``-typed dataclass field of ``obj`` against its allowed values."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        tp = hints.get(f.name)
-        if typing.get_origin(tp) is typing.Literal:
-            allowed = typing.get_args(tp)
-            if getattr(obj, f.name) not in allowed:
-                raise ValueError(f"algorithm.{f.name} must be one of {list(allowed)}, got {getattr(obj, f.name)!r}")
+class Toy(NamedTuple):
+    """How the contract suite (``fedmtl.testing``) runs an algorithm on its toy federation, declared on the algorithm:
+    hyper-parameters where a default is tuned for other data, the toy model (``linear``, ``linear_nobias``, ``mlp``:
+    one with a body and a head, ``batchnorm``: one with batch-norm layers), a plain-SGD learning rate instead of the
+    suite's momentum SGD (None: the suite's), and the rounds of the ``learns`` check."""
+
+    kwargs: dict[str, Any] = {}
+    model: str = "linear"
+    sgd_lr: float | None = None
+    rounds: int = 15
 
 
 @dataclass(frozen=True)
@@ -112,9 +111,11 @@ class Algorithm:
     #: ``private_release`` check accepts exactly these as equal with and without noise)
     public_server_state: ClassVar[dict[str, str]] = {}
 
+    #: how the contract suite runs it on the toy task (``Toy``)
+    toy: ClassVar[Toy] = Toy()
+
     def __post_init__(self) -> None:
-        check_literals(self)
-        check_fields(self, "algorithm")  # the declared ranges (fedmtl.schema) of the numeric hyperparameters
+        check_fields(self, "algorithm")  # choices of Literal fields, declared ranges of numeric ones (fedmtl.schema)
 
     @classmethod
     def clients_form(cls) -> bool:

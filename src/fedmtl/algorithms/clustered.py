@@ -31,7 +31,7 @@ from .. import tree as T
 from ..optim import Batches, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, ClientId, Context, row
+from .base import Algorithm, ClientId, Context, Toy, row
 
 
 class Clusters(NamedTuple):
@@ -66,6 +66,7 @@ def bipartition(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
 @dataclass(frozen=True)
 class ClusteredFL(Algorithm):
     name: ClassVar[str] = "clustered"
+    toy: ClassVar[Toy] = Toy({"warmup_rounds": 2})
     needs_adaptation: ClassVar[bool] = True  # unseen clients choose a cluster on their training data
     #: split test: a cluster's mean update norm below this means it is near a stationary point
     eps1: Annotated[float, Range(0, lo_open=True)] = 0.4

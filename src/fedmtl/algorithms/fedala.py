@@ -32,7 +32,7 @@ from ..model import Model
 from ..optim import Batches, live_steps, local_sgd, pick_batch
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel
+from .base import Algorithm, Context, GlobalModel, Toy
 
 
 class ALAState(NamedTuple):
@@ -48,6 +48,7 @@ class FedALA(Algorithm):
     """FedALA: each client mixes the global model into its own element-wise, with weights it learns."""
 
     name: ClassVar[str] = "fedala"
+    toy: ClassVar[Toy] = Toy(model="mlp")
     keeps_client_state: ClassVar[bool] = True
     #: eta, the step size of the aggregation weights
     eta: Annotated[float, Range(0, 1e3, lo_open=True)] = 1.0

@@ -21,7 +21,7 @@ from ..model import Model
 from ..optim import SGD, Batches
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context
+from .base import Algorithm, Context, Toy
 from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, train_part
 from .fedavg import finetune
 
@@ -31,6 +31,8 @@ class FedBABU(Algorithm):
     """FedBABU: train and average only the body under a frozen random head; fine-tune before evaluation."""
 
     name: ClassVar[str] = "fedbabu"
+    # the toy task: a frozen random head needs more rounds
+    toy: ClassVar[Toy] = Toy({"finetune_epochs": 1, "finetune_lr": 0.05}, model="mlp", rounds=45)
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True

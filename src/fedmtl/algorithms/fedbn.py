@@ -28,7 +28,7 @@ from ..model import Model, ModelError, split_names
 from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context
+from .base import Algorithm, Context, Toy
 from .bodyhead import FIXED_IS_PUBLIC, SplitModel, train_part
 
 
@@ -43,6 +43,7 @@ class FedBN(Algorithm):
     """FedBN: FedAvg on every parameter but the batch-norm layers', which each client keeps."""
 
     name: ClassVar[str] = "fedbn"
+    toy: ClassVar[Toy] = Toy(model="batchnorm")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit batch-norm layers first

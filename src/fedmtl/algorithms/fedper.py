@@ -22,7 +22,7 @@ from ..model import Model
 from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context
+from .base import Algorithm, Context, Toy
 from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, with_personal_head
 
 
@@ -37,6 +37,7 @@ class FedPer(Algorithm):
     """FedPer: a shared body averaged by the server, a personal head trained with it and kept by each client."""
 
     name: ClassVar[str] = "fedper"
+    toy: ClassVar[Toy] = Toy(model="mlp")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients train a head first

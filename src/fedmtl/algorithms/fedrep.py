@@ -22,7 +22,7 @@ from ..model import Model
 from ..optim import Batches
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context
+from .base import Algorithm, Context, Toy
 from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, train_part, with_personal_head
 from .fedper import PersonalHead
 
@@ -32,6 +32,7 @@ class FedRep(Algorithm):
     """FedRep: each round a client fits its own head on the shared body, then updates the body under that head."""
 
     name: ClassVar[str] = "fedrep"
+    toy: ClassVar[Toy] = Toy({"head_epochs": 1}, model="mlp")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True

@@ -28,7 +28,7 @@ from .. import tree as T
 from ..model import Model, value_and_grad_of
 from ..optim import Batches, first_epoch, local_sgd
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel
+from .base import Algorithm, Context, GlobalModel, Toy
 
 PERSONAL = "personal."  # prefix of the personal head's entries while it trains beside the shared model
 
@@ -57,6 +57,7 @@ class FedRoD(Algorithm):
     """FedRoD: a generic model trained with the balanced softmax, plus a personal head on its representation."""
 
     name: ClassVar[str] = "fedrod"
+    toy: ClassVar[Toy] = Toy(model="mlp")
     keeps_client_state: ClassVar[bool] = True
 
     def check_model(self, model: Model) -> None:

@@ -27,7 +27,7 @@ from ..model import Model
 from ..optim import Batches, first_epoch
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Context
+from .base import Context, Toy
 from .fedavg import FedAvg
 
 
@@ -45,6 +45,7 @@ class KNNPer(FedAvg):
     """kNN-Per: FedAvg's global model interpolated at inference with a kNN over the client's own representations."""
 
     name: ClassVar[str] = "knnper"
+    toy: ClassVar[Toy] = Toy(model="mlp")
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # the datastore is built from the client's training data
     #: lambda, the weight of the kNN distribution in the interpolation (0 = the global model)

@@ -23,7 +23,7 @@ from ..model import Model
 from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context
+from .base import Algorithm, Context, Toy
 from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, train_part
 
 
@@ -38,6 +38,7 @@ class LGFedAvg(Algorithm):
     """LG-FedAvg: personal bodies, a shared head averaged by the server."""
 
     name: ClassVar[str] = "lgfedavg"
+    toy: ClassVar[Toy] = Toy(model="mlp")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True

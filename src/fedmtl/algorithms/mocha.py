@@ -40,7 +40,7 @@ from ..mtl.omega import sigma_prime
 from ..optim import Batches, first_epoch
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, row
+from .base import Algorithm, Context, Toy, row
 
 
 class MochaServer(NamedTuple):
@@ -81,6 +81,7 @@ def _primal_loss(loss: str, margin: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Mocha(Algorithm):
     name: ClassVar[str] = "mocha"
+    toy: ClassVar[Toy] = Toy({"lam": 0.01, "omega_every": 2}, model="linear_nobias")
     averages_updates: ClassVar[bool] = False
     keeps_client_state: ClassVar[bool] = True
     #: lambda, the weight of the task-relationship regularizer

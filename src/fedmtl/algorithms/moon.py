@@ -26,7 +26,7 @@ from ..model import Model, value_and_grad_of
 from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel
+from .base import Algorithm, Context, GlobalModel, Toy
 
 
 class PreviousModel(NamedTuple):
@@ -40,6 +40,7 @@ class Moon(Algorithm):
     """MOON: local training pulls each representation towards the global model's and away from the last local one."""
 
     name: ClassVar[str] = "moon"
+    toy: ClassVar[Toy] = Toy(model="mlp")
     keeps_client_state: ClassVar[bool] = True
     #: mu, the weight of the model-contrastive loss (0 = FedAvg; the paper tunes it in {0.1, 1, 5, 10})
     mu: Annotated[float, Range(0, 1e4)] = 1.0

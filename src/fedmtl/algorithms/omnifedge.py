@@ -46,7 +46,7 @@ from ..model import Model
 from ..optim import Batches, first_epoch, pick_batch
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, ClientId, Context, row
+from .base import Algorithm, ClientId, Context, Toy, row
 
 
 class OmniServer(NamedTuple):
@@ -93,6 +93,7 @@ def solve_omega(losses: Tensor, lam: float, iters: int = 100) -> Tensor:
 @dataclass(frozen=True)
 class OmniFedge(Algorithm):
     name: ClassVar[str] = "omnifedge"
+    toy: ClassVar[Toy] = Toy(model="mlp", rounds=45)  # one gradient query a round
     averages_updates: ClassVar[bool] = False
     needs_adaptation: ClassVar[bool] = True
     #: lambda of the omega subproblem (the log-barrier weight; 1 in the poster)

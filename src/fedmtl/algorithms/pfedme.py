@@ -38,7 +38,7 @@ from .. import tree as T
 from ..optim import Batches, local_sgd, masked_steps
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel, check_positive, nobody
+from .base import Algorithm, Context, GlobalModel, Toy, check_positive, nobody
 
 
 class Theta(NamedTuple):
@@ -50,6 +50,7 @@ class Theta(NamedTuple):
 @dataclass(frozen=True)
 class PFedMe(Algorithm):
     name: ClassVar[str] = "pfedme"
+    toy: ClassVar[Toy] = Toy({"personal_lr": 0.05})
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
     #: lambda, the Moreau-envelope regularization weight

@@ -25,7 +25,7 @@ from .. import tree as T
 from ..optim import Batches, live_steps, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context
+from .base import Algorithm, Context, Toy
 
 
 class ScaffoldServer(NamedTuple):
@@ -58,6 +58,8 @@ class Scaffold(Algorithm):
     """SCAFFOLD: local SGD corrected by control variates that estimate each client's drift."""
 
     name: ClassVar[str] = "scaffold"
+    # the toy task: momentum makes the control-variate correction unstable (the paper: plain SGD)
+    toy: ClassVar[Toy] = Toy(sgd_lr=0.1)
     keeps_client_state: ClassVar[bool] = True
     averages_updates: ClassVar[bool] = False  # the updates are steps, not models: robust aggregators do not apply
     #: eta_g, the server's step on the mean model update (1 = replace by the average)
