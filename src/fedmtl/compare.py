@@ -23,11 +23,10 @@ import numpy as np
 
 from .config import ConfigError
 from .engine.seeds import history_stats, stats
+from .metrics import HEADLINE, SEEN_TEST_ACC
 from .report import atomic, plot_bands, save_figure, write_json
 
-METRICS = [("seen_test_acc_mean", "avg"), ("seen_test_acc_p10", "p10 (bottom decile)"),
-           ("seen_test_acc_bottom10_mean", "worst 10% mean"), ("unseen_test_acc_mean", "unseen avg"),
-           ("participation_gap", "participation gap")]
+METRICS = list(HEADLINE)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -105,7 +104,7 @@ def _labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
-def compare(run_dirs: list[str | Path], out: str | Path, metric: str = "seen_test_acc_mean") -> dict[str, Any]:
+def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST_ACC) -> dict[str, Any]:
     if not run_dirs:
         raise ConfigError("fedmtl compare: give at least one RUN_DIR")
     paths = [Path(p) for p in run_dirs]

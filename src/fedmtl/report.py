@@ -14,6 +14,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from .metrics import SEEN_TEST_ACC, SEEN_TEST_P10, SEEN_TRAIN_ACC, UNSEEN_TEST_ACC
+
 
 @contextlib.contextmanager
 def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[Any]]:
@@ -149,8 +151,8 @@ def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[floa
 
 def plot_history(path: Path, history: list[dict[str, Any]], title: str) -> None:
     curves = {}
-    for key, label in (("seen_test_acc_mean", "test (seen, mean)"), ("seen_test_acc_p10", "test (seen, 10th pct)"),
-                       ("seen_train_acc_mean", "train (seen, mean)"), ("unseen_test_acc_mean", "test (unseen, mean)")):
+    for key, label in ((SEEN_TEST_ACC, "test (seen, mean)"), (SEEN_TEST_P10, "test (seen, 10th pct)"),
+                       (SEEN_TRAIN_ACC, "train (seen, mean)"), (UNSEEN_TEST_ACC, "test (unseen, mean)")):
         rows = [r for r in history if isinstance(r.get(key), float)]
         if rows:
             curves[label] = ([r["round"] for r in rows], [100 * r[key] for r in rows])

@@ -28,6 +28,7 @@ import torch
 from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
+from ..metrics import SEEN_TEST_ACC, RunSummary
 from ..model import Model
 from ..progress import Progress
 from ..report import atomic, plot_history, write_clients_csv, write_history_csv, write_json
@@ -56,7 +57,7 @@ class RunResult:
     pi), read from the run's client store.
     """
 
-    summary: dict[str, Any]
+    summary: RunSummary
     history: list[dict[str, Any]]
     per_client: dict[str, Any]
     server: Tree
@@ -307,7 +308,7 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
     state.history.append(row)
     prog.round(str(id(rep)), rep.label, rcfg.rounds, row, dt)
     if rep.board is not None:
-        rep.board.round(row, rep.per_client if "seen_test_acc_mean" in row else None)
+        rep.board.round(row, rep.per_client if SEEN_TEST_ACC in row else None)
 
 
 def _finish(rep: Replica) -> RunResult:
@@ -317,7 +318,7 @@ def _finish(rep: Replica) -> RunResult:
         rep.per_client = engine.evaluate(state)
     per_client = rep.per_client
     final = summarize(per_client)
-    summary = {
+    summary: RunSummary = {
         "algorithm": cfg.algorithm["name"],
         "data": cfg.data["name"],
         "seed": cfg.run.seed,

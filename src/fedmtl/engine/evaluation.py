@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..metrics import PARTICIPATION_GAP, SEEN_TEST_ACC, UNSEEN_TEST_ACC, metric
+
 
 def chunks(counts_max: Tensor, elems_per_example: int, budget: int) -> list[Tensor]:
     """Consecutive positions grouped so that each group's padded evaluation tensor (clients x largest
@@ -68,12 +70,11 @@ def summarize(per_client: dict[str, Any]) -> dict[str, float]:
                 continue
             acc, loss, n = np.asarray(m["acc"])[has], np.asarray(m["loss"])[has], n[has]
             k = max(1, int(np.ceil(0.1 * acc.size)))
-            pre = f"{gname}_{sname}_"
-            out[pre + "acc"] = float((acc * n).sum() / n.sum())
-            out[pre + "acc_mean"] = float(acc.mean())
-            out[pre + "acc_p10"] = float(np.percentile(acc, 10))
-            out[pre + "acc_bottom10_mean"] = float(np.sort(acc)[:k].mean())
-            out[pre + "loss"] = float((loss * n).sum() / n.sum())
-    if "seen_test_acc_mean" in out and "unseen_test_acc_mean" in out:
-        out["participation_gap"] = out["unseen_test_acc_mean"] - out["seen_test_acc_mean"]
+            out[metric(gname, sname, "acc")] = float((acc * n).sum() / n.sum())
+            out[metric(gname, sname, "acc_mean")] = float(acc.mean())
+            out[metric(gname, sname, "acc_p10")] = float(np.percentile(acc, 10))
+            out[metric(gname, sname, "acc_bottom10_mean")] = float(np.sort(acc)[:k].mean())
+            out[metric(gname, sname, "loss")] = float((loss * n).sum() / n.sum())
+    if SEEN_TEST_ACC in out and UNSEEN_TEST_ACC in out:
+        out[PARTICIPATION_GAP] = out[UNSEEN_TEST_ACC] - out[SEEN_TEST_ACC]
     return out

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import FederatedData
+from ..metrics import SEEN_TEST_ACC, SEEN_TEST_P10, UNSEEN_TEST_ACC
 from ..model import Model
 from ..report import atomic, plot_bands, write_json
 from .driver import Replica, RunResult, build_local, drive_many, prepare
@@ -169,8 +170,8 @@ def write_seeds(out: Path, result: SeedsResult, title: str) -> None:
     write_history_csv(out / "metrics.csv", rows)
     write_json(out / "summary.json", result.summary)
     bands = {}
-    for key, label in (("seen_test_acc_mean", "test (seen, mean)"), ("seen_test_acc_p10", "test (seen, 10th pct)"),
-                       ("unseen_test_acc_mean", "test (unseen, mean)")):
+    for key, label in ((SEEN_TEST_ACC, "test (seen, mean)"), (SEEN_TEST_P10, "test (seen, 10th pct)"),
+                       (UNSEEN_TEST_ACC, "test (unseen, mean)")):
         pts = [r for r in rows if r.get(f"{key}_mean") is not None]
         if pts:
             bands[label] = ([r["round"] for r in pts], [100 * r[f"{key}_mean"] for r in pts],
