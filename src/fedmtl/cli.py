@@ -349,16 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
                         format="%(levelname)s %(message)s")
-    from .progress import set_default
+    from .progress import default
 
-    set_default("off" if args.quiet else "lines" if args.no_progress else "auto", verbose=args.verbose)
+    progress = default("off" if args.quiet else "lines" if args.no_progress else "auto", verbose=args.verbose)
     try:
         previous = signal.signal(signal.SIGTERM, _terminated)
     except ValueError:  # not the main thread: leave signals alone
         previous = None
     try:
         import_plugins(getattr(args, "imports", []))
-        return args.fn(args)
+        with progress:  # what progress=True means, for this command only
+            return args.fn(args)
     except (ConfigError, RegistryError) as e:
         print(f"fedmtl: config error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return EXIT_INPUT

@@ -20,24 +20,34 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Literal, TextIO
 
 from .metrics import SEEN_TEST_ACC, SEEN_TEST_P10, UNSEEN_TEST_ACC
 
 Mode = Literal["auto", "bar", "lines", "off"]
 
-_DEFAULT: dict[str, Any] = {"mode": "auto", "verbose": False}
+# what ``progress=True`` means, for the command being run (``fedmtl.cli.main`` sets it for its command and resets it
+# after: a context variable, not process-wide state, so commands run one after another in one process -- tests,
+# notebooks -- never see each other's settings)
+_DEFAULT: ContextVar[tuple[Mode, bool]] = ContextVar("fedmtl_progress_default", default=("auto", False))
 
 
-def set_default(mode: Mode, verbose: bool = False) -> None:
-    """The mode ``Progress`` uses when a caller asks for "the default" (``progress=True``)."""
-    _DEFAULT.update(mode=mode, verbose=verbose)
+@contextmanager
+def default(mode: Mode, verbose: bool = False) -> Iterator[None]:
+    """Within the block, ``Progress(True)`` uses ``mode`` (and logs every round with ``verbose``)."""
+    token = _DEFAULT.set((mode, verbose))
+    try:
+        yield
+    finally:
+        _DEFAULT.reset(token)
 
 
 def resolve(progress: bool | str) -> Mode:
     """``True`` -> the process default; ``False`` -> "off"; a mode name -> itself."""
     if progress is True:
-        return _DEFAULT["mode"]  # type: ignore[no-any-return]
+        return _DEFAULT.get()[0]
     if progress is False:
         return "off"
     if progress not in ("auto", "bar", "lines", "off"):
@@ -73,7 +83,7 @@ class Progress:
         if mode == "auto":
             mode = "bar" if _sized_terminal(self.stream) else "lines"
         self.mode: Mode = mode
-        self.verbose = bool(_DEFAULT["verbose"]) and mode != "off"
+        self.verbose = _DEFAULT.get()[1] and mode != "off"
         self._bars: dict[str, Any] = {}
         self._since: dict[str, list[float]] = {}  # key -> [seconds, rounds] since its last line
 
@@ -132,4 +142,4 @@ class Progress:
         self._bars.clear()
 
 
-__all__ = ["Progress", "resolve", "set_default"]
+__all__ = ["Progress", "default", "resolve"]
