@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from fedmtl.bench import _bench_mlp, _perfedavg_ratios
+from benchmarks.fedem import perfedavg_ratios
+from benchmarks.models import bench_mlp
 from fedmtl.models import build_model
 from fedmtl.testing import toy_data
 
@@ -24,7 +25,7 @@ def test_bench_refuses_a_device_it_cannot_use(tmp_path, device, msg):
 
 def test_perfedavg_ratios_are_measured_against_fedavg_in_the_same_run():
     data = toy_data()
-    out = _perfedavg_ratios(data, build_model("linear", 10, 2), rounds=1)
+    out = perfedavg_ratios(data, build_model("linear", 10, 2), rounds=1)
     for v in ("fo", "hf"):
         assert out[f"perfedavg_{v}_vs_fedavg"] == out[f"perfedavg_{v}_round_s"] / out["fedavg_round_s"] > 0
     n = data.seen.train.counts.double()
@@ -34,7 +35,7 @@ def test_perfedavg_ratios_are_measured_against_fedavg_in_the_same_run():
 
 def test_mlp_workload_reports_floor_ratios_for_fedavg_and_fedem():
     data = toy_data()
-    out = _bench_mlp(data, rounds=1, gflops=100.0)
+    out = bench_mlp(data, rounds=1, gflops=100.0)
     params = 10 * 200 + 200 + 200 * 1 + 1  # binary: one logit
     assert out["mlp_params"] == params and out["mlp_default_runner"] == "stacked"
     for alg, flops in (("fedavg", 6), ("fedem", 24)):
@@ -53,7 +54,7 @@ def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path):
 
     if not os.path.isdir("/usr/share/datasets/fashion-mnist"):
         pytest.skip("Fashion-MNIST is not installed (make datasets)")
-    from fedmtl import bench_peers as bp
+    from benchmarks import peers as bp
 
     data = bp.peers_data()
     counts = data.seen.train.counts
@@ -69,3 +70,54 @@ def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path):
     for key in ("speedup_vs_per_client_mlp", "speedup_vs_lean_loop_mlp", "round_vs_centralized_mlp"):
         assert res[key] > 0
     assert res["path_mlp"] == "stacked" and res["torch_threads"] == 1
+
+
+@pytest.mark.parametrize("name, has, lacks", [
+    ("engine", ("--rounds", "--threads", "--device"), ("--sizes", "--populations", "--fraction")),
+    ("models", ("--fraction", "--models", "--runners", "--device"), ("--sizes", "--repeats")),
+    ("seeds", ("--repeats", "--device"), ("--rounds", "--populations")),
+    ("scale", ("--populations", "--rounds"), ("--device", "--sizes")),
+    ("flower", ("--clients", "--rounds"), ("--device", "--threads")),
+    ("networked", ("--sizes", "--cvxpy-max"), ("--rounds", "--device", "--threads")),
+])
+def test_each_benchmark_has_its_own_flags(capsys, name, has, lacks):
+    from fedmtl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert f"fedmtl bench {name}" in text and "--out" in text
+    assert all(f in text for f in has) and not any(f in text for f in lacks), text
+
+
+def test_every_benchmark_module_defines_flags_and_main():
+    import benchmarks
+
+    for name in benchmarks.BENCHMARKS:
+        module = benchmarks.load(name)
+        assert callable(module.add_arguments) and callable(module.main), name
+
+
+def test_bench_outside_a_checkout_says_where_it_runs(monkeypatch, capsys):
+    from fedmtl import cli
+
+    monkeypatch.setattr(cli, "_benchmarks", lambda: None)
+    assert cli.main(["bench", "engine", "--out", "x.json"]) == 2
+    assert "runs from a source checkout (the benchmarks/ package)" in capsys.readouterr().err
+
+
+def test_readme_bench_commands_parse():
+    """Every ``fedmtl bench NAME ...`` the README shows parses with that benchmark's own flags."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from fedmtl.cli import build_parser
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = {m.strip() for m in re.findall(r"fedmtl bench [a-z]+ [^`#\n]*", text) if "|" not in m}
+    assert len(commands) >= 8
+    for c in commands:
+        args = build_parser().parse_args(shlex.split(c)[1:])
+        assert args.command == "bench" and args.out, c

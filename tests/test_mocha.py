@@ -259,7 +259,7 @@ def test_reference_w_update_equals_paper_for_fixed_omega():
 
 @pytest.mark.slow
 def test_table1_mtl_beats_local_and_global_on_related_tasks():
-    from fedmtl.mtl.reproduce import synthetic_tasks, table1
+    from fedmtl.experiments.mocha import synthetic_tasks, table1
 
     res = table1(synthetic_tasks(m=12, d=10, seed=1), splits=2, seed=0, rounds_scale=0.3, folds=3)
     assert set(res) >= {"global", "local", "mtl", "mtl_se", "mtl_lambdas"}

@@ -420,12 +420,12 @@ def test_centered_clipping_with_bucketing_withstands_ipm_where_krum_does_not():
 
 @pytest.mark.slow
 def test_reproduce_robustness_writes_its_tables(tmp_path):
-    from fedmtl.robust.reproduce import AGGREGATORS, clean_label
+    from fedmtl.experiments.robustness import AGGREGATORS, clean_label
 
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "tiny.toml").write_text(CONFIG.format(alg="fedavg", extra="").replace("num_clients = 30",
                                                                                                 "num_clients = 10"))
-    from fedmtl.robust.reproduce import run
+    from fedmtl.experiments.robustness import run
 
     res = run(tmp_path / "out", quick=True, datasets=("tiny",), config_dir=tmp_path / "cfg")
     acc = res["tiny"]["accuracy"]

@@ -295,7 +295,7 @@ def test_seeds_memory_check_counts_every_replica(monkeypatch):
 def test_main_job_quick_reports_every_method_with_seed_spread(tmp_path):
     """``fedmtl main --quick``: the paper's Table 1 rows and the added linear-model methods, mean ± std over the
     3 seeds, marked quick."""
-    from fedmtl.reproduce import MAIN_EXTRA, MAIN_METHODS, MAIN_SEEDS
+    from fedmtl.experiments.fedem import MAIN_EXTRA, MAIN_METHODS, MAIN_SEEDS
 
     assert main(["-q", "main", "--quick", "--out", str(tmp_path / "res")]) == 0
     table = (tmp_path / "res" / "table.md").read_text()

@@ -11,7 +11,10 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from .config import ConfigError
 from .engine.rundir import is_out_of_space
@@ -165,8 +168,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_main(args: argparse.Namespace) -> int:
+    from .experiments.fedem import main_job
     from .report import quick_mode
-    from .reproduce import main_job
 
     with quick_mode(args.quick):
         main_job(Path(args.out), quick=args.quick)
@@ -174,11 +177,11 @@ def _cmd_main(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from .experiments import reproduction
     from .report import quick_mode
-    from .reproduce import REPRODUCTIONS
 
     with quick_mode(args.quick):
-        REPRODUCTIONS[args.name](Path(args.out), quick=args.quick)
+        reproduction(args.name)(Path(args.out), quick=args.quick)
     return 0
 
 
@@ -208,20 +211,65 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_CHECKOUT = ("fedmtl bench runs from a source checkout (the benchmarks/ package); clone the repository "
+                  "and run it there")
+
+
+def _benchmarks() -> ModuleType | None:
+    """The top-level ``benchmarks`` package of a checkout (next to ``src/``), or None where there is none."""
+    try:
+        import benchmarks
+    except ImportError:
+        root = Path(__file__).resolve().parents[2]
+        if not (root / "benchmarks" / "__init__.py").is_file():
+            return None
+        sys.path.insert(0, str(root))
+        try:
+            import benchmarks
+        except ImportError:
+            return None
+    return benchmarks
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import torch
+    bm = _benchmarks()
+    if bm is None:
+        print(f"fedmtl: {BENCH_CHECKOUT}", file=sys.stderr)
+        return EXIT_INPUT
+    status: int = bm.run(args.bench, args)
+    return status
 
-    from .bench import BENCHMARKS
 
-    dev = args.device
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        print(f"error: --device must be cpu, cuda or cuda:N, got {dev!r}", file=sys.stderr)
-        return 2
-    if dev != "cpu" and not torch.cuda.is_available():
-        print(f"error: --device {dev}: this machine has no CUDA device (torch.cuda.is_available() is False)",
-              file=sys.stderr)
-        return 2
-    return BENCHMARKS[args.which](args)
+class _LazyParser(argparse.ArgumentParser):
+    """A sub-command parser whose arguments are added when it is used: a benchmark's flags come from its module,
+    imported only when that benchmark is asked for (``fedmtl bench NAME --help`` shows them)."""
+
+    def __init__(self, *args: Any, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._add_arguments = add_arguments
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        if self._add_arguments is not None:
+            add, self._add_arguments = self._add_arguments, None
+            add(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _bench_parser(sub: Any) -> None:
+    """``fedmtl bench NAME [its flags]``: a sub-command per benchmark of the checkout's ``benchmarks`` package."""
+    b = sub.add_parser("bench", help="speed benchmarks (write JSON; from a source checkout)",
+                       description="Speed benchmarks, each with its own flags: fedmtl bench NAME --help.")
+    b.set_defaults(fn=_cmd_bench)
+    bm = _benchmarks()
+    if bm is None:  # an install without the checkout: the command says so when run
+        b.add_argument("bench", metavar="NAME")
+        b.add_argument("rest", nargs=argparse.REMAINDER)
+        return
+    names = b.add_subparsers(dest="bench", required=True, metavar="NAME", parser_class=_LazyParser)
+    for name, what in bm.BENCHMARKS.items():
+        names.add_parser(name, help=what, description=f"fedmtl bench {name}: {what}",
+                         add_arguments=lambda p, name=name: bm.load(name).add_arguments(p))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=_cmd_main)
 
     rp = sub.add_parser("reproduce", help="reproduce a paper's experiment (tables, plots)")
-    from .reproduce import REPRODUCTIONS
+    from .experiments import REPRODUCTIONS
 
     rp.add_argument("name", choices=sorted(REPRODUCTIONS))
     rp.add_argument("--out", required=True)
@@ -306,25 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     _output_args(fl)
     fl.set_defaults(fn=_cmd_flower)
 
-    from .bench import BENCHMARKS
-
-    b = sub.add_parser("bench", help="speed benchmarks (write JSON)")
-    b.add_argument("which", choices=sorted(BENCHMARKS))
-    b.add_argument("--out", required=True)
-    b.add_argument("--rounds", type=int, default=10)
-    b.add_argument("--threads", type=int, default=2)
-    b.add_argument("--device", default="cpu", help="engine, fedem, models, seeds: cpu or cuda[:i]")
-    b.add_argument("--fraction", type=float, default=0.25, help="models: fraction of Fashion-MNIST used")
-    b.add_argument("--models", default="mlp,cnn,lstm", help="models: which workloads (mlp, cnn, lstm)")
-    b.add_argument("--runners", choices=("all", "default"), default="all",
-                   help="models: also time the non-default runner of the CNN and LSTM (on a CPU their vmap rounds "
-                        "take minutes and ~10 GB), or only the default one")
-    b.add_argument("--clients", type=int, default=100, help="flower: clients of the FedAvg workload")
-    b.add_argument("--sizes", default="1000,10000,100000", help="networked: graph sizes (nodes)")
-    b.add_argument("--cvxpy-max", type=int, default=10000, help="networked: largest graph CVXPY solves")
-    b.add_argument("--repeats", type=int, default=2, help="seeds: measurements of each command (median)")
-    b.add_argument("--populations", default="1000,10000,100000,1000000", help="scale: federation sizes")
-    b.set_defaults(fn=_cmd_bench)
+    _bench_parser(sub)
     return p
 
 

@@ -43,17 +43,27 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .algorithms import Ditto, FedAvg, FedEM
-from .data import partition
-from .data.federated import FederatedData
-from .engine.driver import make_engine
-from .engine.executors import make_executor
-from .engine.spec import RunConfig, RunSpec
-from .model import Model
-from .optim import SGD
-from .report import write_json
+from fedmtl.algorithms import Ditto, FedAvg, FedEM
+from fedmtl.data import partition
+from fedmtl.data.federated import FederatedData
+from fedmtl.engine.driver import make_engine
+from fedmtl.engine.executors import make_executor
+from fedmtl.engine.spec import RunConfig, RunSpec
+from fedmtl.model import Model
+from fedmtl.optim import SGD
+from fedmtl.report import write_json
+
+from .common import add_device, add_out, add_rounds, add_threads, out_path
 
 CLIENTS, ALPHA, EXAMPLES, BATCH, LR = 20, 0.1, 12_000, 10, 0.005
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_out(p)
+    add_rounds(p)
+    add_threads(p)
+    add_device(p)
+    p.add_argument("--models", default="mlp,cnn", help="which models (mlp, cnn)")
 
 
 def mlp_module() -> nn.Module:
@@ -67,7 +77,7 @@ def cnn_module() -> nn.Module:
 
 def peers_data(seed: int = 0) -> FederatedData:
     """The workload's federation (module docstring)."""
-    from .data.vision import load_idx_dataset
+    from fedmtl.data.vision import load_idx_dataset
 
     raw = load_idx_dataset("fashion_mnist", download=False)
     x = np.concatenate([raw["train_x"], raw["test_x"]])
@@ -292,16 +302,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     res = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, res)
+    write_json(out_path(args.out), res)
     for k, v in res.items():
         if k != "client_train_examples":
             print(f"{k:36s} {v:.4f}" if isinstance(v, float) else f"{k:36s} {v}")
     return 0
 
 
-__all__ = ["PeerLoop", "centralized_epoch", "cnn_module", "main", "mlp_module", "peers_data", "run"]
+__all__ = ["PeerLoop", "add_arguments", "centralized_epoch", "cnn_module", "main", "mlp_module", "peers_data", "run"]

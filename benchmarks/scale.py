@@ -27,8 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .common import add_out, add_rounds, add_threads
+
 ALGS = ("fedavg", "fedem", "ditto")
 K = 1000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_out(p)
+    add_rounds(p)
+    add_threads(p)
+    p.add_argument("--populations", default="1000,10000,100000,1000000", help="federation sizes (clients)")
 
 
 def _rss_mb() -> float:
@@ -39,12 +48,12 @@ def worker(n: int, alg_name: str, store: str, rounds: int, threads: int) -> dict
     """One population and algorithm, in this process."""
     import torch
 
-    from .algorithms import Ditto, FedAvg, FedEM
-    from .data.synthetic import linear_mixture
-    from .engine.driver import make_engine
-    from .engine.spec import RunConfig, RunSpec
-    from .models import build_model
-    from .optim import SGD
+    from fedmtl.algorithms import Ditto, FedAvg, FedEM
+    from fedmtl.data.synthetic import linear_mixture
+    from fedmtl.engine.driver import make_engine
+    from fedmtl.engine.spec import RunConfig, RunSpec
+    from fedmtl.models import build_model
+    from fedmtl.optim import SGD
 
     torch.set_num_threads(threads)
     rss0 = _rss_mb()
@@ -81,8 +90,11 @@ def worker(n: int, alg_name: str, store: str, rounds: int, threads: int) -> dict
 
 
 def _run_worker(n: int, alg: str, store: str, rounds: int, threads: int) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "fedmtl.bench_scale", str(n), alg, store, str(rounds), str(threads)]
+    # the worker imports this module as benchmarks.scale: the checkout's root on its path
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "benchmarks.scale", str(n), alg, store, str(rounds), str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"scale worker {n} {alg} {store} failed:\n{out.stderr[-3000:]}")

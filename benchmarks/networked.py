@@ -18,8 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from ..graph import Graph, sbm
-from .gtv import GTVConfig, NodeData, cvxpy_solution, solve
+from fedmtl.graph import Graph, sbm
+from fedmtl.networked.gtv import GTVConfig, NodeData, cvxpy_solution, solve
+
+from .common import add_out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_out(p)
+    p.add_argument("--sizes", default="1000,10000,100000", help="graph sizes (nodes)")
+    p.add_argument("--cvxpy-max", type=int, default=10000, help="the largest graph CVXPY solves")
 
 
 def problem(nodes: int, seed: int = 0) -> tuple[Any, NodeData]:
@@ -88,6 +96,9 @@ def run(out: str | Path, sizes: tuple[int, ...] = (1000, 10000, 100000), cvxpy_m
 
 
 def main(args: argparse.Namespace) -> int:
-    sizes = tuple(int(s) for s in getattr(args, "sizes", "1000,10000,100000").split(","))
-    run(args.out, sizes, getattr(args, "cvxpy_max", 10000))
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    run(args.out, sizes, args.cvxpy_max)
     return 0
+
+
+__all__ = ["add_arguments", "main", "problem", "run"]

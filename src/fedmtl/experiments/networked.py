@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..graph import Graph, sbm
+from ..networked.gtv import GTVConfig, NodeData, solve
 from ..report import save_figure
-from .gtv import GTVConfig, NodeData, solve
 
 W_TRUE = np.array([[2.0, 2.0], [-2.0, 2.0]])
 

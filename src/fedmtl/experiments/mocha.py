@@ -33,10 +33,10 @@ from ..data.federated import DataError
 from ..data.synthetic import related_task_arrays as synthetic_tasks
 from ..data.vision import fmnist_pair_arrays as fmnist_tasks
 from ..engine.systems import SystemsModel, TimeModel
+from ..mtl.mocha import MochaConfig, solve
+from ..mtl.omega import TaskCovariance, identity
+from ..mtl.problem import MTLData, error_rate
 from ..report import save_figure, write_table
-from .mocha import MochaConfig, solve
-from .omega import TaskCovariance, identity
-from .problem import MTLData, error_rate
 
 log = logging.getLogger("fedmtl")
 

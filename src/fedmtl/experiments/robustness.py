@@ -15,6 +15,9 @@ Privacy (unchanged from the earlier study): Poisson sampling of 20% of the clien
 noise multipliers 0.5 / 1 / 2 / 4, epsilon at delta = 1e-5 against accuracy, for FedAvg, FedEM and Ditto on both
 datasets.
 
+The methods, attacks, aggregators, fractions, noise levels and seeds are data: ``robustness.toml`` beside this
+module.
+
 Every number is the final round's mean test accuracy over all clients, attackers included (never a best round).
 Writes ``robustness.md``, ``robustness.json`` (= ``summary.json``), ``robustness.png`` (the FedAvg matrices as
 heat maps) and ``privacy.png`` into the output folder; runs are kept under ``runs/`` and a re-run continues from
@@ -30,40 +33,31 @@ from typing import Any
 
 import numpy as np
 
+from ..config import load
+from ..engine.sampling import clients_per_round
 from ..report import markdown_table, plot_curves, save_figure, write_json, write_table
+from ..resources import configs_root
+from ..robust.aggregators import RobustConfig
+from .common import method_overrides, overrides, read_tables, run_methods
 
-METHODS = {"fedavg": ["algorithm.name=fedavg"],
-           "fedem": ["algorithm.name=fedem", "algorithm.num_components=3"],
-           "ditto": ["algorithm.name=ditto", "algorithm.lam=0.1"]}
+_TABLES = read_tables("robustness.toml")
+#: method -> ``--set`` overrides (``robustness.toml``, as every table below)
+METHODS: dict[str, list[str]] = method_overrides(_TABLES["methods"])
 #: attack key -> (column title, overrides): each attack's strength as the study runs it
 ATTACKS: dict[str, tuple[str, list[str]]] = {
-    "ipm0.1": ("ipm 0.1", ["attack.kind=ipm", "attack.strength=0.1"]),
-    "ipm0.5": ("ipm 0.5", ["attack.kind=ipm", "attack.strength=0.5"]),
-    "alie": ("alie", ["attack.kind=alie"]),  # z from n and f (the paper's z_max)
-    "minmax": ("minmax", ["attack.kind=minmax"]),  # the paper's distance bound
-    "signflip": ("signflip", ["attack.kind=signflip", "attack.strength=1.0"]),
-    "signflip4": ("signflip 4", ["attack.kind=signflip", "attack.strength=4.0"]),
-    "labelflip": ("labelflip", ["attack.kind=labelflip"]),
-    "scale": ("scale -100", ["attack.kind=scale", "attack.strength=-100.0"]),
-    "gaussian": ("gaussian 1", ["attack.kind=gaussian", "attack.strength=1.0"]),
-}
-BUCKET = 2  # bucketing's s: Karimireddy et al. (ICLR 2022) need s <= 1 / (2 delta), 2.5 at 20% attackers
-AGGREGATORS = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clip",
-               f"centered_clip+b{BUCKET}", f"median+b{BUCKET}", f"krum+b{BUCKET}")
-FRACTIONS = (0.2, 0.3)
-FAIL_POINTS = 5.0
-NOISE = (0.5, 1.0, 2.0, 4.0)
+    key: (a["title"], overrides({t: v for t, v in a.items() if t != "title"})) for key, a in _TABLES["attacks"].items()}
+BUCKET: int = _TABLES["bucket"]
+AGGREGATORS: tuple[str, ...] = (*_TABLES["aggregators"], *(f"{a}+b{BUCKET}" for a in _TABLES["bucketed"]))
+FRACTIONS: tuple[float, ...] = tuple(_TABLES["fractions"])
+FAIL_POINTS: float = _TABLES["fail_points"]
+NOISE: tuple[float, ...] = tuple(_TABLES["noise"])
 #: dataset -> {method: seeds (None: the config's one seed)} of the attack matrix
 MATRIX: dict[str, dict[str, tuple[int, ...] | None]] = {
-    "synthetic": {"fedavg": (11, 12, 13), "fedem": None, "ditto": None},
-    "fmnist": {"fedavg": None},  # FedEM / Ditto on Fashion-MNIST: 20-100 s a run, 200 runs each: left out
-}
+    ds: {m: tuple(seeds) or None for m, seeds in plan.items()} for ds, plan in _TABLES["matrix"].items()}
 
 
 def aggregator_overrides(agg: str, frac: float, num_clients: int, per_round: int) -> list[str]:
     """``--set`` overrides of aggregator ``agg`` (``name`` or ``name+bS``) against ``frac`` attackers."""
-    from .aggregators import RobustConfig
-
     name, _, s = agg.partition("+b")
     f = int(round(frac * num_clients))
     sets = [f"robust.aggregator={name}"]
@@ -110,11 +104,6 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
         config_dir: Path | None = None, privacy: bool = True) -> dict[str, Any]:
     """The study (``datasets`` of ``config_dir``, default ``configs/robust``); ``privacy``: also the
     privacy-utility part.  A dataset not in ``MATRIX`` runs the matrix for FedAvg with one seed."""
-    from ..config import load
-    from ..engine.sampling import clients_per_round
-    from ..reproduce import run_methods
-    from ..resources import configs_root
-
     config_dir = config_dir or configs_root() / "robust"
     out.mkdir(parents=True, exist_ok=True)
     quick_ov = ["run.rounds=6", "run.eval_every=3", "run.checkpoint_every=3"] if quick else []
@@ -304,5 +293,6 @@ def plot_matrices(path: Path, heat: dict[str, tuple[list[str], list[str], list[l
     save_figure(fig, path)
 
 
-__all__ = ["AGGREGATORS", "ATTACKS", "FAIL_POINTS", "FRACTIONS", "MATRIX", "aggregator_overrides", "attack_label",
-           "clean_label", "failures", "matrix", "matrix_markdown", "plot_matrices", "run", "write_report"]
+__all__ = ["AGGREGATORS", "ATTACKS", "BUCKET", "FAIL_POINTS", "FRACTIONS", "MATRIX", "METHODS", "NOISE",
+           "aggregator_overrides", "attack_label", "clean_label", "failures", "matrix", "matrix_markdown",
+           "plot_matrices", "run", "write_report"]

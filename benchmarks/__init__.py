@@ -1,0 +1,46 @@
+"""Speed benchmarks: ``fedmtl bench NAME --out FILE.json [flags]`` (from a checkout of the repository).
+
+One module per benchmark, each with its own flags (``add_arguments(parser)``) and ``main(args) -> int``; the
+measured JSON files are kept in ``benchmarks/results/``.  Figures are measured and written, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from types import ModuleType
+
+#: name -> one line on what it measures; the module ``benchmarks.NAME`` runs it
+BENCHMARKS: dict[str, str] = {
+    "engine": "FedAvg round time: vmap vs loop vs one model per client (FedEM synthetic data)",
+    "fedem": "the same for FedEM (M = 3), and Per-FedAvg FO / HF vs FedAvg",
+    "models": "FMNIST MLP (FedAvg, FedEM), FMNIST CNN, Shakespeare LSTM vs FLOP floors",
+    "seeds": "`fedmtl run --seeds 1-5` vs one seed, synthetic FedEM config, whole commands",
+    "peers": "a peer library's workload (FMNIST, 20 Dirichlet clients, user modules) vs per-client loops",
+    "scale": "round time and memory from 10^3 to 10^6 clients (FedAvg, FedEM, Ditto)",
+    "flower": "FedAvg round: vmap vs Flower simulation vs 2-node deployment",
+    "networked": "GTV solver vs CVXPY on SBM graphs of 1e3 / 1e4 / 1e5 nodes",
+}
+
+
+def load(name: str) -> ModuleType:
+    """The module of benchmark ``name`` (a key of ``BENCHMARKS``)."""
+    if name not in BENCHMARKS:
+        raise KeyError(f"no benchmark {name!r}: one of {sorted(BENCHMARKS)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def run(name: str, args: argparse.Namespace) -> int:
+    """Run benchmark ``name`` with its parsed flags; a ``--device`` this machine cannot use is refused first
+    (exit status 2, nothing written)."""
+    module = load(name)
+    if getattr(args, "device", None) is not None:
+        from .common import check_device
+
+        if not check_device(args):
+            return 2
+    status: int = module.main(args)
+    return status
+
+
+__all__ = ["BENCHMARKS", "load", "run"]

@@ -1,0 +1,34 @@
+"""Paper reproductions: ``fedmtl reproduce NAME [--quick] --out DIR`` and ``fedmtl main`` (``make run``).
+
+One module per reproduction; the method tables (methods and their config settings, paper numbers, seeds) are TOML
+files beside the modules, shipped as package data.  The registry maps a reproduction's name to ``module:function``;
+the module is imported only when that reproduction runs (``reproduction(name)``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+#: name -> ``module:function`` of this package; the function takes ``(out: Path, quick: bool = False)``
+REPRODUCTIONS: dict[str, str] = {
+    "robustness": "robustness:run",
+    "mocha": "mocha:run",
+    "networked": "networked:run",
+    "fedem-synthetic": "fedem:fedem_synthetic",
+    "personalization": "personalization:personalization",
+    "omnifedge-fmnist": "omnifedge:omnifedge_fmnist",
+    "fmnist": "fedem:fmnist",
+    "fmnist-cnn": "personalization:fmnist_cnn",
+}
+
+
+def reproduction(name: str) -> Callable[..., Any]:
+    """The function that runs reproduction ``name`` (a key of ``REPRODUCTIONS``)."""
+    module, _, function = REPRODUCTIONS[name].partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(f"{__name__}.{module}"), function)
+    return fn
+
+
+__all__ = ["REPRODUCTIONS", "reproduction"]

@@ -1,0 +1,134 @@
+"""What the reproductions share: their method tables (TOML package data next to the modules) and the runs of
+one config with per-method overrides, continued from the checkpoints a previous call left."""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, load, parse_override
+from ..engine.checkpoint import CheckpointError
+from ..engine.driver import build_data, run_experiment
+from ..engine.round import TrainingDiverged
+from ..engine.rundir import RunDirError
+from ..progress import Progress
+
+
+def read_tables(name: str) -> dict[str, Any]:
+    """The TOML file ``name`` of this package (``fedem.toml``, ``robustness.toml``, ...)."""
+    return tomllib.loads((resources.files(__package__) / name).read_text(encoding="utf-8"))
+
+
+def overrides(tables: dict[str, Any]) -> list[str]:
+    """A method's config tables as ``--set`` overrides, in the order written:
+    ``{"algorithm": {"name": "ditto", "lam": 0.1}}`` -> ``["algorithm.name=ditto", "algorithm.lam=0.1"]``.
+    Each override reads back as the value of the table (checked)."""
+    out = []
+    for table, keys in tables.items():
+        if not isinstance(keys, dict):
+            raise ConfigError(f"method table: {table!r} must be a table of config keys, got {keys!r}")
+        for key, value in keys.items():
+            text = f"{table}.{key}={_value(value, top=True)}"
+            if parse_override(text) != (table, key, value):
+                raise ConfigError(f"method table: {table}.{key} = {value!r} does not read back from {text!r}")
+            out.append(text)
+    return out
+
+
+def method_overrides(methods: dict[str, Any]) -> dict[str, list[str]]:
+    """``[methods.LABEL]`` tables -> {label: ``--set`` overrides}."""
+    return {label: overrides(tables) for label, tables in methods.items()}
+
+
+def _value(v: Any, top: bool = False) -> str:
+    """``v`` in ``--set`` syntax: TOML, with a string bare where a bare word reads back as that string."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        if top and v == v.strip() and v and _bare(v):
+            return v
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, int | float):
+        return repr(v)
+    raise ConfigError(f"method table: {v!r} is not a scalar or a list")
+
+
+def _bare(text: str) -> bool:
+    try:
+        tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return True
+    return False
+
+
+def run_one(cfg: Any, run_dir: Path, data: Any) -> dict[str, Any]:
+    """One run (continued if its directory holds a checkpoint of the same config): its summary, history and
+    per-client metrics."""
+    has_ckpt = (run_dir / "checkpoint.pt").exists()
+    try:
+        res = run_experiment(cfg, run_dir, resume=has_ckpt, overwrite=not has_ckpt, data=data)
+    except (ConfigError, CheckpointError, RunDirError):  # an older run with another config or format: start over
+        res = run_experiment(cfg, run_dir, overwrite=True, data=data)
+    return {**res.summary, "history": res.history, "per_client": res.per_client}
+
+
+def run_seeds(cfg: Any, run_dir: Path, data: Any, seeds: list[int]) -> dict[str, Any]:
+    """One config with several seeds (batched; seeds with a checkpoint continue): the seeds' mean as ``final``,
+    their std as ``final_std``, the per-round means as ``history`` (with ``*_std``)."""
+    from ..engine.seeds import history_stats
+    from ..engine.seeds import run_seeds as run_batched
+
+    try:  # the seeds with a checkpoint continue, the others start
+        res = run_batched(cfg, seeds, run_dir, resume=True, data=data)
+    except (ConfigError, CheckpointError, RunDirError):  # an older run with another config or format: start over
+        res = run_batched(cfg, seeds, run_dir, overwrite=True, data=data)
+    hist = []
+    for h in history_stats([r.history for r in res.runs]):
+        row = {"round": h["round"]}
+        row.update({k[:-5]: v for k, v in h.items() if k.endswith("_mean") and v is not None})
+        row.update({k: v for k, v in h.items() if k.endswith("_std")})
+        hist.append(row)
+    return {**res.summary, "final": {k: st["mean"] for k, st in res.final.items()},
+            "final_std": {k: st["std"] for k, st in res.final.items()},
+            "final_values": {k: st["values"] for k, st in res.final.items()}, "history": hist}
+
+
+def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides: list[str],
+                allow_diverged: bool = False, seeds: list[int] | None = None) -> dict[str, Any]:
+    """Run one base config with per-method overrides (label -> ``--set`` list); {label: summary}.
+    ``seeds``: each method with these seeds as one batched run (``final`` the seeds' mean, ``final_std`` their std).
+    ``allow_diverged``: a run whose training diverges (``TrainingDiverged``: every update NaN/Inf for 3 rounds,
+    e.g. under an attack no aggregator stops) is a result, ``{"diverged": True}`` with NaN accuracies."""
+    results: dict[str, Any] = {}
+    data, data_key = None, None
+    for label, sets in methods.items():
+        cfg = load(base, [*sets, *overrides])
+        key = repr(sorted(cfg.data.items()))
+        if key != data_key:
+            data, data_key = build_data(cfg, Progress()), key
+        t0 = time.perf_counter()
+        try:
+            results[label] = (run_seeds(cfg, out / "runs" / label, data, seeds) if seeds
+                              else run_one(cfg, out / "runs" / label, data))
+        except TrainingDiverged as e:
+            if not allow_diverged:
+                raise
+            nan = float("nan")
+            results[label] = {"diverged": True, "reason": str(e), "history": [],
+                              "final": {"seen_test_acc_mean": nan, "seen_test_acc_p10": nan}}
+            print(f"{label:14s} diverged ({time.perf_counter() - t0:.0f} s)", flush=True)
+            continue
+        f = results[label]["final"]
+        sd = results[label].get("final_std", {}).get("seen_test_acc_mean")
+        spread = f" ± {100 * sd:4.1f}" if sd is not None else ""
+        print(f"{label:14s} avg {100 * f['seen_test_acc_mean']:5.1f}{spread}  p10 {100 * f['seen_test_acc_p10']:5.1f}  "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return results
+
+
+__all__ = ["method_overrides", "overrides", "read_tables", "run_methods", "run_one", "run_seeds"]

@@ -1,0 +1,100 @@
+"""Personalized methods side by side: ``fedmtl reproduce personalization`` (every method against FedAvg on
+label-permuted client groups) and ``fedmtl reproduce fmnist-cnn`` (the body/head methods and FedBN on Fashion-MNIST
+with a CNN).  The methods and their settings are data: ``personalization.toml`` beside this module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..config import load
+from ..report import markdown_table, write_json, write_table
+from ..resources import config_path
+from .common import method_overrides, read_tables, run_methods
+
+_TABLES = read_tables("personalization.toml")
+#: label -> ``--set`` overrides of every method of ``reproduce personalization``
+PERSONALIZATION_METHODS: dict[str, list[str]] = method_overrides(_TABLES["personalization"]["methods"])
+PERSONALIZATION_SEEDS: list[int] = list(_TABLES["personalization"]["seeds"])
+#: label -> ``--set`` overrides of every method of ``reproduce fmnist-cnn``
+FMNIST_CNN_METHODS: dict[str, list[str]] = method_overrides(_TABLES["fmnist_cnn"]["methods"])
+FMNIST_CNN_ROUNDS: int = _TABLES["fmnist_cnn"]["rounds"]
+FMNIST_CNN_FRACTION: float = _TABLES["fmnist_cnn"]["fraction"]
+
+
+def _personalization_model(overrides: list[str]) -> str:
+    """The model column of the personalization table for one method's overrides."""
+    if "model.batch_norm=true" in overrides:
+        return "mlp-bn"
+    return "mlp" if "model.name=mlp" in overrides else "linear"
+
+
+def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
+    """Every method against FedAvg on data that needs personalization (4 client groups with permuted labels), each
+    with 3 seeds; writes ``DIR/personalization.md``, ``.json`` and ``summary.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    ov = ["run.rounds=10", "run.eval_every=5"] if quick else []
+    res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov,
+                      seeds=PERSONALIZATION_SEEDS)
+    baseline = {"linear": "fedavg", "mlp": "fedavg (mlp)", "mlp-bn": "fedavg (mlp-bn)"}
+    fedavg = {m: 100 * res[n]["final"]["seen_test_acc_mean"] for m, n in baseline.items() if n in res}
+    rows = {}
+    for n, s in res.items():
+        model = _personalization_model(PERSONALIZATION_METHODS[n])
+        avg = 100 * s["final"]["seen_test_acc_mean"]
+        rows[n] = {"model": model, "avg": avg, "avg_std": 100 * s["final_std"]["seen_test_acc_mean"],
+                   "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
+                   "bottom_decile_std": 100 * s["final_std"]["seen_test_acc_p10"],
+                   "vs_fedavg_same_model": avg - fedavg[model], "seeds": PERSONALIZATION_SEEDS}
+    title = "Label-permuted client groups (40 clients, 4 groups, 10 classes)"
+    md = (f"# {title}: test accuracy (%), final round, mean ± std over seeds {PERSONALIZATION_SEEDS}"
+          "\n\n"
+          + markdown_table(["method", "model", "avg", "p10", "minus FedAvg (same model)"],
+                           [[n, r["model"], f"{r['avg']:.1f} ± {r['avg_std']:.1f}",
+                             f"{r['bottom_decile']:.1f} ± {r['bottom_decile_std']:.1f}",
+                             f"{r['vs_fedavg_same_model']:+.1f}"] for n, r in rows.items()]))
+    write_table(out / "personalization.md", md)
+    write_json(out / "summary.json", rows)
+    print(md)
+    return rows
+
+
+def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
+    """Body/head methods (FedPer, FedRep, FedRoD, FedBABU, kNN-Per) and FedBN against Local and FedAvg on Fashion-MNIST
+    (100 clients, 3 label groups by Dirichlet(0.4)) with the FEMNIST CNN, one seed (a CNN round takes seconds on a
+    CPU); writes ``DIR/fmnist_cnn.md`` and ``summary.json``.  Returns None without the data."""
+    from ..data.federated import DataError
+
+    out.mkdir(parents=True, exist_ok=True)
+    base = config_path("fmnist_cnn/fedavg")
+    ov = (["run.rounds=2", "run.eval_every=1", "data.num_clients=10", "data.fraction=0.02"] if quick
+          else [f"run.rounds={FMNIST_CNN_ROUNDS}", "run.eval_every=5", f"data.fraction={FMNIST_CNN_FRACTION}"])
+    ov += ["data.download=false", "run.checkpoint_every=10"]
+    try:
+        load(base, ov).build_data()
+    except DataError as e:
+        print(f"Fashion-MNIST CNN table skipped: {e}")
+        return None
+    res = run_methods(out, base, FMNIST_CNN_METHODS, ov)
+    local = 100 * res["local"]["final"]["seen_test_acc_mean"]
+    rows = {}
+    for n, s in res.items():
+        model = "cnn_bn" if "model.name=cnn_bn" in FMNIST_CNN_METHODS[n] else "cnn_femnist"
+        avg = 100 * s["final"]["seen_test_acc_mean"]
+        rows[n] = {"model": model, "avg": avg, "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
+                   "minus_local": avg - local, "rounds": s["rounds"], "seconds_per_round": s["seconds_per_round"]}
+    frac, clients = (0.02, 10) if quick else (FMNIST_CNN_FRACTION, 100)
+    title = (f"Fashion-MNIST ({100 * frac:.0f}% of the images), {clients} clients, 3 label groups by "
+             "Dirichlet(0.4), FEMNIST CNN")
+    md = (f"# {title}: test accuracy (%) after the last round, seed 1234\n\n"
+          + markdown_table(["method", "model", "avg", "p10", "minus Local", "rounds", "time/round"],
+                           [[n, r["model"], r["avg"], r["bottom_decile"], f"{r['minus_local']:+.1f}", r["rounds"],
+                             f"{r['seconds_per_round']:.1f} s"] for n, r in rows.items()]))
+    write_table(out / "fmnist_cnn.md", md)
+    write_json(out / "summary.json", {"results": rows, "quick": quick, "methods": FMNIST_CNN_METHODS})
+    print(md)
+    return rows
+
+
+__all__ = ["FMNIST_CNN_FRACTION", "FMNIST_CNN_METHODS", "FMNIST_CNN_ROUNDS", "PERSONALIZATION_METHODS",
+           "PERSONALIZATION_SEEDS", "fmnist_cnn", "personalization"]

@@ -1,0 +1,46 @@
+"""The reproductions' registry and method tables (TOML package data beside ``fedmtl/experiments/*.py``)."""
+
+from importlib import resources
+
+import pytest
+
+from fedmtl.config import ConfigError, load
+from fedmtl.experiments import REPRODUCTIONS, reproduction
+from fedmtl.experiments.common import method_overrides, overrides
+
+
+def test_every_reproduction_resolves_to_a_function():
+    assert sorted(REPRODUCTIONS) == ["fedem-synthetic", "fmnist", "fmnist-cnn", "mocha", "networked",
+                                     "omnifedge-fmnist", "personalization", "robustness"]
+    for name in REPRODUCTIONS:
+        assert callable(reproduction(name)), name
+
+
+def test_method_tables_are_package_data():
+    files = {p.name for p in resources.files("fedmtl.experiments").iterdir()}
+    assert {"fedem.toml", "personalization.toml", "omnifedge.toml", "robustness.toml"} <= files
+
+
+def test_a_method_table_becomes_the_overrides_it_stands_for():
+    sets = overrides({"algorithm": {"name": "fedavg+", "finetune_lr": 0.05, "finetune_epochs": 2},
+                      "model": {"hidden": [32], "batch_norm": True, "name": "true"}, "optim": {"momentum": 0.0}})
+    assert sets == ["algorithm.name=fedavg+", "algorithm.finetune_lr=0.05", "algorithm.finetune_epochs=2",
+                    "model.hidden=[32]", "model.batch_norm=true", 'model.name="true"', "optim.momentum=0.0"]
+    assert method_overrides({"a": {}, "b": {"run": {"rounds": 3}}}) == {"a": [], "b": ["run.rounds=3"]}
+    with pytest.raises(ConfigError, match="table of config keys"):
+        overrides({"algorithm": "fedavg"})
+
+
+def test_every_method_of_every_table_is_a_valid_config():
+    from fedmtl.experiments import omnifedge, personalization, robustness
+    from fedmtl.resources import config_path
+
+    attacks = {k: [*robustness.METHODS["fedavg"], *sets, "attack.fraction=0.2"]
+               for k, (_, sets) in robustness.ATTACKS.items()}
+    for base, methods in ((config_path("personalization/permuted"), personalization.PERSONALIZATION_METHODS),
+                          (config_path("fmnist_cnn/fedavg"), personalization.FMNIST_CNN_METHODS),
+                          (config_path("omnifedge/fmnist"), omnifedge.METHODS),
+                          (config_path("robust/synthetic"), robustness.METHODS),
+                          (config_path("robust/synthetic"), attacks)):
+        for sets in methods.values():
+            load(base, sets)  # raises on an unknown key or a value out of range
