@@ -32,9 +32,11 @@ run: venv
 test: venv
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src/fedmtl
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src/fedmtl
 
 bench: venv
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl bench engine --out results/bench_engine.json

@@ -22,12 +22,19 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError
+from .engine.evaluation import (
+    PARTICIPATION_GAP,
+    SEEN_TEST_ACC_BOTTOM10_MEAN,
+    SEEN_TEST_ACC_MEAN,
+    SEEN_TEST_ACC_P10,
+    UNSEEN_TEST_ACC_MEAN,
+)
 from .engine.seeds import history_stats, stats
 from .report import atomic, plot_bands, save_figure, write_json
 
-METRICS = [("seen_test_acc_mean", "avg"), ("seen_test_acc_p10", "p10 (bottom decile)"),
-           ("seen_test_acc_bottom10_mean", "worst 10% mean"), ("unseen_test_acc_mean", "unseen avg"),
-           ("participation_gap", "participation gap")]
+METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
+           (SEEN_TEST_ACC_BOTTOM10_MEAN, "worst 10% mean"), (UNSEEN_TEST_ACC_MEAN, "unseen avg"),
+           (PARTICIPATION_GAP, "participation gap")]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -85,7 +92,7 @@ class Run:
         vals = [s["final"].get(key) for s in self.summaries]
         if any(not isinstance(v, int | float) for v in vals):
             return None
-        return stats([float(v) for v in vals])  # type: ignore[arg-type]
+        return stats([float(v) for v in vals])
 
     def history(self) -> list[dict[str, Any]]:
         return history_stats([_read_metrics(d / "metrics.csv") for d in self.dirs if (d / "metrics.csv").exists()])
@@ -105,7 +112,7 @@ def _labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
-def compare(run_dirs: list[str | Path], out: str | Path, metric: str = "seen_test_acc_mean") -> dict[str, Any]:
+def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST_ACC_MEAN) -> dict[str, Any]:
     if not run_dirs:
         raise ConfigError("fedmtl compare: give at least one RUN_DIR")
     paths = [Path(p) for p in run_dirs]

@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal, TextIO
 
+from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
+
 Mode = Literal["auto", "bar", "lines", "off"]
 
 _DEFAULT: dict[str, Any] = {"mode": "auto", "verbose": False}
@@ -35,7 +37,7 @@ def set_default(mode: Mode, verbose: bool = False) -> None:
 def resolve(progress: bool | str) -> Mode:
     """``True`` -> the process default; ``False`` -> "off"; a mode name -> itself."""
     if progress is True:
-        return _DEFAULT["mode"]  # type: ignore[no-any-return]
+        return _DEFAULT["mode"]
     if progress is False:
         return "off"
     if progress not in ("auto", "bar", "lines", "off"):
@@ -54,8 +56,8 @@ def _sized_terminal(stream: TextIO) -> bool:
 
 def _fmt_row(row: dict[str, Any]) -> str:
     parts = [f"loss {row['train_loss']:.4f}"] if isinstance(row.get("train_loss"), float) else []
-    for key, label in (("seen_test_acc_mean", "acc"), ("seen_test_acc_p10", "p10"),
-                       ("unseen_test_acc_mean", "unseen")):
+    for key, label in ((SEEN_TEST_ACC_MEAN, "acc"), (SEEN_TEST_ACC_P10, "p10"),
+                       (UNSEEN_TEST_ACC_MEAN, "unseen")):
         if isinstance(row.get(key), float):
             parts.append(f"{label} {100 * row[key]:.2f}%")
     if "epsilon" in row and isinstance(row["epsilon"], float):
@@ -112,15 +114,15 @@ class Progress:
             bar = self._bars.get(key)
             if bar is not None:
                 post = {"loss": f"{row['train_loss']:.4f}"} if isinstance(row.get("train_loss"), float) else {}
-                if isinstance(row.get("seen_test_acc_mean"), float):
-                    post["acc"] = f"{100 * row['seen_test_acc_mean']:.2f}"
+                if isinstance(row.get(SEEN_TEST_ACC_MEAN), float):
+                    post["acc"] = f"{100 * row[SEEN_TEST_ACC_MEAN]:.2f}"
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
             return
         acc = self._since.setdefault(key, [0.0, 0])
         acc[0] += seconds
         acc[1] += 1
-        evaluated = "seen_test_acc_mean" in row or "unseen_test_acc_mean" in row
+        evaluated = SEEN_TEST_ACC_MEAN in row or UNSEEN_TEST_ACC_MEAN in row
         if evaluated or self.verbose or row.get("round") == total:
             self.line(f"{label} round {row['round']}/{total}  {_fmt_row(row)}  {acc[0] / acc[1]:.3f} s/round")
             self._since[key] = [0.0, 0]

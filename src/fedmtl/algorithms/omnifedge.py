@@ -91,7 +91,7 @@ def solve_omega(losses: Tensor, lam: float, iters: int = 100) -> Tensor:
 
 
 @dataclass(frozen=True)
-class OmniFedge(Algorithm):
+class OmniFedge(Algorithm[OmniServer, ClientId]):
     name: ClassVar[str] = "omnifedge"
     averages_updates: ClassVar[bool] = False
     needs_adaptation: ClassVar[bool] = True

@@ -48,7 +48,7 @@ class Theta(NamedTuple):
 
 
 @dataclass(frozen=True)
-class PFedMe(Algorithm):
+class PFedMe(Algorithm[GlobalModel, Theta]):
     name: ClassVar[str] = "pfedme"
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
