@@ -33,12 +33,14 @@ run: venv
 test: venv
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src/fedmtl
 
 test-fast: venv
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src/fedmtl
 
 # the handbook: mkdocs.yml, docs/ (docs/hooks.py generates the config reference and the results pages)
 docs: venv

@@ -105,3 +105,19 @@ def test_bench_outside_a_checkout_says_where_it_runs(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_benchmarks", lambda: None)
     assert cli.main(["bench", "engine", "--out", "x.json"]) == 2
     assert "runs from a source checkout (the benchmarks/ package)" in capsys.readouterr().err
+
+
+def test_readme_bench_commands_parse():
+    """Every ``fedmtl bench NAME ...`` the README shows parses with that benchmark's own flags."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from fedmtl.cli import build_parser
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = {m.strip() for m in re.findall(r"fedmtl bench [a-z]+ [^`#\n]*", text) if "|" not in m}
+    assert len(commands) >= 8
+    for c in commands:
+        args = build_parser().parse_args(shlex.split(c)[1:])
+        assert args.command == "bench" and args.out, c

@@ -11,12 +11,13 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from .config import ConfigError
+from .engine.evaluation import HEADLINE, SEEN_TEST_ACC_MEAN
 from .engine.rundir import is_out_of_space
 from .registry import RegistryError, import_plugins, load_plugins
 
@@ -32,8 +33,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"run.seeds=[{parse_seeds(args.seeds)}]")
     cfg = load(args.config, overrides)
     out = args.out or str(Path("runs") / Path(args.config).stem)
-    keys = ("seen_test_acc_mean", "seen_test_acc_p10", "seen_test_acc_bottom10_mean", "unseen_test_acc_mean",
-            "participation_gap")
+    keys = HEADLINE
     if cfg.run.seeds:
         from .engine.seeds import run_seeds
 
@@ -240,6 +240,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return status
 
 
+_N = TypeVar("_N")
+
+
 class _LazyParser(argparse.ArgumentParser):
     """A sub-command parser whose arguments are added when it is used: a benchmark's flags come from its module,
     imported only when that benchmark is asked for (``fedmtl bench NAME --help`` shows them)."""
@@ -249,7 +252,17 @@ class _LazyParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._add_arguments = add_arguments
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    @overload
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: None = None
+                         ) -> tuple[argparse.Namespace, list[str]]: ...
+
+    @overload
+    def parse_known_args(self, args: Iterable[str] | None, namespace: _N) -> tuple[_N, list[str]]: ...
+
+    @overload
+    def parse_known_args(self, *, namespace: _N) -> tuple[_N, list[str]]: ...
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         if self._add_arguments is not None:
             add, self._add_arguments = self._add_arguments, None
             add(self)
@@ -311,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compare", help="runs side by side: a Markdown table (mean +- std over seeds), curves with "
                                        "seed bands, per-client accuracy distributions")
     cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (fedmtl run, with or without --seeds)")
-    cp.add_argument("--metric", default="seen_test_acc_mean", help="the metric to sort by and to plot per round")
+    cp.add_argument("--metric", default=SEEN_TEST_ACC_MEAN, help="the metric to sort by and to plot per round")
     cp.add_argument("--out", required=True)
     _output_args(cp)
     cp.set_defaults(fn=_cmd_compare)

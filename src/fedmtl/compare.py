@@ -22,11 +22,19 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError
+from .engine.evaluation import (
+    PARTICIPATION_GAP,
+    SEEN_TEST_ACC_BOTTOM10_MEAN,
+    SEEN_TEST_ACC_MEAN,
+    SEEN_TEST_ACC_P10,
+    UNSEEN_TEST_ACC_MEAN,
+)
 from .engine.seeds import history_stats, stats
-from .metrics import HEADLINE, SEEN_TEST_ACC
 from .report import atomic, plot_bands, save_figure, write_json
 
-METRICS = list(HEADLINE)
+METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
+           (SEEN_TEST_ACC_BOTTOM10_MEAN, "worst 10% mean"), (UNSEEN_TEST_ACC_MEAN, "unseen avg"),
+           (PARTICIPATION_GAP, "participation gap")]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -84,7 +92,7 @@ class Run:
         vals = [s["final"].get(key) for s in self.summaries]
         if any(not isinstance(v, int | float) for v in vals):
             return None
-        return stats([float(v) for v in vals])  # type: ignore[arg-type]
+        return stats([float(v) for v in vals])
 
     def history(self) -> list[dict[str, Any]]:
         return history_stats([_read_metrics(d / "metrics.csv") for d in self.dirs if (d / "metrics.csv").exists()])
@@ -104,7 +112,7 @@ def _labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
-def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST_ACC) -> dict[str, Any]:
+def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST_ACC_MEAN) -> dict[str, Any]:
     if not run_dirs:
         raise ConfigError("fedmtl compare: give at least one RUN_DIR")
     paths = [Path(p) for p in run_dirs]

@@ -265,8 +265,9 @@ class Model:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 for m in self.module.modules():
-                    if hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
+                    reset = getattr(m, "reset_parameters", None)
+                    if reset is not None:
+                        reset()
                 return {k: v.detach().clone().to(dev) for k, v in self.module.named_parameters()}
         finally:
             if dev.type != "cpu":
@@ -497,7 +498,7 @@ def dense_layers(module: nn.Module, binary: bool) -> tuple[list[tuple[str, str |
     flatten = bool(items) and isinstance(items[0][1], nn.Flatten)
     if flatten:
         fl = items[0][1]
-        if (fl.start_dim, fl.end_dim) != (1, -1):  # type: ignore[union-attr]
+        if isinstance(fl, nn.Flatten) and (fl.start_dim, fl.end_dim) != (1, -1):
             return None
         items = items[1:]
     layers: list[tuple[str, str | None]] = []
@@ -511,7 +512,7 @@ def dense_layers(module: nn.Module, binary: bool) -> tuple[list[tuple[str, str |
             return None
     if not layers or len(items) % 2 == 0:  # ends with a ReLU, or empty
         return None
-    if binary and module.get_submodule(layers[-1][0].rsplit(".", 1)[0]).out_features != 1:  # type: ignore[union-attr]
+    if binary and module.get_submodule(layers[-1][0].rsplit(".", 1)[0]).out_features != 1:
         return None
     return layers, flatten
 

@@ -23,7 +23,7 @@ from .batchnorm import is_statistic
 from .schema import Annotated, Range, check_fields
 from .transforms import eager as is_eager
 from .transforms import only_vmap, unbatched
-from .tree import Params, tmap
+from .tree import Params, Tree, tmap
 
 
 class Batches(NamedTuple):
@@ -180,7 +180,7 @@ class SGD:
 
 
 GradFn = Callable[[Params, Tensor, Tensor, Tensor, Tensor | None], tuple[Params, Tensor]]
-Carry = TypeVar("Carry")
+Carry = TypeVar("Carry", bound=Tree)
 
 
 def masked_steps(

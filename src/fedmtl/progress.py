@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Literal, TextIO
 
-from .metrics import SEEN_TEST_ACC, SEEN_TEST_P10, UNSEEN_TEST_ACC
+from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
 
 Mode = Literal["auto", "bar", "lines", "off"]
 
@@ -66,7 +66,8 @@ def _sized_terminal(stream: TextIO) -> bool:
 
 def _fmt_row(row: dict[str, Any]) -> str:
     parts = [f"loss {row['train_loss']:.4f}"] if isinstance(row.get("train_loss"), float) else []
-    for key, label in ((SEEN_TEST_ACC, "acc"), (SEEN_TEST_P10, "p10"), (UNSEEN_TEST_ACC, "unseen")):
+    for key, label in ((SEEN_TEST_ACC_MEAN, "acc"), (SEEN_TEST_ACC_P10, "p10"),
+                       (UNSEEN_TEST_ACC_MEAN, "unseen")):
         if isinstance(row.get(key), float):
             parts.append(f"{label} {100 * row[key]:.2f}%")
     if "epsilon" in row and isinstance(row["epsilon"], float):
@@ -123,15 +124,15 @@ class Progress:
             bar = self._bars.get(key)
             if bar is not None:
                 post = {"loss": f"{row['train_loss']:.4f}"} if isinstance(row.get("train_loss"), float) else {}
-                if isinstance(row.get(SEEN_TEST_ACC), float):
-                    post["acc"] = f"{100 * row[SEEN_TEST_ACC]:.2f}"
+                if isinstance(row.get(SEEN_TEST_ACC_MEAN), float):
+                    post["acc"] = f"{100 * row[SEEN_TEST_ACC_MEAN]:.2f}"
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
             return
         acc = self._since.setdefault(key, [0.0, 0])
         acc[0] += seconds
         acc[1] += 1
-        evaluated = SEEN_TEST_ACC in row or UNSEEN_TEST_ACC in row
+        evaluated = SEEN_TEST_ACC_MEAN in row or UNSEEN_TEST_ACC_MEAN in row
         if evaluated or self.verbose or row.get("round") == total:
             self.line(f"{label} round {row['round']}/{total}  {_fmt_row(row)}  {acc[0] / acc[1]:.3f} s/round")
             self._since[key] = [0.0, 0]
@@ -142,4 +143,4 @@ class Progress:
         self._bars.clear()
 
 
-__all__ = ["Progress", "default", "resolve"]
+__all__ = ["Progress", "resolve", "default"]

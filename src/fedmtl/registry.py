@@ -27,11 +27,14 @@ import importlib
 import logging
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 log = logging.getLogger("fedmtl")
 
-ALGORITHMS: dict[str, type] = {}
+if TYPE_CHECKING:  # for annotations only: this module imports nothing of the package at run time
+    from .algorithms.base import Algorithm
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
 MODELS: dict[str, Callable[..., Any]] = {}
 DATASETS: dict[str, Callable[..., Any]] = {}
 

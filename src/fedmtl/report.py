@@ -8,13 +8,13 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from .metrics import SEEN_TEST_ACC, SEEN_TEST_P10, SEEN_TRAIN_ACC, UNSEEN_TEST_ACC
+from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, SEEN_TRAIN_ACC_MEAN, UNSEEN_TEST_ACC_MEAN
 
 
 @contextlib.contextmanager
@@ -25,7 +25,7 @@ def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[An
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, mode, **({"newline": ""} if "b" not in mode else {})) as f:
+        with os.fdopen(fd, mode, newline=None if "b" in mode else "") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -118,13 +118,13 @@ def write_json(path: Path, obj: Any) -> None:
         f.write(json.dumps(clean(obj), indent=2) + "\n")
 
 
-def plot_curves(path: Path, curves: dict[str, tuple[Sequence[float], Sequence[float]]], ylabel: str,
+def plot_curves(path: Path, curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], ylabel: str,
                 title: str, xlabel: str = "round") -> None:
     """Line plot of several (x, y) curves, written as PNG."""
     plot_bands(path, {label: (x, y, None) for label, (x, y) in curves.items()}, ylabel, title, xlabel)
 
 
-def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
+def plot_bands(path: Path, bands: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
                ylabel: str, title: str, xlabel: str = "round") -> None:
     """Curves (x, mean, std) each drawn as a line with a shaded mean +- std band (none where std is None),
     written as PNG."""
@@ -151,8 +151,8 @@ def plot_bands(path: Path, bands: dict[str, tuple[Sequence[float], Sequence[floa
 
 def plot_history(path: Path, history: list[dict[str, Any]], title: str) -> None:
     curves = {}
-    for key, label in ((SEEN_TEST_ACC, "test (seen, mean)"), (SEEN_TEST_P10, "test (seen, 10th pct)"),
-                       (SEEN_TRAIN_ACC, "train (seen, mean)"), (UNSEEN_TEST_ACC, "test (unseen, mean)")):
+    for key, label in ((SEEN_TEST_ACC_MEAN, "test (seen, mean)"), (SEEN_TEST_ACC_P10, "test (seen, 10th pct)"),
+                       (SEEN_TRAIN_ACC_MEAN, "train (seen, mean)"), (UNSEEN_TEST_ACC_MEAN, "test (unseen, mean)")):
         rows = [r for r in history if isinstance(r.get(key), float)]
         if rows:
             curves[label] = ([r["round"] for r in rows], [100 * r[key] for r in rows])

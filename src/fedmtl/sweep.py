@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import ConfigError, load, parse_override
 from .engine.driver import run_experiment
-from .metrics import SEEN_TEST_ACC, SEEN_TEST_P10
+from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from .report import atomic, save_figure, write_json
 
 
@@ -86,7 +86,7 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path,
                                    progress=progress).summary["final"]
             row.update(final)
         rows.append(row)
-        print(name, " ".join(f"{k}={100 * final[k]:.2f}" for k in (SEEN_TEST_ACC, SEEN_TEST_P10)
+        print(name, " ".join(f"{k}={100 * final[k]:.2f}" for k in (SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10)
                              if isinstance(final.get(k), float)))
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "sweep.json", {"swept": [k for k, _ in swept], "fixed": fixed, "results": rows})
@@ -128,7 +128,7 @@ def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str]) -> None
     for r in rows:
         groups.setdefault(",".join(f"{k}={r[k]}" for k in others), []).append(r)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for metric, label in ((SEEN_TEST_ACC, "test acc (mean)"), (SEEN_TEST_P10, "test acc (10th pct)")):
+    for metric, label in ((SEEN_TEST_ACC_MEAN, "test acc (mean)"), (SEEN_TEST_ACC_P10, "test acc (10th pct)")):
         for gname, grows in groups.items():
             xs = [pos[r[first]] if kind == "category" else float(r[first]) for r in grows]
             ys = np.array([100 * r.get(metric, float("nan")) for r in grows])
@@ -144,7 +144,7 @@ def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str]) -> None
         ax.set_xscale("symlog", linthresh=min(float(v) for v in values if v > 0))
     ax.set_xlabel(first)
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"sweep of {first}" + (" (band: +-1 std over seeds)" if any(f"{SEEN_TEST_ACC}_std" in r
+    ax.set_title(f"sweep of {first}" + (" (band: +-1 std over seeds)" if any("seen_test_acc_mean_std" in r
                                                                             for r in rows) else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

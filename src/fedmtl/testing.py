@@ -52,7 +52,7 @@ from .algorithms.base import Algorithm
 from .data.federated import FederatedData
 from .engine import checkpoint
 from .engine.driver import make_engine
-from .engine.evaluation import summarize
+from .engine.evaluation import SEEN_TEST_LOSS, SEEN_TRAIN_LOSS, summarize
 from .engine.round import Engine
 from .engine.spec import RunConfig, RunSpec
 from .model import Model
@@ -248,14 +248,15 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
         return
     from .engine.systems import SystemsModel
 
-    res = {}
+    forms: dict[str, tuple[Any, Any, list[float], dict[str, Any]]] = {}
     for runner in ("stacked", "loop"):
         eng = sim(runner=runner, sampling_rate=0.5, local_epochs=2)
         if eng.clients.executor.name != runner:  # type: ignore[attr-defined]
             raise ContractError(f"asked for the {runner} executor, got {eng.clients.executor.name}")  # type: ignore[attr-defined]
         st, rows = run_rounds(eng, 3)
-        res[runner] = (st.server, all_client_states(eng), [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
-    (sa, ca, la, ea), (sb, cb, lb, eb) = res["stacked"], res["loop"]
+        losses = [r["train_loss"] for r in rows]
+        forms[runner] = (st.server, all_client_states(eng), losses, summarize(eng.evaluate(st)))
+    (sa, ca, la, ea), (sb, cb, lb, eb) = forms["stacked"], forms["loop"]
     _close(sa, sb, atol, "server state, stacked vs loop")
     _close(ca, cb, atol, "client states, stacked vs loop")
     if not np.allclose(la, lb, atol=atol, rtol=atol):
@@ -301,10 +302,10 @@ def _deterministic(sim: Callable[..., Engine]) -> None:
 def _learns(sim: Callable[..., Engine], rounds: int) -> None:
     eng = sim(rounds=rounds)
     st = eng.init_state()
-    before = summarize(eng.evaluate(st))["seen_train_loss"]
+    before = summarize(eng.evaluate(st))[SEEN_TRAIN_LOSS]
     for _ in range(rounds):
         eng.round(st)
-    after = summarize(eng.evaluate(st))["seen_train_loss"]
+    after = summarize(eng.evaluate(st))[SEEN_TRAIN_LOSS]
     if not after < before - 0.05:
         raise ContractError(f"training loss did not fall on the toy task: {before:.4f} -> {after:.4f} "
                             f"in {rounds} rounds")
@@ -336,7 +337,7 @@ def _nan_excluded(cls: type[Algorithm], kwargs: dict[str, Any], data: FederatedD
     n0 = float(data.seen.train.counts[0])
 
     class Poisoned(cls):  # type: ignore[misc, valid-type]
-        def client_update(self, ctx, payload, state, batches, lr):  # type: ignore[no-untyped-def]
+        def client_update(self, ctx, payload, state, batches, lr):
             upd, new_state, loss = super().client_update(ctx, payload, state, batches, lr)
             bad = batches.n == n0
 
@@ -359,7 +360,7 @@ def _nan_excluded(cls: type[Algorithm], kwargs: dict[str, Any], data: FederatedD
     for x in T.leaves(st.server) + T.leaves(all_client_states(eng)):
         if x.is_floating_point() and not bool(torch.isfinite(x).all()):
             raise ContractError("a NaN update reached the server or a client's state")
-    if not np.isfinite(summarize(eng.evaluate(st))["seen_test_loss"]):
+    if not np.isfinite(summarize(eng.evaluate(st))[SEEN_TEST_LOSS]):
         raise ContractError("evaluation after a NaN update is not finite")
 
 

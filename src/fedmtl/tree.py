@@ -7,18 +7,29 @@ never mutates its inputs.  Nested structures (dicts, tuples, NamedTuples of tens
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
 Params = dict[str, Tensor]
-Tree = Any
+#: a pytree of tensors: a tensor, or tuples (NamedTuples included), lists and string-keyed mappings of trees (None:
+#: an empty node, as an optional field of a NamedTuple)
+Tree: TypeAlias = Tensor | Sequence["Tree"] | Mapping[str, "Tree"] | None
+#: a tree and what a structure-preserving map of it returns (the same container types)
+TreeT = TypeVar("TreeT", bound=Tree)
 
 
-def tmap(fn: Callable[..., Tensor], tree: Tree, *rest: Tree) -> Tree:
+class Combine(Protocol):
+    """How stacked rows (K, ...) of a tree are combined into one tree of the same structure with weights (K,): the
+    weighted mean (``weighted_mean``) or a robust aggregator (``fedmtl.robust``)."""
+
+    def __call__(self, stacked: TreeT, weights: Tensor, /) -> TreeT: ...
+
+
+def tmap(fn: Callable[..., Tensor], tree: TreeT, *rest: Tree) -> TreeT:
     """Apply ``fn`` leaf-wise to one or more trees of the same structure."""
     return pytree.tree_map(fn, tree, *rest)
 
@@ -27,51 +38,51 @@ def leaves(tree: Tree) -> list[Tensor]:
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, Tensor)]
 
 
-def add(a: Tree, b: Tree) -> Tree:
+def add(a: TreeT, b: Tree) -> TreeT:
     return tmap(torch.add, a, b)
 
 
-def sub(a: Tree, b: Tree) -> Tree:
+def sub(a: TreeT, b: Tree) -> TreeT:
     return tmap(torch.sub, a, b)
 
 
-def scale(a: Tree, s: float | Tensor) -> Tree:
+def scale(a: TreeT, s: float | Tensor) -> TreeT:
     return tmap(lambda x: x * s, a)
 
 
-def zeros_like(a: Tree) -> Tree:
+def zeros_like(a: TreeT) -> TreeT:
     return tmap(torch.zeros_like, a)
 
 
-def clone(a: Tree) -> Tree:
+def clone(a: TreeT) -> TreeT:
     return tmap(lambda x: x.clone(), a)
 
 
-def where(cond: Tensor, a: Tree, b: Tree) -> Tree:
+def where(cond: Tensor, a: TreeT, b: Tree) -> TreeT:
     """Leaf-wise ``torch.where`` with a scalar (0-d) condition broadcast to every leaf."""
     return tmap(lambda x, y: torch.where(cond, x, y), a, b)
 
 
-def stack(trees: list[Tree]) -> Tree:
+def stack(trees: Sequence[TreeT]) -> TreeT:
     """Stack a list of trees with the same structure along a new leading axis."""
     return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
 
 
-def unstack(tree: Tree, n: int) -> list[Tree]:
+def unstack(tree: TreeT, n: int) -> list[TreeT]:
     return [take(tree, i) for i in range(n)]
 
 
-def take(tree: Tree, index: int | Tensor) -> Tree:
+def take(tree: TreeT, index: int | Tensor) -> TreeT:
     """Index the leading axis of every leaf (an int drops the axis, a 1-d index tensor keeps it)."""
     return tmap(lambda x: x[index], tree)
 
 
-def broadcast(tree: Tree, n: int) -> Tree:
+def broadcast(tree: TreeT, n: int) -> TreeT:
     """View a tree as stacked ``n`` times along a new leading axis (no copy)."""
     return tmap(lambda x: x.unsqueeze(0).expand(n, *x.shape), tree)
 
 
-def weighted_mean(stacked: Tree, weights: Tensor) -> Tree:
+def weighted_mean(stacked: TreeT, weights: Tensor) -> TreeT:
     """Weighted mean over the leading axis; ``weights`` (K,) need not be normalized.
 
     Rows with zero weight are skipped (not multiplied), so excluded client updates holding NaN/Inf
@@ -122,7 +133,7 @@ def all_finite_rows(stacked: Tree) -> Tensor:
     return ok
 
 
-def to(tree: Tree, device: torch.device | str) -> Tree:
+def to(tree: TreeT, device: torch.device | str) -> TreeT:
     """Every leaf on ``device``.  Host-to-GPU copies do not wait for the GPU: a blocking copy synchronizes the
     stream after each tensor, which stalls the CPU on the GPU's queued work once per client in a loop over clients
     (CUDA stages a pageable source before the call returns, so the source may change right after; GPU-to-host
@@ -148,8 +159,8 @@ def to_named(tree: Tree) -> dict[str, Tensor]:
     return out
 
 
-def from_named(named: dict[str, Tensor], template: Tree, device: torch.device | str | None = None,
-               leading: bool = False) -> Tree:
+def from_named(named: dict[str, Tensor], template: TreeT, device: torch.device | str | None = None,
+               leading: bool = False) -> TreeT:
     """Rebuild a tree shaped like ``template`` from ``to_named`` output; names, shapes and dtypes must agree
     (``leading=True``: all but the leading axis, for stacks whose length changes, e.g. Clustered FL's models)."""
     flat, spec = pytree.tree_flatten_with_path(template)

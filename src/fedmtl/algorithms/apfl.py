@@ -32,7 +32,7 @@ class APFLState(NamedTuple):
 
 
 @dataclass(frozen=True)
-class APFL(Algorithm):
+class APFL(Algorithm[GlobalModel, APFLState]):
     name: ClassVar[str] = "apfl"
     keeps_client_state: ClassVar[bool] = True
     #: initial mixing weight a of the personal model in h = a v + (1 - a) w, in [0, 1]

@@ -23,9 +23,8 @@ Capabilities are class attributes, read by the engine and by Flower:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -35,7 +34,7 @@ from ..data.federated import Orders, epoch_orders, steps_per_epoch
 from ..model import Model
 from ..optim import SGD, Batches
 from ..schema import check_fields
-from ..tree import Params, Tree
+from ..tree import Combine, Params, Tree, TreeT
 
 
 class Context(NamedTuple):
@@ -50,7 +49,7 @@ class Context(NamedTuple):
     max_train: int = 0  # the largest training set of any seen client (per-example client state: MOCHA's duals)
     # how the server combines stacked updates (K, ...) with weights (K,): the weighted mean, or a robust
     # aggregator of the run's [robust] table (fedmtl.robust); aggregate() calls it wherever it averages
-    combine: Callable[[Tree, Tensor], Tree] = T.weighted_mean
+    combine: Combine = T.weighted_mean
     # > 0 in a round under [privacy] (fedmtl.privacy): the fixed denominator of the noised mean that ``combine``
     # returns.  Such a round always releases: aggregate() must call combine even when no update is valid (or none
     # was sent: K = 0 rows), and must compute what it releases from combine's output only
@@ -73,6 +72,19 @@ class ClientId(NamedTuple):
     id: Tensor  # () long, the client's federation-wide id
 
 
+#: an algorithm's server state (a NamedTuple of tensors and ``Params``: ``GlobalModel``, FedEM's ``Mixture``, ...)
+ServerT = TypeVar("ServerT", bound=Tree)
+#: one client's state (a NamedTuple, or ``()`` for methods whose clients keep nothing); stacked (K, ...) where the
+#: engine holds several
+ClientT = TypeVar("ClientT", bound=Tree)
+#: what the server broadcasts, a client's update for the server, the state a client predicts with: trees whose types
+#: each algorithm names in its own signatures (parameters an override narrows, so any tree here)
+Payload = Any
+Update = Any
+EvalState = Any
+
+
+
 class Toy(NamedTuple):
     """How the contract suite (``fedmtl.testing``) runs an algorithm on its toy federation, declared on the algorithm:
     hyper-parameters where a default is tuned for other data, the toy model (``linear``, ``linear_nobias``, ``mlp``:
@@ -86,8 +98,11 @@ class Toy(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Algorithm:
-    """Base class; subclasses override what differs.  Defaults describe a single global model."""
+class Algorithm(Generic[ServerT, ClientT]):
+    """Base class, generic over the server state ``ServerT`` and the client state ``ClientT`` (``FedAvg`` is an
+    ``Algorithm[GlobalModel, tuple[()]]``, ``FedEM`` an ``Algorithm[Mixture, MixtureWeights]``); subclasses override
+    what differs.  The defaults describe a single global model (``GlobalModel``) and clients that keep nothing
+    (``()``): a subclass with other states overrides the methods that build or read them."""
 
     name: ClassVar[str] = "base"
     needs_adaptation: ClassVar[bool] = False
@@ -145,51 +160,57 @@ class Algorithm:
         return local_epochs
 
     # -- server ---------------------------------------------------------------------------------
-    def init_server(self, ctx: Context, params: Params, seed: int) -> Any:
-        return GlobalModel(params)
+    def init_server(self, ctx: Context, params: Params, seed: int) -> ServerT:
+        # the default server (one global model): a subclass whose ServerT is not GlobalModel overrides it
+        return cast(ServerT, GlobalModel(params))
 
-    def payload(self, server: Any) -> Tree:
-        return server.params
+    def payload(self, server: ServerT) -> Payload:
+        """What the server broadcasts (default: the ``params`` field of the server state)."""
+        # the default reads a server state with a params field (GlobalModel, or a NamedTuple extending it)
+        return cast(GlobalModel, server).params
 
-    def aggregate(self, ctx: Context, server: Any, updates: Tree, weights: Tensor, clients: Tensor) -> Any:
+    def aggregate(self, ctx: Context, server: ServerT, updates: Update, weights: Tensor, clients: Tensor) -> ServerT:
         """``weights`` (K,) are n_k for valid updates and 0 for excluded (NaN/Inf) ones; ``clients`` (K,)
         are the ids of the clients the updates come from.  The default replaces the ``params`` of the
-        server state by the weighted mean of the updates and keeps every other field."""
+        server state (a NamedTuple) by the weighted mean of the updates and keeps every other field."""
         if nobody(ctx, weights):
             return server
-        return server._replace(params=ctx.combine(updates, weights))
+        # as payload(): a NamedTuple server state with a params field; its other fields are kept
+        return cast(ServerT, cast(GlobalModel, server)._replace(params=ctx.combine(updates, weights)))
 
-    def update_like(self, ctx: Context, payload: Tree) -> Tree:
+    def update_like(self, ctx: Context, payload: Payload) -> Update:
         """One client's update as far as its structure goes (leaf names, shapes, dtypes): under ``[privacy]`` a round
         in which nobody trained aggregates zero rows of it.  Default: the payload's structure."""
         return payload
 
-    def sync(self, ctx: Context, server: Any, clients: Tree) -> tuple[Any, Tree]:
+    def sync(self, ctx: Context, server: ServerT, clients: ClientT) -> tuple[ServerT, ClientT]:
         """``syncs_clients`` methods: after aggregation, the stacked states of ALL clients (gossip)."""
         return server, clients
 
-    def gossip_edges(self, server: Any) -> Tensor | None:
+    def gossip_edges(self, server: ServerT) -> Tensor | None:
         """``syncs_clients`` methods: the communication graph's edges (E, 2) that ``sync`` mixes over, so that a relay
         (Flower's server-relayed gossip) forwards each client only its neighbours' states; None: every client may
         read every other."""
         return None
 
-    def sync_average(self, server: Any, mean_state: Tree) -> Any:
+    def sync_average(self, server: ServerT, mean_state: ClientT) -> ServerT:
         """``syncs_clients`` methods over Flower (server-relayed gossip): the server state after a ``sync`` whose
         clients' new states average to ``mean_state`` (one client state), computed without the clients' states.
         Only methods whose server keeps nothing but that average can be relayed."""
         raise NotImplementedError(f"{self.name} cannot run as server-relayed gossip over Flower")
 
     # -- client ---------------------------------------------------------------------------------
-    def init_client(self, ctx: Context, server: Any) -> Tree:
+    def init_client(self, ctx: Context, server: ServerT) -> ClientT:
         """State one client starts with (unbatched); default: none."""
-        return ()
+        # clients that keep nothing: a subclass whose ClientT is not tuple[()] overrides it
+        return cast(ClientT, ())
 
-    def init_clients(self, ctx: Context, server: Any, ids: Tensor) -> Tree:
+    def init_clients(self, ctx: Context, server: ServerT, ids: Tensor) -> ClientT:
         """Stacked initial states of clients ``ids`` (default: ``init_client`` repeated).  The client store
         calls it lazily, when a client is first read."""
         one = self.init_client(ctx, server)
-        return T.tmap(lambda x: x.unsqueeze(0).expand(len(ids), *x.shape).clone(), one)
+        stacked: ClientT = T.tmap(lambda x: x.unsqueeze(0).expand(len(ids), *x.shape).clone(), one)
+        return stacked
 
     def draw_orders(self, counts: Tensor, epochs: int, batch_size: int, generator: torch.Generator) -> Orders:
         """The round's batch orders for clients with ``counts`` examples: ``train_epochs`` independent uniform
@@ -201,17 +222,18 @@ class Algorithm:
         straggler does a fraction of them): batches per epoch x epochs."""
         return steps_per_epoch(counts, batch_size) * self.train_epochs(epochs)
 
-    def client_update(self, ctx: Context, payload: Tree, state: Tree, batches: Batches,
-                      lr: float) -> tuple[Tree, Tree, Tensor]:
+    def client_update(self, ctx: Context, payload: Payload, state: ClientT, batches: Batches,
+                      lr: float) -> tuple[Update, ClientT, Tensor]:
+        """One client's round: (its update for the server, its new state, its mean training loss)."""
         raise NotImplementedError
 
     # -- evaluation -----------------------------------------------------------------------------
-    def personalize(self, ctx: Context, payload: Tree, state: Tree, batches: Batches | None, lr: float,
-                    seen: bool) -> Tree:
+    def personalize(self, ctx: Context, payload: Payload, state: ClientT, batches: Batches | None, lr: float,
+                    seen: bool) -> EvalState:
         """The state one client predicts with (default: the broadcast global model)."""
         return payload
 
-    def predict_log_proba(self, ctx: Context, eval_state: Tree, x: Tensor) -> Tensor:
+    def predict_log_proba(self, ctx: Context, eval_state: EvalState, x: Tensor) -> Tensor:
         """(n, C) log class probabilities for one client."""
         return ctx.model.log_proba(ctx.model.apply(eval_state, x))
 
@@ -227,6 +249,6 @@ def check_positive(name: str, value: float, strict: bool = True) -> None:
         raise ValueError(f"algorithm.{name} must be {'>' if strict else '>='} 0, got {value}")
 
 
-def row(stacked: Tree, i: Tensor) -> Tree:
+def row(stacked: TreeT, i: Tensor) -> TreeT:
     """Entry ``i`` (a 0-d long tensor, vmap-safe) of every leaf of a stacked tree."""
     return T.tmap(lambda m: m.index_select(0, i.reshape(1).to(torch.long)).squeeze(0), stacked)

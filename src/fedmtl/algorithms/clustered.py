@@ -64,7 +64,7 @@ def bipartition(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 @dataclass(frozen=True)
-class ClusteredFL(Algorithm):
+class ClusteredFL(Algorithm[Clusters, ClientId]):
     name: ClassVar[str] = "clustered"
     toy: ClassVar[Toy] = Toy({"warmup_rounds": 2})
     needs_adaptation: ClassVar[bool] = True  # unseen clients choose a cluster on their training data

@@ -95,9 +95,12 @@ class _Gossip:
         return Gossip(server.mixing, T.tmap(lambda x: x.mean(0), mixed)), mixed
 
 
-
+# D-FedEM and D-SGD reuse FedEM's and FedAvg's hyperparameters and local steps by inheritance, but their states are
+# others (server ``Gossip``; clients ``PeerMixture`` / ``PeerModel``): as typed algorithms they are not an
+# ``Algorithm[Mixture, MixtureWeights]`` / ``Algorithm[GlobalModel, tuple[()]]``, hence the ``misc`` (bases that
+# disagree) and ``override`` ignores below.
 @dataclass(frozen=True)
-class DFedEM(_Gossip, FedEM):
+class DFedEM(_Gossip, FedEM):  # type: ignore[misc]
     """D-FedEM: FedEM's local EM steps, then gossip averaging of the M components with the neighbours."""
     name: ClassVar[str] = "dfedem"
 
@@ -113,7 +116,7 @@ class DFedEM(_Gossip, FedEM):
         comps, st, nll = FedEM.client_update(self, ctx, state.components, MixtureWeights(state.pi), batches, lr)
         return {}, PeerMixture(comps, st.pi), nll
 
-    def _models(self, state: Tree) -> Params:
+    def _models(self, state: PeerMixture) -> Params:  # type: ignore[override]
         return state.components
 
     def sync(self, ctx: Context, server: Gossip, clients: PeerMixture) -> tuple[Gossip, PeerMixture]:  # type: ignore[override]
@@ -128,7 +131,7 @@ class DFedEM(_Gossip, FedEM):
 
 
 @dataclass(frozen=True)
-class DSGD(_Gossip, FedAvg):
+class DSGD(_Gossip, FedAvg):  # type: ignore[misc]
     """Decentralized local SGD: local epochs, then gossip averaging with the neighbours."""
 
     name: ClassVar[str] = "dsgd"
@@ -145,7 +148,7 @@ class DSGD(_Gossip, FedAvg):
         params, _, loss = FedAvg.client_update(self, ctx, state.params, (), batches, lr)
         return {}, PeerModel(params), loss
 
-    def _models(self, state: Tree) -> Params:
+    def _models(self, state: PeerModel) -> Params:  # type: ignore[override]
         return state.params
 
     def sync(self, ctx: Context, server: Gossip, clients: PeerModel) -> tuple[Gossip, PeerModel]:  # type: ignore[override]

@@ -30,7 +30,7 @@ class PersonalModel(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Ditto(Algorithm):
+class Ditto(Algorithm[GlobalModel, PersonalModel]):
     name: ClassVar[str] = "ditto"
     stacked_clients: ClassVar[bool] = True  # local SGD only: runs on K stacked clients as written
     supports_batch_norm: ClassVar[bool] = True

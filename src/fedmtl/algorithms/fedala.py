@@ -44,7 +44,7 @@ class ALAState(NamedTuple):
 
 
 @dataclass(frozen=True)
-class FedALA(Algorithm):
+class FedALA(Algorithm[GlobalModel, ALAState]):
     """FedALA: each client mixes the global model into its own element-wise, with weights it learns."""
 
     name: ClassVar[str] = "fedala"

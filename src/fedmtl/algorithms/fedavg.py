@@ -20,11 +20,11 @@ from torch import Tensor
 from ..optim import SGD, Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context
+from .base import Algorithm, Context, GlobalModel
 
 
 @dataclass(frozen=True)
-class FedAvg(Algorithm):
+class FedAvg(Algorithm[GlobalModel, tuple[()]]):
     """FedAvg: local SGD from the global model, the server averages the returned models weighted by samples."""
 
     name: ClassVar[str] = "fedavg"

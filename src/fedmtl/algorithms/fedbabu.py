@@ -27,7 +27,7 @@ from .fedavg import finetune
 
 
 @dataclass(frozen=True)
-class FedBABU(Algorithm):
+class FedBABU(Algorithm[SplitModel, tuple[()]]):
     """FedBABU: train and average only the body under a frozen random head; fine-tune before evaluation."""
 
     name: ClassVar[str] = "fedbabu"

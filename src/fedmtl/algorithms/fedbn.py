@@ -39,7 +39,7 @@ class LocalNorm(NamedTuple):
 
 
 @dataclass(frozen=True)
-class FedBN(Algorithm):
+class FedBN(Algorithm[SplitModel, LocalNorm]):
     """FedBN: FedAvg on every parameter but the batch-norm layers', which each client keeps."""
 
     name: ClassVar[str] = "fedbn"

@@ -40,7 +40,7 @@ class GradState(NamedTuple):
 
 
 @dataclass(frozen=True)
-class FedDyn(Algorithm):
+class FedDyn(Algorithm[DynServer, GradState]):
     """FedDyn: each local objective is corrected by a linear term and a proximal term so that its stationary
     points agree with the global objective's."""
 

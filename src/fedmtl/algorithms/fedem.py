@@ -62,7 +62,7 @@ MAX_COMPONENTS = 256
 
 
 @dataclass(frozen=True)
-class FedEM(Algorithm):
+class FedEM(Algorithm[Mixture, MixtureWeights]):
     name: ClassVar[str] = "fedem"
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data

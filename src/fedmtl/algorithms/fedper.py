@@ -33,7 +33,7 @@ class PersonalHead(NamedTuple):
 
 
 @dataclass(frozen=True)
-class FedPer(Algorithm):
+class FedPer(Algorithm[SplitModel, PersonalHead]):
     """FedPer: a shared body averaged by the server, a personal head trained with it and kept by each client."""
 
     name: ClassVar[str] = "fedper"

@@ -28,7 +28,7 @@ from .fedper import PersonalHead
 
 
 @dataclass(frozen=True)
-class FedRep(Algorithm):
+class FedRep(Algorithm[SplitModel, PersonalHead]):
     """FedRep: each round a client fits its own head on the shared body, then updates the body under that head."""
 
     name: ClassVar[str] = "fedrep"

@@ -53,7 +53,7 @@ def logit_adjustment(model: Model, y: Tensor, mask: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class FedRoD(Algorithm):
+class FedRoD(Algorithm[GlobalModel, PersonalHead]):
     """FedRoD: a generic model trained with the balanced softmax, plus a personal head on its representation."""
 
     name: ClassVar[str] = "fedrod"

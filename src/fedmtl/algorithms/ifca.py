@@ -41,7 +41,7 @@ class IFCAUpdate(NamedTuple):
 
 
 @dataclass(frozen=True)
-class IFCA(Algorithm):
+class IFCA(Algorithm[ClusterModels, tuple[()]]):
     """IFCA: k models; each client trains the one that fits its data best."""
 
     name: ClassVar[str] = "ifca"

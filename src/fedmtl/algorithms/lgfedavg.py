@@ -34,7 +34,7 @@ class PersonalBody(NamedTuple):
 
 
 @dataclass(frozen=True)
-class LGFedAvg(Algorithm):
+class LGFedAvg(Algorithm[SplitModel, PersonalBody]):
     """LG-FedAvg: personal bodies, a shared head averaged by the server."""
 
     name: ClassVar[str] = "lgfedavg"

@@ -24,7 +24,7 @@ class LocalModel(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Local(Algorithm):
+class Local(Algorithm[GlobalModel, LocalModel]):
     name: ClassVar[str] = "local"
     supports_batch_norm: ClassVar[bool] = True
     averages_updates: ClassVar[bool] = False

@@ -79,7 +79,7 @@ def _primal_loss(loss: str, margin: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Mocha(Algorithm):
+class Mocha(Algorithm[MochaServer, MochaClient]):
     name: ClassVar[str] = "mocha"
     toy: ClassVar[Toy] = Toy({"lam": 0.01, "omega_every": 2}, model="linear_nobias")
     averages_updates: ClassVar[bool] = False
@@ -165,6 +165,7 @@ class Mocha(Algorithm):
     ) -> tuple[Tensor, MochaClient, Tensor]:
         x, y, mask = first_epoch(batches, ctx.local_epochs)  # (L, ...): the real examples first, in random order
         s0 = len(batches.x) // ctx.local_epochs
+        assert batches.idx is not None, "MOCHA reads each example's index (Batches.idx)"
         idx = torch.cat(batches.idx[:s0]) if isinstance(batches.idx, list) else batches.idx[:s0].reshape(-1)
         xs = x.reshape(x.shape[0], -1).to(torch.float64)  # (L, d)
         ys = (2.0 * y.to(torch.float64) - 1.0) * mask.to(torch.float64)  # +-1, 0 on padding

@@ -36,7 +36,7 @@ class PreviousModel(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Moon(Algorithm):
+class Moon(Algorithm[GlobalModel, PreviousModel]):
     """MOON: local training pulls each representation towards the global model's and away from the last local one."""
 
     name: ClassVar[str] = "moon"

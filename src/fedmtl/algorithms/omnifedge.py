@@ -91,7 +91,7 @@ def solve_omega(losses: Tensor, lam: float, iters: int = 100) -> Tensor:
 
 
 @dataclass(frozen=True)
-class OmniFedge(Algorithm):
+class OmniFedge(Algorithm[OmniServer, ClientId]):
     name: ClassVar[str] = "omnifedge"
     toy: ClassVar[Toy] = Toy(model="mlp", rounds=45)  # one gradient query a round
     averages_updates: ClassVar[bool] = False

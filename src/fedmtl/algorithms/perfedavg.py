@@ -53,7 +53,7 @@ def role_batches(batches: Batches, steps: int) -> tuple[Tensor, Tensor, Tensor]:
     [r][t] indexes both forms (nested lists of the loop runner's ragged batches)."""
     if isinstance(batches.x, list):  # loop runner: every listed batch is real (and sized as it is: nested lists)
         per = len(batches.x) // ROLES
-        return tuple([[f[r * per + t % per] for t in range(steps)] for r in range(ROLES)]  # type: ignore[return-value]
+        return tuple([[f[r * per + t % per] for t in range(steps)] for r in range(ROLES)]
                      for f in (batches.x, batches.y, batches.mask))
     per = batches.x.shape[0] // ROLES
     if per == 1:  # every client of this call has one batch per role: no gather, a broadcast view
@@ -76,7 +76,7 @@ def role_batch(batches: Batches, role: int, t: int) -> tuple[Tensor, Tensor, Ten
 
 
 @dataclass(frozen=True)
-class PerFedAvg(Algorithm):
+class PerFedAvg(Algorithm[GlobalModel, tuple[()]]):
     name: ClassVar[str] = "perfedavg"
     toy: ClassVar[Toy] = Toy({"beta": 0.05})  # the paper's MNIST beta = 0.001 barely moves the toy loss in 15 rounds
     needs_adaptation: ClassVar[bool] = True
@@ -123,7 +123,11 @@ class PerFedAvg(Algorithm):
     @staticmethod
     def hvp_exact(ctx: Context, w: Params, v: Params, batch: tuple[Tensor, Tensor, Tensor]) -> Params:
         """H(w) v by forward-over-reverse automatic differentiation."""
-        return jvp(grad(lambda p: ctx.model.loss(p, *batch)), (w,), (v,))[1]
+        def loss(p: Params) -> Tensor:
+            return ctx.model.loss(p, *batch)
+
+        hv: Params = jvp(grad(loss), (w,), (v,))[1]
+        return hv
 
     def meta_step(self, ctx: Context, w: Params, d1: tuple[Tensor, Tensor, Tensor],
                   d2: tuple[Tensor, Tensor, Tensor], d3: tuple[Tensor, Tensor, Tensor]) -> tuple[Params, Tensor]:

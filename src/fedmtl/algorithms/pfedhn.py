@@ -46,7 +46,7 @@ def _key(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class PFedHN(Algorithm):
+class PFedHN(Algorithm[HyperServer, ClientId]):
     """pFedHN: a server hypernetwork maps each client's embedding to that client's model."""
 
     name: ClassVar[str] = "pfedhn"
@@ -117,7 +117,8 @@ class PFedHN(Algorithm):
             # sum_i <theta_i(phi, v_i), Delta_i> / K: its gradient is the mean vector-Jacobian product
             hnet = {k: v for k, v in p.items() if k != "embeddings"}
             thetas = torch.func.vmap(lambda v: self.generate(ctx, hnet, v))(p["embeddings"].index_select(0, ids))
-            return sum((thetas[k] * deltas[k].detach()).sum() for k in thetas) / ok.numel()
+            # sum() starts from the int 0: typed int | Tensor, a Tensor here
+            return sum((thetas[k] * deltas[k].detach()).sum() for k in thetas) / ok.numel()  # type: ignore[return-value]
 
         g, _ = value_and_grad_of(surrogate, {**server.hnet, "embeddings": server.embeddings})
         hnet = {k: v - self.hn_lr * g[k] for k, v in server.hnet.items()}

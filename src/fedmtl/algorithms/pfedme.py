@@ -48,7 +48,7 @@ class Theta(NamedTuple):
 
 
 @dataclass(frozen=True)
-class PFedMe(Algorithm):
+class PFedMe(Algorithm[GlobalModel, Theta]):
     name: ClassVar[str] = "pfedme"
     toy: ClassVar[Toy] = Toy({"personal_lr": 0.05})
     needs_adaptation: ClassVar[bool] = True

@@ -54,7 +54,7 @@ class ScaffoldUpdate(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Scaffold(Algorithm):
+class Scaffold(Algorithm[ScaffoldServer, ControlVariate]):
     """SCAFFOLD: local SGD corrected by control variates that estimate each client's drift."""
 
     name: ClassVar[str] = "scaffold"

@@ -78,7 +78,7 @@ def export(data: FederatedData, out: str | Path, clients: list[int]) -> Path:
     with atomic(out / "dataset.json") as fh:
         fh.write(json.dumps(info, indent=1))
     for k in clients:
-        arrays = {}
+        arrays: dict[str, Any] = {}  # np.savez's keyword arrays
         for split, s in data.seen.splits().items():
             x, y = s.client(k)
             arrays[f"x_{split}"], arrays[f"y_{split}"] = x.numpy(), y.numpy()

@@ -121,7 +121,10 @@ def permuted_groups(
         while np.array_equal(perms[g], np.arange(num_classes)):
             perms[g] = rng.permutation(num_classes)
     groups = np.arange(num_clients) % num_groups
-    xs_tr, ys_tr, xs_te, ys_te = [], [], [], []
+    xs_tr: list[torch.Tensor] = []
+    ys_tr: list[torch.Tensor] = []
+    xs_te: list[torch.Tensor] = []
+    ys_te: list[torch.Tensor] = []
     for k in range(num_clients):
         for n, xs, ys in ((n_train, xs_tr, ys_tr), (n_test, xs_te, ys_te)):
             x = rng.normal(size=(n, dim)).astype(np.float32)

@@ -25,7 +25,8 @@ from . import partition as P
 from .download import Remote, locate
 from .federated import DataError, FederatedData, federate, tasks_to_federation
 
-IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+IDX_TYPES: dict[int, type[np.generic] | str] = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4",
+                                              0x0E: ">f8"}
 
 
 def read_idx(path: str | Path) -> np.ndarray:

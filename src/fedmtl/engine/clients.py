@@ -37,7 +37,10 @@ class TrainOut(NamedTuple):
 class Clients(Protocol):
     """What the round loop needs from the clients, wherever they run."""
 
-    groups: tuple[str, ...]
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The client groups it evaluates ("seen", and "unseen" where there are any)."""
+        ...
 
     def start(self, ctx: Context, server0: Tree, resume: dict[str, Any] | None = None, round_idx: int = 0) -> None: ...
 

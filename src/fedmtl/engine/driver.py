@@ -21,14 +21,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
 from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
-from ..metrics import SEEN_TEST_ACC, RunSummary
 from ..model import Model
 from ..progress import Progress
 from ..report import atomic, plot_history, write_clients_csv, write_history_csv, write_json
@@ -36,7 +35,7 @@ from ..robust.attacks import flip_labels
 from ..tree import Tree
 from . import checkpoint
 from .clients import Clients, LocalClients, evaluate_together, train_together
-from .evaluation import summarize
+from .evaluation import SEEN_TEST_ACC_MEAN, summarize
 from .executors import make_executor
 from .round import Engine, EngineState, Federation
 from .rundir import COMMIT, NEXT, RunDirectory, check_resumable
@@ -44,6 +43,35 @@ from .spec import RunSpec
 from .store import StoreError
 
 log = logging.getLogger("fedmtl")
+
+
+class RunSummary(TypedDict):
+    """``summary.json`` of a run (``RunResult.summary``): the final evaluation and the run's facts."""
+
+    algorithm: str
+    data: str
+    seed: int
+    rounds: int
+    #: the final round's evaluation, ``{metric name: value}`` (``fedmtl.engine.evaluation``: ``SEEN_TEST_ACC_MEAN``,
+    #: ``metric(group, split, statistic)``, ...)
+    final: dict[str, float]
+    excluded_updates: int
+    dropped_updates: int
+    train_seconds_this_process: float
+    #: over all rounds of the run, interrupted or not (the training time is kept in the checkpoint)
+    seconds_per_round: float | None
+    round_seconds: list[float]
+    #: the rounds (1-based) from which the learning rate is decayed, fractions resolved
+    lr_decay_from_rounds: list[int]
+    config: dict[str, Any]
+    #: the path the engine chose for this model and algorithm (``fedmtl.engine.executors.make_executor``)
+    path: dict[str, str]
+    attackers: NotRequired[list[int]]
+    #: under [privacy]: the guarantee spent and the noise that bought it
+    epsilon: NotRequired[float]
+    delta: NotRequired[float]
+    noise_multiplier: NotRequired[float]
+    reproducible_noise: NotRequired[bool]
 
 
 @dataclass
@@ -256,9 +284,8 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
 def _batchable(reps: list[Replica]) -> bool:
     """Several replicas simulated in this process over one dataset (a label-flipping attack gives each replica
     its own flipped copy: those run one after the other)."""
-    clients = [rep.engine.clients for rep in reps]
-    return (len(reps) > 1 and all(isinstance(c, LocalClients) for c in clients)
-            and all(c.data is clients[0].data for c in clients))  # type: ignore[union-attr]
+    local = [rep.engine.clients for rep in reps if isinstance(rep.engine.clients, LocalClients)]
+    return len(reps) > 1 and len(local) == len(reps) and all(c.data is local[0].data for c in local)
 
 
 def _rounds(group: list[Replica]) -> list[dict[str, Any]]:
@@ -308,7 +335,7 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
     state.history.append(row)
     prog.round(str(id(rep)), rep.label, rcfg.rounds, row, dt)
     if rep.board is not None:
-        rep.board.round(row, rep.per_client if SEEN_TEST_ACC in row else None)
+        rep.board.round(row, rep.per_client if SEEN_TEST_ACC_MEAN in row else None)
 
 
 def _finish(rep: Replica) -> RunResult:
@@ -318,6 +345,7 @@ def _finish(rep: Replica) -> RunResult:
         rep.per_client = engine.evaluate(state)
     per_client = rep.per_client
     final = summarize(per_client)
+    executor = getattr(engine.clients, "executor", None)
     summary: RunSummary = {
         "algorithm": cfg.algorithm["name"],
         "data": cfg.data["name"],
@@ -333,10 +361,9 @@ def _finish(rep: Replica) -> RunResult:
         # the rounds (1-based) from which the learning rate is decayed, fractions resolved
         "lr_decay_from_rounds": [m + 1 for m in cfg.optim.milestone_rounds(cfg.run.rounds)],
         "config": cfg.raw,
+        # the path the engine chose for this model and algorithm (fedmtl.engine.executors.make_executor)
+        "path": {"executor": executor.name if executor is not None else "remote", "model": engine.model.path},
     }
-    executor = getattr(engine.clients, "executor", None)
-    # the path the engine chose for this model and algorithm (fedmtl.engine.executors.make_executor)
-    summary["path"] = {"executor": executor.name if executor is not None else "remote", "model": engine.model.path}
     if engine.spec.attack.active:
         summary["attackers"] = engine.attackers.tolist()
     if (dp := engine.privacy) is not None:
@@ -376,10 +403,12 @@ def _checkpoint_group(reps: list[Replica], group_dir: Path | None) -> None:
             assert rep.ckpt is not None and rep.state is not None
             _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine)
         return
+    rounds = []
     for rep in reps:
         assert rep.ckpt is not None and rep.state is not None
         checkpoint.save(rep.ckpt.with_name(NEXT), rep.state, rep.cfg.raw, rep.engine.clients.state_dict())
-    write_json(group_dir / COMMIT, {"round": reps[0].state.round, "runs": [str(rep.out_dir) for rep in reps]})
+        rounds.append(rep.state.round)
+    write_json(group_dir / COMMIT, {"round": rounds[0], "runs": [str(rep.out_dir) for rep in reps]})
     for rep in reps:
         assert rep.ckpt is not None and rep.state is not None
         os.replace(rep.ckpt.with_name(NEXT), rep.ckpt)

@@ -17,13 +17,39 @@ Results are always the state at the end of the run (final round), never the best
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..metrics import PARTICIPATION_GAP, SEEN_TEST_ACC, UNSEEN_TEST_ACC, metric
+#: what ``summarize`` reports for every group ("seen", "unseen") and split ("train", "val", "test")
+Statistic = Literal["acc", "acc_mean", "acc_p10", "acc_bottom10_mean", "loss"]
+
+
+def metric(group: str, split: str, statistic: Statistic) -> str:
+    """The name of a summary metric: ``metric("seen", "test", "acc_mean")`` is ``"seen_test_acc_mean"``."""
+    return f"{group}_{split}_{statistic}"
+
+
+# The metric names the package reads by name (every other one is ``metric(group, split, statistic)``)
+#: mean test accuracy over the seen clients ("average across clients")
+SEEN_TEST_ACC_MEAN = metric("seen", "test", "acc_mean")
+#: the 10th percentile of the seen clients' test accuracy (the bottom decile)
+SEEN_TEST_ACC_P10 = metric("seen", "test", "acc_p10")
+#: mean test accuracy of the worst 10% of the seen clients
+SEEN_TEST_ACC_BOTTOM10_MEAN = metric("seen", "test", "acc_bottom10_mean")
+#: sample-weighted test accuracy over the seen clients
+SEEN_TEST_ACC = metric("seen", "test", "acc")
+SEEN_TRAIN_ACC_MEAN = metric("seen", "train", "acc_mean")
+SEEN_TRAIN_LOSS = metric("seen", "train", "loss")
+SEEN_TEST_LOSS = metric("seen", "test", "loss")
+#: mean test accuracy over the clients held out of training
+UNSEEN_TEST_ACC_MEAN = metric("unseen", "test", "acc_mean")
+#: unseen minus seen mean test accuracy
+PARTICIPATION_GAP = "participation_gap"
+#: what ``fedmtl run`` prints, in this order
+HEADLINE = (SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, SEEN_TEST_ACC_BOTTOM10_MEAN, UNSEEN_TEST_ACC_MEAN, PARTICIPATION_GAP)
 
 
 def chunks(counts_max: Tensor, elems_per_example: int, budget: int) -> list[Tensor]:
@@ -75,6 +101,6 @@ def summarize(per_client: dict[str, Any]) -> dict[str, float]:
             out[metric(gname, sname, "acc_p10")] = float(np.percentile(acc, 10))
             out[metric(gname, sname, "acc_bottom10_mean")] = float(np.sort(acc)[:k].mean())
             out[metric(gname, sname, "loss")] = float((loss * n).sum() / n.sum())
-    if SEEN_TEST_ACC in out and UNSEEN_TEST_ACC in out:
-        out[PARTICIPATION_GAP] = out[UNSEEN_TEST_ACC] - out[SEEN_TEST_ACC]
+    if SEEN_TEST_ACC_MEAN in out and UNSEEN_TEST_ACC_MEAN in out:
+        out[PARTICIPATION_GAP] = out[UNSEEN_TEST_ACC_MEAN] - out[SEEN_TEST_ACC_MEAN]
     return out

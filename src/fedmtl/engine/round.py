@@ -199,8 +199,10 @@ class Engine:
     def round(self, state: EngineState) -> dict[str, Any]:
         """One round: ``plan`` it, train its clients, ``finish`` it."""
         plan = self.plan(state)
-        out = None if plan.ids.numel() == 0 else self.clients.train(plan.payload, plan.ids, plan.orders, plan.lr,
-                                                                   plan.round)
+        out = None
+        if plan.ids.numel() > 0:
+            assert plan.orders is not None  # drawn whenever somebody trains
+            out = self.clients.train(plan.payload, plan.ids, plan.orders, plan.lr, plan.round)
         return self.finish(state, plan, out)
 
     def plan(self, state: EngineState) -> RoundPlan:
@@ -247,7 +249,7 @@ class Engine:
             excluded, loss = u.excluded, float(ok.float().mean()) if ok.numel() else float("nan")
         if self.alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not
             state.server = self.clients.gossip(lambda s, c: self.alg.sync(self.ctx, s, c), state.server, r)
-        self._check_diverged(state, r, excluded and row["clients"] - excluded <= 0)
+        self._check_diverged(state, r, excluded > 0 and row["clients"] - excluded <= 0)
         if self.privacy is not None:
             row["epsilon"] = self.privacy.accountant.epsilon_after(r + 1)
         state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded

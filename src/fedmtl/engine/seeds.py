@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,10 @@ import numpy as np
 
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import FederatedData
-from ..metrics import SEEN_TEST_ACC, SEEN_TEST_P10, UNSEEN_TEST_ACC
 from ..model import Model
 from ..report import atomic, plot_bands, write_json
 from .driver import Replica, RunResult, build_local, drive_many, prepare
+from .evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
 from .rundir import COMMIT, NEXT, RunDirectory, check_resumable, seed_dirs
 
 
@@ -57,8 +58,9 @@ def seed_dir(out: Path, seed: int) -> Path:
     return out / f"seed-{seed}"
 
 
-def stats(values: list[float]) -> dict[str, Any]:
-    """Mean, sample std and the two-sided 95% Student-t confidence interval of the mean of ``values``."""
+def stats(values: Sequence[float | None]) -> dict[str, Any]:
+    """Mean, sample std and the two-sided 95% Student-t confidence interval of the mean of ``values`` (None and
+    non-finite values left out)."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
     if v.size == 0:
         return {"mean": None, "std": None, "ci95_low": None, "ci95_high": None, "values": values}
@@ -170,8 +172,8 @@ def write_seeds(out: Path, result: SeedsResult, title: str) -> None:
     write_history_csv(out / "metrics.csv", rows)
     write_json(out / "summary.json", result.summary)
     bands = {}
-    for key, label in ((SEEN_TEST_ACC, "test (seen, mean)"), (SEEN_TEST_P10, "test (seen, 10th pct)"),
-                       (UNSEEN_TEST_ACC, "test (unseen, mean)")):
+    for key, label in ((SEEN_TEST_ACC_MEAN, "test (seen, mean)"), (SEEN_TEST_ACC_P10, "test (seen, 10th pct)"),
+                       (UNSEEN_TEST_ACC_MEAN, "test (unseen, mean)")):
         pts = [r for r in rows if r.get(f"{key}_mean") is not None]
         if pts:
             bands[label] = ([r["round"] for r in pts], [100 * r[f"{key}_mean"] for r in pts],

@@ -29,7 +29,7 @@ import torch
 from .. import tree as T
 from ..batchnorm import is_statistic
 from ..schema import Annotated, Range, check_fields
-from ..tree import Params, Tree
+from ..tree import Params
 
 ServerOptName = Literal["none", "sgd", "avgm", "adam", "yogi", "adagrad"]
 
@@ -129,11 +129,12 @@ class ServerOptStep:
     def __init__(self, cfg: ServerOptConfig, method: str):
         self.cfg, self.method = cfg, method
 
-    def init(self, server: Tree) -> ServerOptState:
+    # servers: any server state with a ``params`` field (a NamedTuple; ``ServerOptConfig.check`` refuses others)
+    def init(self, server: Any) -> ServerOptState:
         self.cfg.check(server, self.method)
         return self.cfg.init(server.params)
 
-    def __call__(self, before: Tree, after: Tree, state: Tree) -> tuple[Tree, Tree]:
+    def __call__(self, before: Any, after: Any, state: ServerOptState) -> tuple[Any, ServerOptState]:
         params, state = self.cfg.step(before.params, after.params, state)
         return after._replace(params=params), state
 

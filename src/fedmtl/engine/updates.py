@@ -44,7 +44,7 @@ class Pipeline:
     """The run's update steps (by name, in order) and its server step, if any."""
 
     steps: dict[str, UpdateStep]
-    server: ServerStep | None = None
+    server: ServerStep[Any] | None = None
 
     def updates(self, u: Updates, info: RoundInfo) -> Updates:
         for step in self.steps.values():

@@ -12,6 +12,7 @@ from typing import Any
 from ..config import ConfigError, load, parse_override
 from ..engine.checkpoint import CheckpointError
 from ..engine.driver import build_data, run_experiment
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..engine.round import TrainingDiverged
 from ..engine.rundir import RunDirError
 from ..progress import Progress
@@ -120,13 +121,13 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
                 raise
             nan = float("nan")
             results[label] = {"diverged": True, "reason": str(e), "history": [],
-                              "final": {"seen_test_acc_mean": nan, "seen_test_acc_p10": nan}}
+                              "final": {SEEN_TEST_ACC_MEAN: nan, SEEN_TEST_ACC_P10: nan}}
             print(f"{label:14s} diverged ({time.perf_counter() - t0:.0f} s)", flush=True)
             continue
         f = results[label]["final"]
-        sd = results[label].get("final_std", {}).get("seen_test_acc_mean")
+        sd = results[label].get("final_std", {}).get(SEEN_TEST_ACC_MEAN)
         spread = f" ± {100 * sd:4.1f}" if sd is not None else ""
-        print(f"{label:14s} avg {100 * f['seen_test_acc_mean']:5.1f}{spread}  p10 {100 * f['seen_test_acc_p10']:5.1f}  "
+        print(f"{label:14s} avg {100 * f[SEEN_TEST_ACC_MEAN]:5.1f}{spread}  p10 {100 * f[SEEN_TEST_ACC_P10]:5.1f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return results
 

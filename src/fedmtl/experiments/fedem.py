@@ -19,6 +19,14 @@ from typing import Any
 
 from ..config import ConfigError, load
 from ..engine.driver import build_data
+from ..engine.evaluation import (
+    PARTICIPATION_GAP,
+    SEEN_TEST_ACC,
+    SEEN_TEST_ACC_BOTTOM10_MEAN,
+    SEEN_TEST_ACC_MEAN,
+    SEEN_TEST_ACC_P10,
+    UNSEEN_TEST_ACC_MEAN,
+)
 from ..progress import Progress
 from ..report import markdown_table, plot_bands, plot_curves, write_json, write_table
 from ..resources import configs_root
@@ -66,9 +74,9 @@ def run_suite(out: Path, config_dir: Path, variant: str, overrides: list[str], u
         summary["wall_seconds"] = time.perf_counter() - t0
         results[path.stem] = summary  # the config's name: pfedme and pfedme_reference run one algorithm
         f = summary["final"]
-        extra_txt = f"  unseen {100 * f['unseen_test_acc_mean']:5.1f}" if "unseen_test_acc_mean" in f else ""
-        print(f"[{tag}] {path.stem:9s} avg {100 * f['seen_test_acc_mean']:5.1f}  "
-              f"p10 {100 * f['seen_test_acc_p10']:5.1f}  worst10 {100 * f['seen_test_acc_bottom10_mean']:5.1f}"
+        extra_txt = f"  unseen {100 * f[UNSEEN_TEST_ACC_MEAN]:5.1f}" if UNSEEN_TEST_ACC_MEAN in f else ""
+        print(f"[{tag}] {path.stem:9s} avg {100 * f[SEEN_TEST_ACC_MEAN]:5.1f}  "
+              f"p10 {100 * f[SEEN_TEST_ACC_P10]:5.1f}  worst10 {100 * f[SEEN_TEST_ACC_BOTTOM10_MEAN]:5.1f}"
               f"{extra_txt}{f'  (mean of {len(seeds)} seeds)' if seeds else ''}  ({summary['wall_seconds']:.0f} s)",
               flush=True)
     return results
@@ -92,23 +100,23 @@ def fedem_synthetic(out: Path, quick: bool = False, config_dir: Path | None = No
             f = s["final"]
             u = unseen_runs.get(name, {}).get("final", {})
             summary[variant][name] = {
-                "avg": 100 * f["seen_test_acc_mean"],
-                "bottom_decile": 100 * f["seen_test_acc_p10"],
-                "unseen_avg": 100 * u["unseen_test_acc_mean"] if "unseen_test_acc_mean" in u else None,
+                "avg": 100 * f[SEEN_TEST_ACC_MEAN],
+                "bottom_decile": 100 * f[SEEN_TEST_ACC_P10],
+                "unseen_avg": 100 * u[UNSEEN_TEST_ACC_MEAN] if UNSEEN_TEST_ACC_MEAN in u else None,
             }
             full.setdefault(variant, {})[name] = {
                 **summary[variant][name],
-                "bottom10_mean": 100 * f["seen_test_acc_bottom10_mean"],
-                "seen_avg_unseen_run": 100 * u["seen_test_acc_mean"] if "seen_test_acc_mean" in u else None,
-                "participation_gap": 100 * u["participation_gap"] if "participation_gap" in u else None,
+                "bottom10_mean": 100 * f[SEEN_TEST_ACC_BOTTOM10_MEAN],
+                "seen_avg_unseen_run": 100 * u[SEEN_TEST_ACC_MEAN] if SEEN_TEST_ACC_MEAN in u else None,
+                "participation_gap": 100 * u[PARTICIPATION_GAP] if PARTICIPATION_GAP in u else None,
                 "seconds_per_round": s["seconds_per_round"],
                 "rounds": s["rounds"],
                 "paper": PAPER_SYNTHETIC.get(name),
             }
-            hist = [r for r in s["history"] if "seen_test_acc_mean" in r]
+            hist = [r for r in s["history"] if SEEN_TEST_ACC_MEAN in r]
             if name in ("fedem", "fedavg", "local") or variant == "legacy":
                 curves[f"{name} ({variant})"] = (
-                    [r["round"] for r in hist], [100 * r["seen_test_acc_mean"] for r in hist]
+                    [r["round"] for r in hist], [100 * r[SEEN_TEST_ACC_MEAN] for r in hist]
                 )
     md = [f"# FedEM synthetic data: test accuracy (%) across clients, final round "
           f"({'quick: 20 rounds' if quick else '200 rounds'})\n",
@@ -150,8 +158,8 @@ def fmnist_table(out: Path, quick: bool = False, config_dir: Path | None = None)
         return None
     t0 = time.perf_counter()
     res = run_suite(out, config_dir, "fmnist", [*overrides, "data.download=false"], 0.0)
-    rows = {n: {"avg": 100 * s["final"]["seen_test_acc_mean"], "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
-                "weighted": 100 * s["final"]["seen_test_acc"], "seconds_per_round": s["seconds_per_round"],
+    rows = {n: {"avg": 100 * s["final"][SEEN_TEST_ACC_MEAN], "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
+                "weighted": 100 * s["final"][SEEN_TEST_ACC], "seconds_per_round": s["seconds_per_round"],
                 "rounds": s["rounds"]} for n, s in res.items()}
     md = ("# Fashion-MNIST, 100 clients, 3 label groups spread by Dirichlet(0.4), MLP 784-200-10: test accuracy (%)\n\n"
           + markdown_table(["method", "avg", "p10", "weighted", "rounds", "time/round"],
@@ -179,16 +187,16 @@ def main_job(out: Path, quick: bool = False) -> dict[str, Any]:
     for name, s in res.items():
         f, sd = s["final"], s["final_std"]
         row = {k: {"mean": 100 * f[key], "std": 100 * sd[key]} for k, key in
-               (("avg", "seen_test_acc_mean"), ("bottom_decile", "seen_test_acc_p10"),
-                ("bottom10_mean", "seen_test_acc_bottom10_mean"))}
+               (("avg", SEEN_TEST_ACC_MEAN), ("bottom_decile", SEEN_TEST_ACC_P10),
+                ("bottom10_mean", SEEN_TEST_ACC_BOTTOM10_MEAN))}
         summary[name] = {**row, "paper": PAPER_SYNTHETIC.get(name), "seeds": MAIN_SEEDS,
-                         "avg_per_seed": [100 * v for v in s["final_values"]["seen_test_acc_mean"]],
+                         "avg_per_seed": [100 * v for v in s["final_values"][SEEN_TEST_ACC_MEAN]],
                          "seconds_per_round": s["seconds_per_round"]}
         paper = PAPER_SYNTHETIC.get(name, (None, None))
         body.append([name, *(f"{row[k]['mean']:.1f} ± {row[k]['std']:.1f}" for k in row), paper[0], paper[1]])
-        hist = [h for h in s["history"] if "seen_test_acc_mean" in h]
+        hist = [h for h in s["history"] if SEEN_TEST_ACC_MEAN in h]
         if name in ("fedem", "fedavg", "local"):
-            bands[name] = ([h["round"] for h in hist], [100 * h["seen_test_acc_mean"] for h in hist],
+            bands[name] = ([h["round"] for h in hist], [100 * h[SEEN_TEST_ACC_MEAN] for h in hist],
                            [100 * (h.get("seen_test_acc_mean_std") or 0.0) for h in hist])
     rounds = 20 if quick else 200
     text = (f"# FedEM synthetic data (legacy generator), Table 1: final test accuracy (%), {rounds} rounds, "

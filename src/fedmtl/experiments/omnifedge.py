@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN
 from ..report import markdown_table, plot_curves, write_json, write_table
 from ..resources import config_path
 from .common import method_overrides, read_tables, run_methods
@@ -23,11 +24,11 @@ def omnifedge_fmnist(out: Path, quick: bool = False) -> dict[str, Any]:
     res = run_methods(out, config_path("omnifedge/fmnist"), METHODS, ov)
     curves = {}
     for n, s in res.items():
-        hist = [r for r in s["history"] if "seen_test_acc_mean" in r]
-        curves[n] = ([r["round"] for r in hist], [100 * r["seen_test_acc_mean"] for r in hist])
+        hist = [r for r in s["history"] if SEEN_TEST_ACC_MEAN in r]
+        curves[n] = ([r["round"] for r in hist], [100 * r[SEEN_TEST_ACC_MEAN] for r in hist])
     plot_curves(out / "omnifedge.png", curves, "test accuracy (%), mean over the 5 nodes",
                 "Fashion-MNIST, 5 nodes, non-IID (Omni-Fedge setting)", xlabel="communication round")
-    rows = {n: {"avg": 100 * s["final"]["seen_test_acc_mean"], "rounds": s["rounds"]} for n, s in res.items()}
+    rows = {n: {"avg": 100 * s["final"][SEEN_TEST_ACC_MEAN], "rounds": s["rounds"]} for n, s in res.items()}
     md = ("# Omni-Fedge setting: 5 Fashion-MNIST nodes, test accuracy (%) after the last round\n\n"
           + markdown_table(["method", "avg", "rounds"], [[n, r["avg"], r["rounds"]] for n, r in rows.items()]))
     write_table(out / "omnifedge.md", md)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import load
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..report import markdown_table, write_json, write_table
 from ..resources import config_path
 from .common import method_overrides, read_tables, run_methods
@@ -37,14 +38,14 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
     res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov,
                       seeds=PERSONALIZATION_SEEDS)
     baseline = {"linear": "fedavg", "mlp": "fedavg (mlp)", "mlp-bn": "fedavg (mlp-bn)"}
-    fedavg = {m: 100 * res[n]["final"]["seen_test_acc_mean"] for m, n in baseline.items() if n in res}
+    fedavg = {m: 100 * res[n]["final"][SEEN_TEST_ACC_MEAN] for m, n in baseline.items() if n in res}
     rows = {}
     for n, s in res.items():
         model = _personalization_model(PERSONALIZATION_METHODS[n])
-        avg = 100 * s["final"]["seen_test_acc_mean"]
-        rows[n] = {"model": model, "avg": avg, "avg_std": 100 * s["final_std"]["seen_test_acc_mean"],
-                   "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
-                   "bottom_decile_std": 100 * s["final_std"]["seen_test_acc_p10"],
+        avg = 100 * s["final"][SEEN_TEST_ACC_MEAN]
+        rows[n] = {"model": model, "avg": avg, "avg_std": 100 * s["final_std"][SEEN_TEST_ACC_MEAN],
+                   "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
+                   "bottom_decile_std": 100 * s["final_std"][SEEN_TEST_ACC_P10],
                    "vs_fedavg_same_model": avg - fedavg[model], "seeds": PERSONALIZATION_SEEDS}
     title = "Label-permuted client groups (40 clients, 4 groups, 10 classes)"
     md = (f"# {title}: test accuracy (%), final round, mean ± std over seeds {PERSONALIZATION_SEEDS}"
@@ -76,12 +77,12 @@ def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
         print(f"Fashion-MNIST CNN table skipped: {e}")
         return None
     res = run_methods(out, base, FMNIST_CNN_METHODS, ov)
-    local = 100 * res["local"]["final"]["seen_test_acc_mean"]
+    local = 100 * res["local"]["final"][SEEN_TEST_ACC_MEAN]
     rows = {}
     for n, s in res.items():
         model = "cnn_bn" if "model.name=cnn_bn" in FMNIST_CNN_METHODS[n] else "cnn_femnist"
-        avg = 100 * s["final"]["seen_test_acc_mean"]
-        rows[n] = {"model": model, "avg": avg, "bottom_decile": 100 * s["final"]["seen_test_acc_p10"],
+        avg = 100 * s["final"][SEEN_TEST_ACC_MEAN]
+        rows[n] = {"model": model, "avg": avg, "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
                    "minus_local": avg - local, "rounds": s["rounds"], "seconds_per_round": s["seconds_per_round"]}
     frac, clients = (0.02, 10) if quick else (FMNIST_CNN_FRACTION, 100)
     title = (f"Fashion-MNIST ({100 * frac:.0f}% of the images), {clients} clients, 3 label groups by "

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..config import load
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN
 from ..engine.sampling import clients_per_round
 from ..report import markdown_table, plot_curves, save_figure, write_json, write_table
 from ..resources import configs_root
@@ -124,9 +125,9 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
                               seeds=list(seeds) if seeds else None)
             for label, s in res.items():
                 key = label.split(":", 1)[1]
-                acc = s["final"]["seen_test_acc_mean"]
+                acc = s["final"][SEEN_TEST_ACC_MEAN]
                 table.setdefault(key, {})[method] = None if s.get("diverged") else 100 * acc
-                sd = s.get("final_std", {}).get("seen_test_acc_mean")
+                sd = s.get("final_std", {}).get(SEEN_TEST_ACC_MEAN)
                 if sd is not None:
                     spread.setdefault(key, {})[method] = 100 * sd
             seeds_of[method] = list(seeds) if seeds else [cfg.run.seed]
@@ -142,7 +143,7 @@ def run(out: Path, quick: bool = False, datasets: tuple[str, ...] = ("synthetic"
                 priv = {f"{method}:dp{z}": [*msets, "privacy.clip_norm=1.0", f"privacy.noise_multiplier={z}",
                                             "run.sampling_rate=0.2"] for z in noise}
                 pres = run_methods(out / ds, base, priv, quick_ov, allow_diverged=True)
-                pts = sorted((float(s["epsilon"]), 100 * s["final"]["seen_test_acc_mean"]) for s in pres.values()
+                pts = sorted((float(s["epsilon"]), 100 * s["final"][SEEN_TEST_ACC_MEAN]) for s in pres.values()
                              if not s.get("diverged"))
                 r[f"{method}_privacy"] = [{"epsilon": e, "acc": a} for e, a in pts]
             result["wall_s"][f"{ds} privacy"] = round(time.perf_counter() - t0, 1)
@@ -232,7 +233,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
         table = r["accuracy"]
         methods = [m for m in METHODS if any(m in v for v in table.values())]
         attacks = [a for a in ATTACKS if any(lbl.startswith(a + "/") for lbl in table)]
-        fractions = sorted({float(_parse(lbl)[1][:-1]) / 100 for lbl in table if _parse(lbl)[1]})
+        fractions = sorted({float(pct[:-1]) / 100 for pct in (_parse(lbl)[1] for lbl in table) if pct})
         md.append(f"\n## {ds} ({r.get('num_clients')} clients, {r.get('rounds')} rounds)\n")
         for m in methods:
             seeds = r.get("seeds", {}).get(m, [])

@@ -421,7 +421,7 @@ def _discover(grid: Any, want: int | None, timeout: float) -> dict[int, dict[str
     for rep in send_and_receive(grid, msgs, timeout):
         if rep.has_error():
             raise NodeError(f"SuperNode {rep.metadata.src_node_id} could not describe its clients: "
-                            f"{rep.error.reason[:2000]}")
+                            f"{(rep.error.reason or '')[:2000]}")
         out[int(rep.metadata.src_node_id)] = from_record(rep.content["info"])  # type: ignore[arg-type]
     if len(out) < len(nodes):
         raise NodeError(f"only {len(out)} of {len(nodes)} SuperNodes answered the query within {timeout:.0f} s")

@@ -126,7 +126,7 @@ def _proc_stat(pid: int) -> tuple[str, int, int, int] | None:
 
 def _process_table() -> dict[int, tuple[str, int, int, int]]:
     """pid -> ``_proc_stat`` of every process (empty where there is no ``/proc``)."""
-    out = {}
+    out: dict[int, tuple[str, int, int, int]] = {}
     try:
         names = os.listdir("/proc")
     except OSError:

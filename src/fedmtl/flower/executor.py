@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from torch import Tensor
 
 from .. import tree as T
@@ -146,7 +146,7 @@ class FlowerClients:
         for rep in self._send(list(msgs.values())):
             nid = int(rep.metadata.src_node_id)
             if rep.has_error():
-                log.warning("%s: SuperNode %s failed: %s", what, nid, rep.error.reason[:300])
+                log.warning("%s: SuperNode %s failed: %s", what, nid, (rep.error.reason or "")[:300])
             elif nid in msgs:
                 out[nid] = rep
         for nid in set(msgs) - set(out):
@@ -201,8 +201,9 @@ class FlowerClients:
         groups = self._by_node(ids)
         msgs = {}
         for nid, pos in groups.items():
-            content = {"payload": prec, "config": self._config({"lr": lr, "round": self.round,
-                                                                 "clients": [int(ids[i]) for i in pos]})}
+            content: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {
+                "payload": prec, "config": self._config({"lr": lr, "round": self.round,
+                                                         "clients": [int(ids[i]) for i in pos]})}
             if adapt is not None:
                 content["order"] = order_record(adapt, pos)
             msgs[nid] = Message(RecordDict(content), dst_node_id=nid, message_type="evaluate", group_id="eval")
@@ -237,7 +238,7 @@ class FlowerClients:
         if len(replies) < len(every):
             raise RuntimeError(f"gossip round {round_idx}: {len(every) - len(replies)} SuperNode(s) did not send "
                                "their clients' states; decentralized runs need every node every round")
-        states: dict[int, tuple[list[int], Tree]] = {}
+        states: dict[int, tuple[list[int], ArrayRecord | MetricRecord | ConfigRecord]] = {}
         for nid, rep in replies.items():
             ks = [int(c) for c in from_record(rep.content["config"])["clients"]]  # type: ignore[arg-type]
             states[nid] = (ks, rep.content["states"])
@@ -251,7 +252,7 @@ class FlowerClients:
                 neighbours[j].add(i)
         else:  # no sparse graph known to the server: every client may read every other
             neighbours = {k: set(range(n)) - {k} for k in range(n)}
-        decoded: dict[int, Tree] = {}
+        decoded: dict[int, dict[str, Tensor]] = {}
         mixes = {}
         for nid, (ks, _) in states.items():
             want = sorted(set().union(*(neighbours[k] for k in ks)) - set(ks))
@@ -272,7 +273,7 @@ class FlowerClients:
             raise RuntimeError(f"gossip round {round_idx}: {len(mixes) - len(mixed)} SuperNode(s) failed to mix")
         total: dict[str, Tensor] = {}
         for rep in mixed.values():
-            for name, v in _record_rows(rep.content["sum"]).items():  # type: ignore[arg-type]
+            for name, v in _record_rows(rep.content["sum"]).items():
                 total[name] = total[name] + v if name in total else v
         ref = T.to_named(self.state_template)
         mean = {name: (v / n).to(ref[name].dtype) if name in ref else v for name, v in total.items()}

@@ -56,13 +56,13 @@ from torch import Tensor
 
 from .. import tree as T
 from ..schema import Annotated, Range, check_fields
-from ..tree import Tree
+from ..tree import Tree, TreeT
 
 log = logging.getLogger("fedmtl")
 
 AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clip"]
 AGGREGATORS: tuple[str, ...] = get_args(AggregatorName)
-Combine = Callable[[Tree, Tensor], Tree]
+Combine = T.Combine
 #: the stream of ``round_generator(seed, round, stream)`` that bucketing's permutations come from
 BUCKETING_STREAM = 15
 
@@ -100,7 +100,7 @@ class RobustConfig:
             return base
         s = self.bucketing
 
-        def bucketed_combine(u: Tree, w: Tensor) -> Tree:
+        def bucketed_combine(u: TreeT, w: Tensor) -> TreeT:
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
             return bucketed(u, w, s, base, gen)
 
@@ -110,12 +110,12 @@ class RobustConfig:
         return _AGGREGATORS[self.aggregator](self)
 
 
-def _valid(stacked: Tree, weights: Tensor) -> tuple[Tree, Tensor]:
+def _valid(stacked: TreeT, weights: Tensor) -> tuple[TreeT, Tensor]:
     ok = torch.nonzero(weights > 0).flatten()
     return T.tmap(lambda x: x.index_select(0, ok.to(x.device)), stacked), weights.index_select(0, ok)
 
 
-def median(stacked: Tree, weights: Tensor) -> Tree:
+def median(stacked: TreeT, weights: Tensor) -> TreeT:
     """Coordinate-wise median of the rows with positive weight."""
     valid, _ = _valid(stacked, weights)
 
@@ -129,7 +129,7 @@ def median(stacked: Tree, weights: Tensor) -> Tree:
     return T.tmap(med, valid)
 
 
-def trimmed_mean(stacked: Tree, weights: Tensor, trim: float) -> Tree:
+def trimmed_mean(stacked: TreeT, weights: Tensor, trim: float) -> TreeT:
     """Coordinate-wise mean of the rows with positive weight after dropping ``floor(trim * K)`` at each end."""
     valid, _ = _valid(stacked, weights)
 
@@ -162,7 +162,7 @@ def krum_scores(flat: Tensor, f: int) -> Tensor:
     return d.topk(near, dim=1, largest=False).values.sum(1)
 
 
-def krum(stacked: Tree, weights: Tensor, f: int, m: int | None) -> Tree:
+def krum(stacked: TreeT, weights: Tensor, f: int, m: int | None) -> TreeT:
     """Krum (``m = 1``) or multi-Krum (the ``m`` rows of least score, default ``K - f``, averaged with their
     weights) over the rows with positive weight."""
     valid, w = _valid(stacked, weights)
@@ -188,7 +188,7 @@ def _krum_pick(d2: Tensor, f: int) -> int:
     return int(torch.argsort(scores, stable=True)[0])
 
 
-def bulyan(stacked: Tree, weights: Tensor, f: int) -> Tree:
+def bulyan(stacked: TreeT, weights: Tensor, f: int) -> TreeT:
     """Bulyan over the rows with positive weight: ``theta = K - 2f`` rows selected by repeated Krum, then per
     coordinate the mean of the ``theta - 2f`` selected values closest to their median (unweighted)."""
     valid, w = _valid(stacked, weights)
@@ -226,7 +226,7 @@ def _coordinate_median(flat: Tensor) -> Tensor:
     return (s[(k - 1) // 2] + s[k // 2]) / 2
 
 
-def centered_clip(stacked: Tree, weights: Tensor, tau: float | None, iterations: int) -> Tree:
+def centered_clip(stacked: TreeT, weights: Tensor, tau: float | None, iterations: int) -> TreeT:
     """Centered clipping over the rows with positive weight: from the coordinate-wise median v,
     ``iterations`` times ``v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i``.  ``tau`` None: the median distance of
     the rows from the starting v (``math.inf``: no clipping, the weighted mean)."""
@@ -250,13 +250,13 @@ def centered_clip(stacked: Tree, weights: Tensor, tau: float | None, iterations:
     return _rebuild(valid, out)
 
 
-def _rebuild(stacked: Tree, new_leaves: list[Tensor]) -> Tree:
+def _rebuild(stacked: TreeT, new_leaves: list[Tensor]) -> TreeT:
     """A tree shaped like one row of ``stacked`` holding ``new_leaves`` (in ``T.leaves`` order)."""
     it = iter(new_leaves)
     return T.tmap(lambda x: next(it) if isinstance(x, Tensor) else x, T.take(stacked, 0))
 
 
-def bucketed(stacked: Tree, weights: Tensor, s: int, inner: Combine, generator: torch.Generator) -> Tree:
+def bucketed(stacked: TreeT, weights: Tensor, s: int, inner: Combine, generator: torch.Generator) -> TreeT:
     """Bucketing: the rows with positive weight randomly permuted (``generator``), cut into buckets of ``s``
     consecutive rows, each bucket's weighted mean carrying the bucket's total weight, then ``inner`` on the
     bucket means."""
@@ -277,7 +277,7 @@ def bucketed(stacked: Tree, weights: Tensor, s: int, inner: Combine, generator: 
     return inner(means, totals)
 
 
-def clip_updates(updates: Tree, reference: Tree | None, weights: Tensor, clip_norm: float) -> Tree:
+def clip_updates(updates: TreeT, reference: Tree | None, weights: Tensor, clip_norm: float) -> TreeT:
     """Scale each row's deviation from ``reference`` (None: from zero) to L2 norm at most ``clip_norm``."""
     dev = updates if reference is None else T.tmap(lambda u, r: u - r.unsqueeze(0), updates, reference)
     norms = flat_rows(dev).norm(dim=1)
@@ -305,16 +305,44 @@ def reference_of(updates: Tree, payload: Tree) -> Tree | None:
     return T.from_named({n: pay[n] for n in ups}, one)
 
 
+def _trimmed_mean(c: RobustConfig) -> Combine:
+    def combine(u: TreeT, w: Tensor) -> TreeT:
+        return trimmed_mean(u, w, c.trim)
+
+    return combine
+
+
+def _krum(c: RobustConfig, multi: bool) -> Combine:
+    def combine(u: TreeT, w: Tensor) -> TreeT:
+        return krum(u, w, c.num_byzantine, (c.multi_krum_m or None) if multi else 1)
+
+    return combine
+
+
+def _bulyan(c: RobustConfig) -> Combine:
+    def combine(u: TreeT, w: Tensor) -> TreeT:
+        return bulyan(u, w, c.num_byzantine)
+
+    return combine
+
+
+def _centered_clip(c: RobustConfig) -> Combine:
+    def combine(u: TreeT, w: Tensor) -> TreeT:
+        return centered_clip(u, w, c.cc_tau or None, c.cc_iterations)
+
+    return combine
+
+
 #: aggregator name -> the combine function its ``[robust]`` settings give; a new aggregator is a function above and
 #: one line here (and its name in ``AggregatorName``)
 _AGGREGATORS: dict[str, Callable[[RobustConfig], Combine]] = {
     "mean": lambda c: T.weighted_mean,
     "median": lambda c: median,
-    "trimmed_mean": lambda c: lambda u, w: trimmed_mean(u, w, c.trim),
-    "krum": lambda c: lambda u, w: krum(u, w, c.num_byzantine, 1),
-    "multi_krum": lambda c: lambda u, w: krum(u, w, c.num_byzantine, c.multi_krum_m or None),
-    "bulyan": lambda c: lambda u, w: bulyan(u, w, c.num_byzantine),
-    "centered_clip": lambda c: lambda u, w: centered_clip(u, w, c.cc_tau or None, c.cc_iterations),
+    "trimmed_mean": _trimmed_mean,
+    "krum": lambda c: _krum(c, False),
+    "multi_krum": lambda c: _krum(c, True),
+    "bulyan": _bulyan,
+    "centered_clip": _centered_clip,
 }
 assert tuple(_AGGREGATORS) == AGGREGATORS
 

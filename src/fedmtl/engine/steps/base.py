@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from torch import Tensor
 
@@ -43,13 +43,16 @@ class UpdateStep(Protocol):
     def __call__(self, u: Updates, info: RoundInfo) -> Updates: ...
 
 
-class ServerStep(Protocol):
+StepStateT = TypeVar("StepStateT", bound=Tree)
+
+
+class ServerStep(Protocol[StepStateT]):
     """One transformation of the server state after the algorithm aggregated (a server optimizer); its own state
-    (a NamedTuple of tensors) is checkpointed with the run."""
+    ``StepStateT`` (a NamedTuple of tensors) is checkpointed with the run.  Server states are the algorithm's (any)."""
 
-    def init(self, server: Tree) -> Tree: ...
+    def init(self, server: Any) -> StepStateT: ...
 
-    def __call__(self, before: Tree, after: Tree, state: Tree) -> tuple[Tree, Tree]: ...
+    def __call__(self, before: Any, after: Any, state: StepStateT) -> tuple[Any, StepStateT]: ...
 
 
 class Setting(NamedTuple):
