@@ -108,15 +108,17 @@ def test_bench_outside_a_checkout_says_where_it_runs(monkeypatch, capsys):
 
 
 def test_readme_bench_commands_parse():
-    """Every ``fedmtl bench NAME ...`` the README shows parses with that benchmark's own flags."""
+    """Every ``fedmtl bench NAME ...`` the README and the handbook show parses with that benchmark's own flags."""
     import re
     import shlex
     from pathlib import Path
 
     from fedmtl.cli import build_parser
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    commands = {m.strip() for m in re.findall(r"fedmtl bench [a-z]+ [^`#\n]*", text) if "|" not in m}
+    root = Path(__file__).resolve().parents[1]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").rglob("*.md"))])
+    commands = {m.strip() for m in re.findall(r"fedmtl bench [a-z]+ [^`#\n]*", text)
+                if "|" not in m and "--out" in m}
     assert len(commands) >= 8
     for c in commands:
         args = build_parser().parse_args(shlex.split(c)[1:])

@@ -35,7 +35,7 @@ from fedmtl.data.npz import export, load_dir  # noqa: E402
 from fedmtl.engine.driver import build_local  # noqa: E402
 from fedmtl.engine.rundir import RunDirectory, RunDirError  # noqa: E402
 from fedmtl.flower import apps  # noqa: E402
-from fedmtl.flower.apps import ServerOptions, federation_of, handle_query, server_main  # noqa: E402
+from fedmtl.flower.apps import NodeCache, ServerOptions, federation_of, handle_query, server_main  # noqa: E402
 from fedmtl.flower.records import from_record  # noqa: E402
 
 from .test_flower import CONFIG as FLOWER_CONFIG  # noqa: E402
@@ -71,6 +71,7 @@ class LoopbackGrid:
         self.cfg_text = cfg_text
         self.contexts = {nid: Context(run_id=1, node_id=nid, node_config=dict(nc), state=RecordDict(),
                                       run_config={}) for nid, nc in nodes.items()}
+        self.caches = {nid: NodeCache() for nid in nodes}  # each SuperNode's ClientApp keeps its own warm nodes
         self.replies: dict[str, Message] = {}
         self.pushed: list[Message] = []
 
@@ -86,7 +87,8 @@ class LoopbackGrid:
             self.pushed.append(msg)
             handler = self.HANDLERS[msg.metadata.message_type]
             try:
-                rep = handler(msg, self.contexts[msg.metadata.dst_node_id], self.cfg_text)
+                nid = msg.metadata.dst_node_id
+                rep = handler(msg, self.contexts[nid], self.cfg_text, self.caches[nid])
             except Exception as e:
                 rep = Message(Error(1, f"{type(e).__name__}: {e}"), reply_to=msg)
             self.replies[msg.metadata.message_id] = rep
@@ -235,7 +237,7 @@ def test_an_image_dataset_exports_its_normalization_and_declared_public_keys_onl
 def _query(text: str, node_config: dict[str, Any]) -> dict[str, Any]:
     msg = Message(RecordDict({}), dst_node_id=7, message_type="query")
     ctx = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
-    return from_record(handle_query(msg, ctx, text).content["info"])  # type: ignore[arg-type]
+    return from_record(handle_query(msg, ctx, text, NodeCache()).content["info"])  # type: ignore[arg-type]
 
 
 def test_a_node_sends_the_server_only_public_metadata(tmp_path):

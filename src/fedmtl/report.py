@@ -9,6 +9,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,24 +38,24 @@ def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[An
         raise
 
 
-_QUICK = {"on": False}
+# a context variable (set by ``quick_mode`` for its block), not process-wide state
+_QUICK: ContextVar[bool] = ContextVar("fedmtl_quick_mode", default=False)
 
 
 @contextlib.contextmanager
 def quick_mode(on: bool = True) -> Iterator[None]:
     """Within: every table (``write_table``) and figure (``save_figure``) is marked as a quick smoke run, so a
     ``--quick`` result can never pass for a real one."""
-    before = _QUICK["on"]
-    _QUICK["on"] = on
+    token = _QUICK.set(on)
     try:
         yield
     finally:
-        _QUICK["on"] = before
+        _QUICK.reset(token)
 
 
 def write_table(path: Path, text: str) -> None:
     """Write a Markdown report atomically; in quick mode its first heading says "(QUICK run ...)"."""
-    if _QUICK["on"]:
+    if _QUICK.get():
         note = "(QUICK run: a shortened smoke test, not the result)"
         lines = text.split("\n")
         at = next((i for i, ln in enumerate(lines) if ln.startswith("#")), None)
@@ -71,7 +72,7 @@ def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
     """Save a matplotlib figure as PNG atomically and close it; in quick mode every axes title starts "QUICK:"."""
     import matplotlib.pyplot as plt
 
-    if _QUICK["on"]:
+    if _QUICK.get():
         for ax in fig.get_axes():
             ax.set_title("QUICK: " + ax.get_title(), fontsize=9)
         fig.tight_layout()

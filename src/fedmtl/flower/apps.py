@@ -84,7 +84,12 @@ class _Node:
     clients: dict[tuple[Any, ...], tuple[LocalClients, Tree]] = field(default_factory=dict)
 
 
-_NODES: dict[tuple[tuple[str, str], bool], _Node] = {}
+class NodeCache:
+    """The nodes one ``ClientApp`` serves, built once per config and node config and kept warm across the messages
+    its process handles (owned by the app ``make_client_app`` returns: no process-wide state)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[tuple[tuple[str, str], bool], _Node] = {}
 
 
 def _partitions(spec: str) -> list[int]:
@@ -95,15 +100,15 @@ def _partitions(spec: str) -> list[int]:
     return sorted(set(out))
 
 
-def node_of(context: Context, cfg_text: str, full: bool = True) -> _Node:
-    """The node's data, model and algorithm, built once per process, config and node config.  ``full=False``
+def node_of(nodes: NodeCache, context: Context, cfg_text: str, full: bool = True) -> _Node:
+    """The node's data, model and algorithm, built once per app (``nodes``), config and node config.  ``full=False``
     (training, gossip, queries) may skip reading the test and validation splits of a ``data-dir``: Flower
     starts a process per message, so each message reads only what it needs."""
     nc = dict(context.node_config)
     key = (_sha(cfg_text), json.dumps({k: str(v) for k, v in sorted(nc.items())}))
     for k in ((key, True),) if full else ((key, True), (key, False)):
-        if k in _NODES:
-            return _NODES[k]
+        if k in nodes.nodes:
+            return nodes.nodes[k]
     cfg = config_from_text(cfg_text)
     if "data-dir" in nc:
         from ..data.npz import load_dir
@@ -132,7 +137,7 @@ def node_of(context: Context, cfg_text: str, full: bool = True) -> _Node:
         data, source = whole.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     model.check_features(data.seen.train.x[:2])
-    node = _NODES[key, full or source == "config"] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
+    node = nodes.nodes[key, full or source == "config"] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
     return node
 
 
@@ -265,11 +270,11 @@ def _asked(node: _Node, conf: dict[str, Any]) -> Tensor:
     return ids
 
 
-def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
+def handle_query(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) -> Message:
     """What the server may know of this node: its clients' ids and training-set sizes, the feature shape and
     dtype, the classes and the dataset's public metadata (``public_meta``: what a model needs and the keys the
     dataset declares public; never a generator's parameters or other clients' attributes); never an example."""
-    node = node_of(context, cfg_text, full=False)
+    node = node_of(nodes, context, cfg_text, full=False)
     d = node.data
     info = to_config({
         "client_ids": node.ids.tolist(), "train_counts": d.seen.train.counts.tolist(),
@@ -280,10 +285,10 @@ def handle_query(msg: Message, context: Context, cfg_text: str) -> Message:
     return Message(RecordDict({"info": info}), reply_to=msg)
 
 
-def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
+def handle_train(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) -> Message:
     """Train this node's sampled clients (one message per node per round) with the local executor; reply their
     updates stacked in the order asked, their losses and which of them are finite."""
-    node = node_of(context, cfg_text, full=False)
+    node = node_of(nodes, context, cfg_text, full=False)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     ids, r = _asked(node, conf), int(conf["round"])
     _maybe_fail(ids.tolist(), r)
@@ -302,9 +307,9 @@ def handle_train(msg: Message, context: Context, cfg_text: str) -> Message:
     return Message(content, reply_to=msg)
 
 
-def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
+def handle_evaluate(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) -> Message:
     """Score this node's asked clients on their own splits: per client, examples, correct and summed NLL."""
-    node = node_of(context, cfg_text)
+    node = node_of(nodes, context, cfg_text)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     ids = _asked(node, conf)
     lc, server0 = _local_clients(node, conf)
@@ -321,9 +326,9 @@ def handle_evaluate(msg: Message, context: Context, cfg_text: str) -> Message:
     return Message(RecordDict({"metrics": to_metrics(out)}), reply_to=msg)
 
 
-def handle_pull(msg: Message, context: Context, cfg_text: str) -> Message:
+def handle_pull(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) -> Message:
     """Server-relayed gossip, step 1: this node's clients' states (all of them), for the server to forward."""
-    node = node_of(context, cfg_text, full=False)
+    node = node_of(nodes, context, cfg_text, full=False)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     lc, _ = _local_clients(node, conf)
     _restore(node, lc, context, cfg_text, int(conf["round"]) + 1)
@@ -331,11 +336,11 @@ def handle_pull(msg: Message, context: Context, cfg_text: str) -> Message:
                                "config": to_config({"clients": node.ids.tolist()})}), reply_to=msg)
 
 
-def handle_mix(msg: Message, context: Context, cfg_text: str) -> Message:
+def handle_mix(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) -> Message:
     """Server-relayed gossip, step 2: mix this node's clients with the neighbours' states the server forwarded
     (``alg.sync`` over a population whose other rows are zeros: row i of a gossip step reads only i's
     neighbours, so this node's rows equal a simulation's).  Replies the sum of its clients' new states."""
-    node = node_of(context, cfg_text, full=False)
+    node = node_of(nodes, context, cfg_text, full=False)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     lc, server0 = _local_clients(node, conf)
     r = int(conf["round"])
@@ -365,29 +370,30 @@ def make_client_app(cfg_text: str | None = None) -> Any:
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
+    nodes = NodeCache()  # this app's nodes, warm across the messages its process handles
 
     def text(context: Context) -> str:
         return cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
 
     @app.query()
     def _query(msg: Message, context: Context) -> Message:
-        return handle_query(msg, context, text(context))
+        return handle_query(msg, context, text(context), nodes)
 
     @app.train()
     def _train(msg: Message, context: Context) -> Message:
-        return handle_train(msg, context, text(context))
+        return handle_train(msg, context, text(context), nodes)
 
     @app.evaluate()
     def _evaluate(msg: Message, context: Context) -> Message:
-        return handle_evaluate(msg, context, text(context))
+        return handle_evaluate(msg, context, text(context), nodes)
 
     @app.train("pull")
     def _pull(msg: Message, context: Context) -> Message:
-        return handle_pull(msg, context, text(context))
+        return handle_pull(msg, context, text(context), nodes)
 
     @app.train("mix")
     def _mix(msg: Message, context: Context) -> Message:
-        return handle_mix(msg, context, text(context))
+        return handle_mix(msg, context, text(context), nodes)
 
     return app
 
