@@ -24,11 +24,3 @@ def test_probes_see_which_transforms_are_active():
     vmap(grad(probe("vmap_grad")))(torch.ones(2, 3))
     assert seen == {"none": (True, True), "vmap": (False, True), "grad": (False, False),
                     "vmap_grad": (False, False)}, (torch.__version__, seen)
-
-
-def test_unbatched_finds_the_stacked_tensor_of_a_vmapped_slice():
-    stacked = torch.arange(6.0).reshape(2, 3)
-    found: list[object] = []
-    vmap(lambda row: found.append(transforms.unbatched(row)) or row)(stacked)
-    assert found[0] is stacked, torch.__version__
-    assert transforms.unbatched(stacked) is None and transforms.unbatched(None) is None

@@ -11,8 +11,6 @@ that loop, shared by every method with its own local step (APFL, pFedMe).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -22,7 +20,7 @@ from torch import Tensor
 from .batchnorm import is_statistic
 from .schema import Annotated, Range, check_fields
 from .transforms import eager as is_eager
-from .transforms import only_vmap, unbatched
+from .transforms import only_vmap
 from .tree import Params, Tree, tmap
 
 
@@ -43,6 +41,11 @@ class Batches(NamedTuple):
                        work is not counted in batches (MOCHA's coordinate steps) read it as their budget
     idx: (S, B) long   optional: each slot's index into the client's own examples (0 on padding), for
                        methods that keep per-example state (MOCHA's dual variables)
+    all_live: (S,) bools, not a tensor: the steps known to be live for every client of the vmap call these batches
+                       belong to (``with_all_live``, set by the vmap executor; ``None``: unknown).  ``local_sgd`` runs
+                       those steps without the per-client masking of dead steps.  A method that changes ``mask`` or
+                       ``limit`` and passes the result on must drop it (``_replace(all_live=None)``); batches built
+                       anew carry none
     """
 
     x: Tensor
@@ -52,6 +55,7 @@ class Batches(NamedTuple):
     n: Tensor
     limit: Tensor | None = None
     idx: Tensor | None = None
+    all_live: tuple[bool, ...] | None = None
 
 
 class ClientBatches(NamedTuple):
@@ -96,38 +100,15 @@ def live_steps(batches: Batches) -> Tensor:
     return nonempty & (torch.cumsum(nonempty.to(torch.long), 0) <= batches.limit)
 
 
-_KNOWN_LIVE: ContextVar[tuple[tuple[Tensor, Tensor | None, int, tuple[bool, ...]], ...]] = ContextVar(
-    "fedmtl_known_live", default=())
-
-
-@contextmanager
-def known_live_steps(batches: Batches) -> Iterator[None]:
-    """While active, ``local_sgd`` under vmap knows which steps of these stacked (K, S, B) batches are live for all
-    K clients, and runs those steps without the per-client masking of dead steps (half the update's memory
-    traffic).  Liveness is a function of the mask and the limit alone, so the hint is keyed on the identity (and
-    version) of exactly these two tensors: a call on any other batches -- an algorithm's own -- sees no hint."""
+def with_all_live(batches: Batches) -> Batches:
+    """K stacked (K, S, B) ``batches`` with ``all_live`` set: the steps live (non-empty, within the straggler limit)
+    for all K clients, which ``local_sgd`` under vmap runs without the per-client masking of dead steps (half the
+    update's memory traffic).  One host read of the (K, S) flags per call."""
     nonempty = batches.mask.sum(-1) > 0  # (K, S)
     live = nonempty
     if batches.limit is not None:
         live = nonempty & (torch.cumsum(nonempty.to(torch.long), 1) <= batches.limit.unsqueeze(1))
-    flags = tuple(bool(f) for f in live.all(0).tolist())
-    token = _KNOWN_LIVE.set((*_KNOWN_LIVE.get(), (batches.mask, batches.limit, batches.mask._version, flags)))
-    try:
-        yield
-    finally:
-        _KNOWN_LIVE.reset(token)
-
-
-def _known_live(batches: Batches) -> tuple[bool, ...] | None:
-    """The steps of one client's ``batches`` (inside vmap) known live for every client of the call, if any."""
-    hints = _KNOWN_LIVE.get()
-    if not hints or isinstance(batches.mask, list):
-        return None
-    mask, limit = unbatched(batches.mask), unbatched(batches.limit)
-    for m, lim, version, flags in reversed(hints):
-        if mask is m and limit is lim and m._version == version:
-            return flags
-    return None
+    return batches._replace(all_live=tuple(bool(f) for f in live.all(0).tolist()))
 
 
 @dataclass(frozen=True)
@@ -249,7 +230,8 @@ def local_sgd(
 
     owned: set[str] = set()  # parameters (and momentum buffers) this call allocated: updated in place from then on
     in_place = only_vmap()
-    known = _known_live(batches) if in_place else None  # steps live for every client of the enclosing vmap call
+    # steps live for every client of the enclosing vmap call (``with_all_live``); a list is one client's ragged batches
+    known = batches.all_live if in_place and not isinstance(batches.mask, list) else None
 
     def step(carry: tuple[Params, Params], s: int, active: Tensor) -> tuple[tuple[Params, Params], Tensor]:
         p, buf = carry  # buf: momentum buffers ({} without momentum)
@@ -273,7 +255,7 @@ def local_sgd(
             if mom > 0:  # d + mom buf, in place on d where d is this step's own tensor (never under grad)
                 d = d.add_(buf[k], alpha=mom) if in_place and d is not g[k] else torch.add(d, buf[k], alpha=mom)
             if known is not None and known[s]:
-                # live for every client of the vmap call (``known_live_steps``): no masking, and the direction
+                # live for every client of the vmap call (``Batches.all_live``): no masking, and the direction
                 # becomes the new momentum buffer -- 6 reads and writes of parameter-sized tensors where the masked
                 # update below makes 13 (with momentum), and 2 fresh tensors instead of 4 on a call's first step;
                 # the same bits as the masked update's live branch (buf * 0 + d is d for a finite buf; tested)

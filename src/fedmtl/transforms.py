@@ -9,7 +9,6 @@ functional path), and ``tests/test_transforms.py`` pins their answers on the ins
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 
 def eager() -> bool:
@@ -31,15 +30,3 @@ def only_vmap() -> bool:
         return all(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
     except (ImportError, AttributeError):  # another torch: the functional steps
         return False
-
-
-def unbatched(t: Tensor | None) -> Tensor | None:
-    """The stacked tensor under one level of vmap that ``t`` (a per-client view inside the vmapped function) is a
-    slice of; None when ``t`` is not batched (or this torch cannot say)."""
-    if t is None:
-        return None
-    try:
-        f = torch._C._functorch
-        return f.get_unwrapped(t) if f.is_batchedtensor(t) else None
-    except AttributeError:
-        return None

@@ -16,8 +16,8 @@ from torch.utils import _pytree as pytree
 
 Params = dict[str, Tensor]
 #: a pytree of tensors: a tensor, or tuples (NamedTuples included), lists and string-keyed mappings of trees (None:
-#: an empty node, as an optional field of a NamedTuple)
-Tree: TypeAlias = Tensor | Sequence["Tree"] | Mapping[str, "Tree"] | None
+#: an optional field of a NamedTuple left out; a bool: a flag carried beside the tensors, never batched or moved)
+Tree: TypeAlias = Tensor | bool | Sequence["Tree"] | Mapping[str, "Tree"] | None
 #: a tree and what a structure-preserving map of it returns (the same container types)
 TreeT = TypeVar("TreeT", bound=Tree)
 
@@ -64,8 +64,9 @@ def where(cond: Tensor, a: TreeT, b: Tree) -> TreeT:
 
 
 def stack(trees: Sequence[TreeT]) -> TreeT:
-    """Stack a list of trees with the same structure along a new leading axis."""
-    return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
+    """Stack a list of trees with the same structure along a new leading axis (a leaf that is not a tensor, such as
+    a ``None`` field, is the first tree's)."""
+    return pytree.tree_map(lambda *xs: torch.stack(xs) if isinstance(xs[0], Tensor) else xs[0], *trees)
 
 
 def unstack(tree: TreeT, n: int) -> list[TreeT]:
@@ -73,8 +74,9 @@ def unstack(tree: TreeT, n: int) -> list[TreeT]:
 
 
 def take(tree: TreeT, index: int | Tensor) -> TreeT:
-    """Index the leading axis of every leaf (an int drops the axis, a 1-d index tensor keeps it)."""
-    return tmap(lambda x: x[index], tree)
+    """Index the leading axis of every tensor leaf (an int drops the axis, a 1-d index tensor keeps it); other
+    leaves (a ``None`` field, flags) are kept as they are."""
+    return tmap(lambda x: x[index] if isinstance(x, Tensor) else x, tree)
 
 
 def broadcast(tree: TreeT, n: int) -> TreeT:
@@ -134,13 +136,21 @@ def all_finite_rows(stacked: Tree) -> Tensor:
 
 
 def to(tree: TreeT, device: torch.device | str) -> TreeT:
-    """Every leaf on ``device``.  Host-to-GPU copies do not wait for the GPU: a blocking copy synchronizes the
-    stream after each tensor, which stalls the CPU on the GPU's queued work once per client in a loop over clients
-    (CUDA stages a pageable source before the call returns, so the source may change right after; GPU-to-host
-    copies stay blocking, since their result is read at once)."""
+    """Every tensor leaf on ``device`` (other leaves, such as a ``None`` field, unchanged).  Host-to-GPU copies do
+    not wait for the GPU: a blocking copy synchronizes the stream after each tensor, which stalls the CPU on the
+    GPU's queued work once per client in a loop over clients (CUDA stages a pageable source before the call
+    returns, so the source may change right after; GPU-to-host copies stay blocking, since their result is read at
+    once)."""
     device = torch.device(device)
     h2d = device.type == "cuda"
-    return tmap(lambda x: x.to(device, non_blocking=h2d and x.device.type == "cpu"), tree)
+    return tmap(lambda x: x.to(device, non_blocking=h2d and x.device.type == "cpu") if isinstance(x, Tensor) else x,
+                tree)
+
+
+def batch_dims(tree: Tree) -> Tree:
+    """``torch.func.vmap``'s ``in_dims`` for a stacked ``tree``: 0 on every tensor leaf, ``None`` on any other leaf
+    (an optional field left ``None``, a tuple of flags)."""
+    return pytree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, tree)
 
 
 class TreeError(ValueError):

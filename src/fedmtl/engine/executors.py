@@ -40,7 +40,7 @@ from ..data.federated import (
     usable_counts,
 )
 from ..model import Model
-from ..optim import Batches, ClientBatches, known_live_steps
+from ..optim import Batches, ClientBatches, with_all_live
 
 ExecutorName = Literal["auto", "stacked", "vmap", "loop"]
 
@@ -81,8 +81,8 @@ class TrainBatches:
         return ClientBatches(x, y, mask, n, live)
 
 
-def _in_dims(*args: Any) -> tuple[int | None, ...]:
-    return tuple(None if a is None else 0 for a in args)
+def _in_dims(*args: Any) -> tuple[Any, ...]:
+    return tuple(T.batch_dims(a) for a in args)
 
 
 class Executor:
@@ -111,7 +111,7 @@ class VmapExecutor(Executor):
 
     def __init__(self, chunk_size: int = 0, bucketing: Literal["steps", "none"] = "steps"):
         self.chunk_size, self.bucketing = chunk_size, bucketing
-        self._train_fns: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
+        self._train_fns: dict[tuple[Callable[..., Any], bool, Any], Callable[..., Any]] = {}
 
     def buckets(self, counts: Tensor, batch_size: int) -> list[Tensor]:
         """Positions (into the K clients) grouped into vmap calls."""
@@ -129,16 +129,18 @@ class VmapExecutor(Executor):
 
     def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
               payload_rows: bool = False) -> Any:
-        vfn = self._train_fns.get((fn, payload_rows))
-        if vfn is None:
-            vfn = self._train_fns[(fn, payload_rows)] = vmap(fn, in_dims=(0 if payload_rows else None, 0, 0, None),
-                                                             randomness="error")
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
-            p, b = pos.to(batches.device), batches.padded(pos)
+            # the steps live for the whole bucket skip local_sgd's dead-step masking (``Batches.all_live``)
+            p, b = pos.to(batches.device), with_all_live(batches.padded(pos))
+            dims = T.batch_dims(b)  # 0 on the tensors, None on the flags and on fields left None
+            key = (fn, payload_rows, dims)
+            vfn = self._train_fns.get(key)
+            if vfn is None:
+                vfn = self._train_fns[key] = vmap(fn, in_dims=(0 if payload_rows else None, 0, dims, None),
+                                                  randomness="error")
             try:
-                with known_live_steps(b):  # steps live for the whole bucket skip local_sgd's dead-step masking
-                    outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+                outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
             except Exception as e:
                 failed_at(e, pos.tolist())
                 raise
