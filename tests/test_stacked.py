@@ -63,10 +63,22 @@ def test_auto_picks_stacked_where_it_applies_and_vmap_elsewhere():
     torch.manual_seed(0)
     res = fedmtl.run({"algorithm": {"name": "fedavg"}, "run": {"rounds": 1}}, data=_data(),
                      model=fedmtl.Model.from_module(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Tanh()), 3))
+    assert res.summary["path"] == {"executor": "stacked", "model": "clients form", "layers": {"1": "stacked"}}
+
+    class Own(nn.Module):  # parameters of its own, used by code fedmtl cannot see: no clients form
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(6, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x.flatten(1) @ self.w)
+
+    res = fedmtl.run({"algorithm": {"name": "fedavg"}, "run": {"rounds": 1}}, data=_data(),
+                     model=fedmtl.Model.from_module(Own(), 3))
     assert res.summary["path"] == {"executor": "vmap", "model": "module"}
     with pytest.raises(ValueError, match="no clients form"):
         fedmtl.run({"algorithm": {"name": "fedavg"}, "run": {"rounds": 1, "runner": "stacked"}}, data=_data(),
-                   model=fedmtl.Model.from_module(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Tanh()), 3))
+                   model=fedmtl.Model.from_module(Own(), 3))
 
 
 def test_several_seeds_batched_on_the_stacked_executor_equal_their_separate_runs():
@@ -120,11 +132,12 @@ def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_for
 
 
 def test_the_engine_picks_a_user_modules_path_by_its_layers():
-    """No undocumented flag: convolutions and recurrent layers loop on a CPU (recurrent ones on a GPU too), a ReLU
-    MLP runs the stacked executor, anything else vmaps; an explicit prefer_loop_on_cpu still decides."""
+    """No undocumented flag: on a CPU convolutions and recurrent layers loop, a ReLU MLP runs the stacked closed form,
+    any other module with a clients form the stacked executor, the rest vmaps; on a GPU every module with a clients
+    form runs stacked; an explicit prefer_loop_on_cpu still decides."""
     from fedmtl.engine.executors import make_executor
 
-    cpu = torch.device("cpu")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # make_executor reads only the device's type
     cnn = fedmtl.Model.from_module(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3)), 3)
     assert cnn.prefer_loop_on_cpu and not cnn.prefer_loop_on_cuda and make_executor("auto", cnn, cpu).name == "loop"
 
@@ -140,6 +153,10 @@ def test_the_engine_picks_a_user_modules_path_by_its_layers():
     assert rec.prefer_loop_on_cpu and rec.prefer_loop_on_cuda
     assert make_executor("auto", fedmtl.Model.from_module(_module(), 3), cpu).name == "stacked"
     odd = fedmtl.Model.from_module(nn.Sequential(nn.Linear(6, 3), nn.Tanh()), 3)
-    assert make_executor("auto", odd, cpu).name == "vmap"
+    assert make_executor("auto", odd, cpu).name == "stacked" and odd.path == "module"  # its form not yet verified
     forced = fedmtl.Model.from_module(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()), 3, prefer_loop_on_cpu=False)
-    assert make_executor("auto", forced, cpu).name == "vmap"
+    assert make_executor("auto", forced, cpu).name == "stacked"
+    for model in (cnn, rec, odd):
+        assert make_executor("auto", model, gpu).name == "stacked"
+    no_form = fedmtl.Model.from_module(nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(6, 3)), 3)
+    assert no_form.clients_form is None and make_executor("auto", no_form, cpu).name == "vmap"

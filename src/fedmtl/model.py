@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from torch.func import functional_call, grad_and_value, vmap
 from . import batchnorm
 from .transforms import eager
 from .tree import Params
+
+if TYPE_CHECKING:
+    from .models.clientstack import ClientsForm
 
 
 class ModelError(ValueError):
@@ -80,6 +83,11 @@ class Model:
     #: these weights (``from_module(..., init="module")``: the module's own, e.g. pretrained).  Further independent
     #: models a method keeps (FedEM's other components, IFCA's other clusters) are still drawn from the initializer
     initial_params: Params | None = field(default=None, compare=False, repr=False)
+    #: the module's clients form (``fedmtl.models.clientstack``): a twin running K clients' stacked parameters on
+    #: their batches side by side, its standard layers converted to client-stacked forms (batched products, grouped
+    #: convolutions, stacked gates); made by ``from_module`` and the built-in CNNs, verified on real examples before
+    #: use (``verify_clients``); ``None`` for a model without one
+    clients_form: ClientsForm | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -191,10 +199,16 @@ class Model:
         ``init``: ``"seeded"`` (default) makes the initial weights with the module's own initializer
         (``reset_parameters``), seeded by the run; ``"module"`` starts every run from the module's current weights
         (yours, e.g. pretrained; copied now, so later changes to the module do not move them).
+        The module is converted for the ``stacked`` executor: a ReLU MLP given as a ``nn.Sequential`` to the stacked
+        closed form (batched products and a hand-written backward), any other module to its clients form
+        (``fedmtl.models.clientstack``: Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, LSTM/GRU/RNN and
+        MultiheadAttention layers in client-stacked forms, any other layer with parameters vmapped or looped over the
+        clients inside it), checked against the module on the run's first examples.
         ``prefer_loop_on_cpu``: the executor on a CPU when the run says ``runner = "auto"``; None (default) decides by
-        the module's layers: a module with convolutions or recurrent layers loops over clients (compute-bound layers
-        run fastest per client: measured), a ReLU MLP given as a ``nn.Sequential`` runs the ``stacked`` executor
-        (converted to the stacked closed form), anything else vmaps.  ``summary.json`` records the path taken.
+        the module's layers: a module with convolutions or recurrent layers loops over clients there (compute-bound
+        layers run fastest per client on a CPU: measured), anything else runs the ``stacked`` executor where it has a
+        clients form and vmaps otherwise.  On a GPU every module with a clients form runs ``stacked``.
+        ``summary.json`` records the path taken, layer by layer.
         ``head``: the parameter names of the head for body/head methods; ``"auto"`` takes the last sub-module
         that owns parameters (``None`` for a one-layer module).  ``channels_last``: run a convolutional module in
         the channels-last memory format on CPU outside torch.func transforms (faster pooling and convolutions); None
@@ -220,6 +234,10 @@ class Model:
             fast = {"forward": forward, "analytic_grad": grad, "stacks": True, "clients_step": step}
             if flatten:  # the module's leading nn.Flatten, done before the closed form (a no-op in the module then)
                 input_transform = Chain(input_transform, Flatten()) if input_transform is not None else Flatten()
+        else:  # any other module: its clients form where its layers have stacked forms (verified on the data first)
+            from .models.clientstack import ClientsForm
+
+            fast = {"clients_form": ClientsForm.of(module)}
         recurrent = any(isinstance(m, nn.RNNBase) for m in module.modules())
         if channels_last is None:  # a CNN's pooling and convolutions on one CPU thread: ~30% faster so (measured)
             channels_last = any(isinstance(m, nn.Conv2d) for m in module.modules())
@@ -234,7 +252,8 @@ class Model:
 
     def check_features(self, x: Tensor) -> None:
         """Run the model on a few examples ``x`` (n, *features) of the data and check the output shape; a
-        model that does not fit the data fails here with a clear message, before any training."""
+        model that does not fit the data fails here with a clear message, before any training.  With 3 examples or
+        more, a clients form is verified on them too (``verify_clients``)."""
         if self.token_input and (x.is_floating_point() or x.is_complex()):
             raise ModelError(f"model {self.name!r} reads integer token ids, but the data's features are {x.dtype} "
                              f"(shape {tuple(x.shape[1:])}); use a model for real-valued features (linear, mlp, cnn)")
@@ -253,6 +272,8 @@ class Model:
                              f"{'(n, 1) or (n,)' if self.output == 'binary' else f'(n, {self.num_classes})'}")
         if not out.is_floating_point():
             raise ModelError(f"model {self.name!r} returns {out.dtype} logits; it must return floating point")
+        if self.clients_form is not None and x.shape[0] >= 3:  # the clients form checked on the same examples
+            self.verify_clients(self.input_transform(x) if self.input_transform is not None else x)
 
     def init(self, seed: int) -> Params:
         """Fresh parameters from the module's own initializer, seeded without touching global RNG, on the module's
@@ -378,27 +399,130 @@ class Model:
     @property
     def path(self) -> str:
         """How the model computes: ``"closed form"`` (stacked products and a hand-written backward: ``linear``,
-        ``mlp``, and ReLU MLPs given as a ``nn.Sequential``), ``"forward"`` (its own pure forward under autograd),
-        or ``"module"`` (``torch.func.functional_call`` of the module under autograd)."""
+        ``mlp``, and ReLU MLPs given as a ``nn.Sequential``), ``"clients form"`` (its verified clients form under
+        autograd, ``clients_paths`` layer by layer), ``"forward"`` (its own pure forward under autograd), or
+        ``"module"`` (``torch.func.functional_call`` of the module under autograd)."""
         if self.analytic_grad is not None:
             return "closed form"
+        if self.clients_form is not None and self.clients_form.usable:
+            return "clients form"
         return "forward" if self.forward is not None else "module"
 
     @property
+    def closed_form_clients(self) -> bool:
+        """Whether the model's clients form is the stacked closed form (``linear``, ``mlp``, converted dense
+        ``nn.Sequential`` modules): batched products and a hand-written backward."""
+        return self.stacks and self.analytic_grad is not None
+
+    @property
     def supports_clients(self) -> bool:
-        """Whether ``value_and_grad_clients`` exists: models with the stacked closed-form gradient (``linear``,
-        ``mlp``, and user modules converted to it) and no batch norm."""
-        return self.stacks and self.analytic_grad is not None and not self.batch_norm
+        """Whether ``value_and_grad_clients`` exists: the stacked closed form, or a clients form not refused by its
+        check on the data (``verify_clients``); models without batch norm."""
+        if self.batch_norm:
+            return False
+        return self.closed_form_clients or (self.clients_form is not None and self.clients_form.usable is not False)
+
+    def clients_logits(self, params: Params, x: Tensor) -> Tensor:
+        """Outputs of K clients' models (params (K, ...)) on their own batches x (K, B, ...) already through
+        ``input_transform``: (K, B) for a binary model, (K, B, C) otherwise."""
+        if self.closed_form_clients:
+            assert self.forward is not None
+            return self.forward(params, x)
+        if self.clients_form is None:
+            raise ModelError(f"model {self.name!r} has no clients form")
+        out = self.clients_form(params, x)
+        if self.output == "binary" and out.dim() > 2 and out.shape[-1] == 1:
+            return out.reshape(out.shape[:-1])
+        return out
+
+    def verify_clients(self, x: Tensor) -> bool:
+        """Check the clients form on examples ``x`` (n >= 3, already through ``input_transform``): three clients'
+        models (weights drawn around the initial ones) on their own examples, outputs and gradients of the form
+        against the module applied to each, to 1e-4 of their scale (``ClientsForm.verify``).  A form that does not
+        reproduce the module is not used (``supports_clients`` turns False; the reason is logged and kept in
+        ``clients_form.reason``).  True for the closed form, which is exact by construction (tested)."""
+        form = self.clients_form
+        if form is None:
+            return self.closed_form_clients
+        if form.usable is not None:
+            return form.usable
+        n = x.shape[0] // 3
+        if n < 1:
+            raise ModelError("verifying a clients form needs at least 3 examples")
+        form.to(x.device)
+        gen = torch.Generator().manual_seed(0)
+        base = self.init(0)
+
+        def near(v: Tensor, i: int) -> Tensor:  # client i's weights: far enough apart that mixing them shows
+            if i == 0 or not v.is_floating_point():
+                return v
+            scale = max(float(v.detach().float().std()) if v.numel() > 1 else 0.0, float(v.detach().abs().mean()), 0.05)
+            return v + 0.5 * scale * torch.randn(v.shape, generator=gen).to(v)
+
+        stacked = {k: torch.stack([near(v, i) for i in range(3)]) for k, v in base.items()}
+        xs = x[:3 * n].reshape(3, n, *x.shape[1:])
+        ys = torch.randint(0, self.num_classes, (3, n), generator=gen).to(x.device)
+        mask = torch.ones(3, n, device=x.device)
+
+        def module_out(p: Params, xi: Tensor) -> Tensor:  # the module itself on transformed examples
+            out = functional_call(self.module, p, (xi,))
+            return out.reshape(out.shape[:-1]) if self.output == "binary" and out.shape[-1:] == (1,) else out
+
+        def compare() -> str | None:
+            with torch.no_grad():
+                got = self.clients_logits(stacked, xs)
+            grads, _ = self._clients_value_and_grad(stacked, xs, ys, mask)
+            for i in range(3):
+                p = {k: v[i] for k, v in stacked.items()}
+                with torch.no_grad():
+                    want = module_out(p, xs[i])
+                if got[i].shape != want.shape:
+                    return f"outputs shaped {tuple(got[i].shape)} instead of {tuple(want.shape)}"
+                if not _close(got[i], want):
+                    return (f"outputs differ from the module's by {float((got[i] - want).abs().max()):.3g} (its code "
+                            "mixes examples, or its batch axis is not the first)")
+                def loss(q: Params, i: int = i) -> Tensor:
+                    return self.masked_mean(self.nll(module_out(q, xs[i]), ys[i]), mask[i])
+
+                for k, g in value_and_grad_of(loss, p)[0].items():
+                    if not _close(grads[k][i], g):
+                        err = float((grads[k][i] - g).abs().max())
+                        return f"the gradient of {k!r} differs from the module's by {err:.3g}"
+            return None
+
+        return form.verify(compare)
+
+    def clients_paths(self) -> dict[str, str]:
+        """How the clients form computes each module with parameters: ``"stacked"``, ``"vmap"`` or ``"loop"``
+        (``{"": "closed form"}`` for the closed form; empty without a clients form)."""
+        if self.closed_form_clients:
+            return {"": "closed form"}
+        return dict(self.clients_form.layers) if self.clients_form is not None else {}
 
     def value_and_grad_clients(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
         """``value_and_grad`` of K clients' models (params (K, ...)) on their own batches x (K, B, ...) already
         through ``input_transform``, y and mask (K, B): (K stacked gradients, (K,) losses), each client's loss the
-        mean over its own real samples (the ``stacked`` executor)."""
+        mean over its own real samples (the ``stacked`` executor).  The closed form where the model has one, else
+        autograd through the clients form: the sum of the clients' losses, whose gradient with respect to client
+        k's parameters is exactly k's own."""
         if not self.supports_clients:
             raise ModelError(f"model {self.name!r} has no clients form (the stacked executor needs a closed-form "
-                             "stacked gradient)")
-        assert self.analytic_grad is not None
-        return self.analytic_grad(params, x, y, mask, None)
+                             "stacked gradient or a verified clients form)")
+        if self.closed_form_clients:
+            assert self.analytic_grad is not None
+            return self.analytic_grad(params, x, y, mask, None)
+        return self._clients_value_and_grad(params, x, y, mask)
+
+    def _clients_value_and_grad(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
+        """Autograd through the clients form (``value_and_grad_clients``)."""
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            m = mask.to(torch.float32)
+            nll = self.nll(self.clients_logits(leaves, x), y)  # (K, B)
+            loss = (nll * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+            grads = torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)
+        return ({k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)},
+                loss.detach())
 
     def value_and_grad(
         self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
@@ -445,6 +569,11 @@ class Model:
         g, (loss, stats) = grad_and_value(loss_and_stats, has_aux=True)(params)
         out = {k: stats[k] if k in stats else v if batchnorm.is_statistic(k) else g[k] for k, v in params.items()}
         return out, loss
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    """Equal to 1e-4 of their scale (a clients form against its module: sums in another order)."""
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max().clamp_min(1e-3))))
 
 
 class _Captured(Exception):

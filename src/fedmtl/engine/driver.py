@@ -36,7 +36,7 @@ from ..tree import Tree
 from . import checkpoint
 from .clients import Clients, LocalClients, evaluate_together, train_together
 from .evaluation import SEEN_TEST_ACC_MEAN, summarize
-from .executors import make_executor
+from .executors import Executor, StackedExecutor, make_executor
 from .round import Engine, EngineState, Federation
 from .rundir import COMMIT, NEXT, RunDirectory, check_resumable
 from .spec import RunSpec
@@ -112,7 +112,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
         raise DataError(f"{data.name}: real-valued targets; the round engine trains classifiers")
     if attack.kind == "labelflip" and attack.active:
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
-    model.check_features(data.seen.train.x[:2])
+    model.check_features(data.seen.train.x[:6])
     device = torch.device(rc.device)
     clients = LocalClients(
         alg, data, make_executor(rc.runner, model, device, rc.chunk_size, rc.bucketing), device,
@@ -362,7 +362,7 @@ def _finish(rep: Replica) -> RunResult:
         "lr_decay_from_rounds": [m + 1 for m in cfg.optim.milestone_rounds(cfg.run.rounds)],
         "config": cfg.raw,
         # the path the engine chose for this model and algorithm (fedmtl.engine.executors.make_executor)
-        "path": {"executor": executor.name if executor is not None else "remote", "model": engine.model.path},
+        "path": run_path(engine.model, executor),
     }
     if engine.spec.attack.active:
         summary["attackers"] = engine.attackers.tolist()
@@ -378,6 +378,24 @@ def _finish(rep: Replica) -> RunResult:
         write_json(out_dir / "summary.json", summary)
         plot_history(out_dir / "accuracy.png", state.history, f"{cfg.algorithm['name']} on {cfg.data['name']}")
     return RunResult(summary, state.history, per_client, state.server, out_dir, engine.clients)
+
+
+def run_path(model: Model, executor: Executor | None) -> dict[str, Any]:
+    """The path a run took: its executor (``"remote"`` over Flower), how the model computes (``Model.path``) and,
+    on the stacked executor with a clients form, the form each module with parameters took (``"stacked"``,
+    ``"vmap"``, ``"loop"``); a clients form refused by its check on the data says why."""
+    if executor is None:
+        return {"executor": "remote", "model": model.path}
+    name = executor.name
+    if isinstance(executor, StackedExecutor) and not model.supports_clients:  # its form refused on the data
+        name = executor.fallback.name
+    path: dict[str, Any] = {"executor": name, "model": model.path}
+    form = model.clients_form
+    if form is not None and form.usable and name == "stacked":
+        path["layers"] = dict(form.layers)
+    elif form is not None and form.usable is False:
+        path["clients_form_refused"] = form.reason
+    return path
 
 
 def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: Engine) -> None:

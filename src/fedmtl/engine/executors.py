@@ -220,6 +220,8 @@ class StackedExecutor(Executor):
         for pos in torch.split(order, self.chunk_size or max(len(order), 1)):
             p = pos.to(batches.device)
             b = batches.clients(pos, self.model.input_transform)
+            if not self._verified(b):  # a clients form that does not reproduce the module: the fallback's path
+                return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
             try:
                 outs.append(fn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
             except Exception as e:
@@ -229,29 +231,47 @@ class StackedExecutor(Executor):
         inverse = torch.argsort(order).to(batches.device)
         return T.tmap(lambda x: x.index_select(0, inverse), out)
 
+    def _verified(self, b: ClientBatches) -> bool:
+        """Whether the model's clients form may run: verified on these batches' first examples where the engine
+        did not verify it on the data before (``Model.verify_clients``)."""
+        form = self.model.clients_form
+        if form is not None and form.usable is None:
+            real = b.mask.reshape(-1) > 0
+            self.model.verify_clients(b.x.reshape(-1, *b.x.shape[2:])[real][:6])
+        return self.model.supports_clients
+
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
         return self.fallback.map(fn, shared, *stacked)
 
 
-#: executor name -> its constructor from (model, chunk_size, bucketing); a new executor is a class and one line here
-EXECUTORS: dict[str, Callable[[Model, int, Literal["steps", "none"]], Executor]] = {
-    "vmap": lambda model, chunk, bucketing: VmapExecutor(chunk, bucketing),
-    "loop": lambda model, chunk, bucketing: LoopExecutor(),
-    "stacked": lambda model, chunk, bucketing: StackedExecutor(model, VmapExecutor(chunk, bucketing), chunk),
+#: executor name -> its constructor from (model, chunk_size, bucketing, the stacked executor's fallback); a new
+#: executor is a class and one line here
+EXECUTORS: dict[str, Callable[[Model, int, Literal["steps", "none"], str], Executor]] = {
+    "vmap": lambda model, chunk, bucketing, fallback: VmapExecutor(chunk, bucketing),
+    "loop": lambda model, chunk, bucketing, fallback: LoopExecutor(),
+    "stacked": lambda model, chunk, bucketing, fallback: StackedExecutor(
+        model, EXECUTORS[fallback](model, chunk, bucketing, fallback), chunk),
 }
 
 
 def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
                   bucketing: Literal["steps", "none"] = "steps") -> Executor:
-    """The executor ``name``; ``auto``: ``stacked`` for models with a clients form (``Model.supports_clients``;
-    algorithms without one fall back to vmap), else loops where the model prefers it on this device
-    (``prefer_loop_on_cpu``, ``prefer_loop_on_cuda``), and vmaps otherwise."""
+    """The executor ``name``.  ``auto`` decides by rule: on a GPU, ``stacked`` for every model with a clients form
+    (``Model.supports_clients``: the stacked closed form, or a clients form verified on the data), since one batched
+    call for all clients replaces a launch-bound loop; on a CPU, ``stacked`` for those that do not prefer the loop
+    there (``prefer_loop_on_cpu``: convolutions and recurrent layers are compute-bound and run fastest client by
+    client on a CPU, measured), ``loop`` for those that do, ``vmap`` for the rest.  The stacked executor hands
+    algorithms without a clients form (and evaluation) to the path the model would take without one."""
+    loop = model.prefer_loop_on_cuda if device.type == "cuda" else model.prefer_loop_on_cpu
+    fallback = "loop" if loop else "vmap"
+    chosen: str = name
     if name == "auto":
-        loop = model.prefer_loop_on_cuda if device.type == "cuda" else model.prefer_loop_on_cpu
-        name = "stacked" if model.supports_clients else "loop" if loop else "vmap"
-    if name == "stacked" and not model.supports_clients:
+        stacked = model.supports_clients and (device.type == "cuda" or model.closed_form_clients or not loop)
+        chosen = "stacked" if stacked else fallback
+    if chosen == "stacked" and not model.supports_clients:
         raise ValueError(f"run.runner = 'stacked': model {model.name!r} has no clients form (a closed-form "
-                         "stacked gradient: linear, mlp or a converted dense user module); use vmap or loop")
-    if name in EXECUTORS:
-        return EXECUTORS[name](model, chunk_size, bucketing)
+                         "stacked gradient: linear, mlp or a converted dense user module; or a clients form "
+                         "verified on the data: user modules and the built-in CNNs); use vmap or loop")
+    if chosen in EXECUTORS:
+        return EXECUTORS[chosen](model, chunk_size, bucketing, fallback)
     raise ValueError(f"unknown executor {name!r}; use auto, stacked, vmap or loop")

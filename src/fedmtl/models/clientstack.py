@@ -1,0 +1,486 @@
+"""Any user ``nn.Module`` on K clients' stacked parameters at once: the clients form of a module.
+
+``ClientsForm.of(module)`` makes a twin of the module in which every standard layer is replaced by its client-stacked
+form, keeping the user's own ``forward`` code.  Activations flow with the K clients' batches side by side on the batch
+axis (K x B rows, client-major), so every operation that treats examples independently (activations, pooling,
+dropout with p = 0, flatten, views such as ``x.view(x.size(0), -1)``, residual sums) runs unchanged on all clients at
+once, and only layers with parameters need to know the clients apart.  Each reads the number of clients K from the
+leading axis of its (stacked) parameters:
+
+=====================================  ===========================================================================
+layer                                  client-stacked form
+=====================================  ===========================================================================
+``Linear``                             one batched matrix product over clients (``baddbmm``)
+``Conv1d``, ``Conv2d``                 one grouped convolution, the clients as groups
+``Embedding``                          one lookup in the clients' tables laid end to end
+``LayerNorm``, ``GroupNorm``           the normalization unchanged, the affine step per client
+``LSTM``, ``GRU``, ``RNN``             the recurrence with stacked gates: the input products of every step as one
+                                       batched product, one per step for the hidden state (the manual recurrence of
+                                       ``nn.LSTM``'s equations; PyTorch's gate order)
+``MultiheadAttention``                 stacked projections; the attention itself is per example
+=====================================  ===========================================================================
+
+Any other module that owns parameters (and a standard layer in a configuration outside the table: a padding index
+with ``max_norm``, recurrent dropout, separate key/value sizes ...) is a *fallback unit*: its forward runs under
+``torch.func.vmap`` over the clients, or, where vmap cannot run it, once per client.  ``ClientsForm.layers`` says
+which form each parameterised module took (``"stacked"``, ``"vmap"`` or ``"loop"``); ``summary.json`` records it.
+
+A twin computes what the module computes only if the module's own code treats examples independently along axis 0.
+``ClientsForm.verify`` checks that on real examples before a run uses the form (three clients with different weights
+against the module applied client by client, to 1e-4): a module that mixes examples (a batch statistic of its own,
+a reshape that fixes the batch size, a batch axis other than 0 around a stacked layer) is refused there and the run
+takes the vmap or loop path instead, with the reason logged and recorded.  Gradients come from autograd through the
+twin (``Model.value_and_grad_clients``): each client's parameters receive exactly its own loss's gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+log = logging.getLogger("fedmtl")
+
+#: the form each parameterised module of a twin takes
+STACKED, VMAP, LOOP = "stacked", "vmap", "loop"
+
+
+def _clients(x: Tensor, k: int) -> Tensor:
+    """(K x B, ...) -> (K, B, ...): the clients' rows of a merged batch (client-major)."""
+    if x.shape[0] % k:
+        raise ValueError(f"a batch of {x.shape[0]} rows cannot hold {k} clients' examples side by side")
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+
+def _per_client(t: Tensor, k: int, nd: int) -> Tensor:
+    """A per-client vector (K, C) shaped to broadcast over (K, B, C, *spatial with nd - 3 axes)."""
+    return t.reshape(k, 1, t.shape[1], *([1] * (nd - 3)))
+
+
+# ---------------------------------------------------------------------------------------------- stacked layers
+class StackedLinear(nn.Module):
+    """``nn.Linear`` on K clients: weight (K, out, in), bias (K, out); inputs (K x B, ..., in)."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight, self.bias
+        k = w.shape[0]
+        xs = x.reshape(k, -1, x.shape[-1])  # (K, B x ..., in): client-major rows
+        out = torch.bmm(xs, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), xs, w.transpose(1, 2))
+        return out.reshape(*x.shape[:-1], w.shape[1])
+
+
+class StackedConv(nn.Module):
+    """``nn.Conv1d``/``nn.Conv2d`` on K clients as one grouped convolution: the clients' channels side by side
+    (B, K x C, *spatial), weight (K x out, C / groups, *kernel), K x groups groups."""
+
+    def __init__(self, layer: nn.Conv1d | nn.Conv2d):
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.conv = F.conv1d if isinstance(layer, nn.Conv1d) else F.conv2d
+        self.stride, self.padding, self.dilation = layer.stride, layer.padding, layer.dilation
+        self.groups = layer.groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight, self.bias
+        k = w.shape[0]
+        xs = _clients(x, k)  # (K, B, C, *sp)
+        n = xs.shape[1]
+        merged = xs.transpose(0, 1).reshape(n, k * xs.shape[2], *xs.shape[3:])  # (B, K x C, *sp)
+        out = self.conv(merged, w.reshape(k * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
+                        self.stride, self.padding, self.dilation, self.groups * k)  # (B, K x out, *sp')
+        out = out.reshape(n, k, w.shape[1], *out.shape[2:]).transpose(0, 1)  # (K, B, out, *sp')
+        return out.reshape(k * n, *out.shape[2:])
+
+
+class StackedEmbedding(nn.Module):
+    """``nn.Embedding`` on K clients: one lookup in the K tables laid end to end (weight (K, V, D)); the padding
+    row receives no gradient, as in ``nn.Embedding``."""
+
+    def __init__(self, layer: nn.Embedding):
+        super().__init__()
+        self.weight = layer.weight
+        self.padding_idx = layer.padding_idx
+
+    def forward(self, idx: Tensor) -> Tensor:
+        w = self.weight
+        k, v = w.shape[0], w.shape[1]
+        ids = _clients(idx, k)
+        offset = (torch.arange(k, device=idx.device) * v).reshape(k, *([1] * (ids.dim() - 1)))
+        out = F.embedding(ids + offset, w.reshape(k * v, w.shape[2])).reshape(*idx.shape, w.shape[2])
+        if self.padding_idx is not None:
+            out = torch.where((idx == self.padding_idx).unsqueeze(-1), out.detach(), out)
+        return out
+
+
+class StackedLayerNorm(nn.Module):
+    """``nn.LayerNorm`` on K clients: the normalization per example, the affine step with each client's weights."""
+
+    def __init__(self, layer: nn.LayerNorm):
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.normalized_shape, self.eps = tuple(layer.normalized_shape), layer.eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        w, b = self.weight, self.bias
+        if w is None and b is None:
+            return y
+        k = (w if w is not None else b).shape[0]
+        ys = y.reshape(k, -1, *self.normalized_shape)
+        if w is not None:
+            ys = ys * w.unsqueeze(1)
+        if b is not None:
+            ys = ys + b.unsqueeze(1)
+        return ys.reshape(x.shape)
+
+
+class StackedGroupNorm(nn.Module):
+    """``nn.GroupNorm`` on K clients: the normalization per example, the per-channel affine step per client."""
+
+    def __init__(self, layer: nn.GroupNorm):
+        super().__init__()
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.num_groups, self.eps = layer.num_groups, layer.eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.group_norm(x, self.num_groups, None, None, self.eps)
+        w, b = self.weight, self.bias
+        if w is None:
+            return y
+        k = w.shape[0]
+        ys = _clients(y, k)
+        ys = ys * _per_client(w, k, ys.dim()) + (0 if b is None else _per_client(b, k, ys.dim()))
+        return ys.reshape(x.shape)
+
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+
+
+class StackedRNN(nn.Module):
+    """``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` on K clients (any number of layers, bidirectional or not, with or without
+    biases, batch-first or not): per layer and direction, the input products of all time steps as one batched product
+    over clients, then one batched product per step for the hidden state.  PyTorch's equations and gate order
+    (LSTM i, f, g, o; GRU r, z, n with n = tanh(W_in x + b_in + r (W_hn h + b_hn)))."""
+
+    def __init__(self, layer: nn.RNNBase):
+        super().__init__()
+        for name in layer._flat_weights_names:
+            setattr(self, name, getattr(layer, name))
+        self.mode: str = layer.mode
+        self.hidden: int = layer.hidden_size
+        self.layers: int = layer.num_layers
+        self.directions = 2 if layer.bidirectional else 1
+        self.batch_first: bool = layer.batch_first
+        self.weight_names = list(layer._flat_weights_names)
+
+    def _w(self, kind: str, layer: int, reverse: bool) -> Tensor | None:
+        name = f"{kind}_l{layer}{'_reverse' if reverse else ''}"
+        return getattr(self, name) if name in self.weight_names else None
+
+    def _cell(self, gx: Tensor, h: Tensor, c: Tensor | None, w_hh: Tensor, b_hh: Tensor | None
+              ) -> tuple[Tensor, Tensor | None]:
+        """One step of K clients: gx (K, B, G x H) the input's gate pre-activations, h (K, B, H)."""
+        gh = torch.bmm(h, w_hh.transpose(1, 2)) if b_hh is None else torch.baddbmm(b_hh.unsqueeze(1), h,
+                                                                                    w_hh.transpose(1, 2))
+        if self.mode == "LSTM":
+            i, f, g, o = (gx + gh).chunk(4, dim=-1)
+            assert c is not None
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c), c
+        if self.mode == "GRU":
+            xr, xz, xn = gx.chunk(3, dim=-1)
+            hr, hz, hn = gh.chunk(3, dim=-1)
+            r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+            n = torch.tanh(xn + r * hn)
+            return (1 - z) * n + z * h, None
+        act = torch.tanh if self.mode == "RNN_TANH" else torch.relu
+        return act(gx + gh), None
+
+    def forward(self, x: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            raise ValueError("the stacked recurrent layer takes batched 3-d inputs (no PackedSequence)")
+        first = self._w("weight_ih", 0, False)
+        assert first is not None
+        k = int(first.shape[0])
+        seq = x if self.batch_first else x.transpose(0, 1)  # (K x B, T, I)
+        inp = _clients(seq, k)  # (K, B, T, I)
+        n, steps = inp.shape[1], inp.shape[2]
+        h0 = c0 = None
+        if hx is not None:
+            h0, c0 = hx if self.mode == "LSTM" else (hx, None)
+        finals_h, finals_c = [], []
+        for layer in range(self.layers):
+            outs = []
+            for d in range(self.directions):
+                rev = d == 1
+                w_ih, w_hh = self._w("weight_ih", layer, rev), self._w("weight_hh", layer, rev)
+                b_ih, b_hh = self._w("bias_ih", layer, rev), self._w("bias_hh", layer, rev)
+                assert w_ih is not None and w_hh is not None
+                flat = inp.reshape(k, n * steps, inp.shape[-1])
+                gx = torch.bmm(flat, w_ih.transpose(1, 2)) if b_ih is None else torch.baddbmm(
+                    b_ih.unsqueeze(1), flat, w_ih.transpose(1, 2))
+                gx = gx.reshape(k, n, steps, -1)
+                j = layer * self.directions + d
+                h = x.new_zeros(k, n, self.hidden) if h0 is None else _clients(h0[j], k)
+                c = None
+                if self.mode == "LSTM":
+                    c = x.new_zeros(k, n, self.hidden) if c0 is None else _clients(c0[j], k)
+                hs: list[Tensor] = [x] * steps
+                for t in (range(steps - 1, -1, -1) if rev else range(steps)):
+                    h, c = self._cell(gx[:, :, t], h, c, w_hh, b_hh)
+                    hs[t] = h
+                outs.append(torch.stack(hs, dim=2))  # (K, B, T, H)
+                finals_h.append(h.reshape(k * n, self.hidden))
+                if c is not None:
+                    finals_c.append(c.reshape(k * n, self.hidden))
+            inp = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = inp.reshape(k * n, steps, inp.shape[-1])
+        out = out if self.batch_first else out.transpose(0, 1)
+        h_n = torch.stack(finals_h)
+        return out, ((h_n, torch.stack(finals_c)) if self.mode == "LSTM" else h_n)
+
+
+class StackedAttention(nn.Module):
+    """``nn.MultiheadAttention`` (one embedding size for queries, keys and values) on K clients: the input and output
+    projections as batched products over clients; the scaled dot-product attention per example and head."""
+
+    def __init__(self, layer: nn.MultiheadAttention):
+        super().__init__()
+        self.in_proj_weight = layer.in_proj_weight
+        self.in_proj_bias = layer.in_proj_bias
+        self.out_proj = StackedLinear(layer.out_proj)
+        self.heads, self.batch_first, self.embed = layer.num_heads, layer.batch_first, layer.embed_dim
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        if query.dim() != 3:
+            raise ValueError("the stacked attention takes batched 3-d inputs")
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))  # (K x B, T, E)
+        w, b = self.in_proj_weight, self.in_proj_bias
+        k, e, h = w.shape[0], self.embed, self.heads
+        n, tq, ts = query.shape[0], query.shape[1], key.shape[1]
+
+        def project(t: Tensor, i: int) -> Tensor:  # (K x B, T, E) -> (K x B, heads, T, E / heads)
+            ws = w[:, i * e:(i + 1) * e].transpose(1, 2)
+            flat = t.reshape(k, -1, e)
+            p = torch.bmm(flat, ws) if b is None else torch.baddbmm(b[:, None, i * e:(i + 1) * e], flat, ws)
+            return p.reshape(n, -1, h, e // h).transpose(1, 2)
+
+        q, kk, v = project(query, 0), project(key, 1), project(value, 2)
+        mask = _attention_mask(attn_mask, key_padding_mask, n, h, tq, ts, q.dtype, is_causal)
+        if need_weights:
+            scores = q @ kk.transpose(-1, -2) / math.sqrt(e // h)
+            if mask is not None:
+                scores = scores + mask
+            weights: Tensor | None = torch.softmax(scores, dim=-1)  # (K x B, heads, Tq, Ts)
+            out = weights @ v  # type: ignore[operator]
+        else:
+            out = F.scaled_dot_product_attention(q, kk, v, attn_mask=mask)
+            weights = None
+        out = self.out_proj(out.transpose(1, 2).reshape(n, tq, e))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(1)
+        return out, weights
+
+
+def _attention_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, n: int, heads: int, tq: int, ts: int,
+                    dtype: torch.dtype, is_causal: bool) -> Tensor | None:
+    """``nn.MultiheadAttention``'s masks as one additive float mask broadcast to (N, heads, Tq, Ts) (True: masked)."""
+
+    def additive(m: Tensor) -> Tensor:
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf")) \
+            if m.dtype == torch.bool else m.to(dtype)
+
+    out: Tensor | None = None
+    if attn_mask is not None:  # given, it is the mask (``is_causal`` is only a hint about it, as in PyTorch)
+        a = additive(attn_mask)
+        out = a.reshape(n, heads, tq, ts) if a.dim() == 3 else a
+    elif is_causal:
+        device = key_padding_mask.device if key_padding_mask is not None else None
+        out = additive(torch.ones(tq, ts, dtype=torch.bool, device=device).triu(1))
+    if key_padding_mask is not None:
+        kp = additive(key_padding_mask).reshape(n, 1, 1, ts)
+        out = kp if out is None else out + kp
+    return out
+
+
+def _stacked_form(m: nn.Module) -> nn.Module | None:
+    """The client-stacked form of a standard layer in a configuration the form reproduces exactly, else None."""
+    if type(m) is nn.Linear:
+        return StackedLinear(m)
+    if type(m) in (nn.Conv1d, nn.Conv2d) and m.padding_mode == "zeros":
+        return StackedConv(m)  # type: ignore[arg-type]
+    if type(m) is nn.Embedding and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq:
+        return StackedEmbedding(m)
+    if type(m) is nn.LayerNorm:
+        return StackedLayerNorm(m)
+    if type(m) is nn.GroupNorm:
+        return StackedGroupNorm(m)
+    if type(m) in (nn.LSTM, nn.GRU, nn.RNN) and m.dropout == 0 and getattr(m, "proj_size", 0) == 0:
+        return StackedRNN(m)  # type: ignore[arg-type]
+    if (type(m) is nn.MultiheadAttention and m._qkv_same_embed_dim and m.bias_k is None and not m.add_zero_attn
+            and m.dropout == 0):
+        return StackedAttention(m)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- fallback units
+def _unit_forward(path: str, unit: nn.Module, template: nn.Module, names: list[str], mode: str
+                  ) -> Callable[..., Any]:
+    """The forward of a fallback unit: ``template`` (a copy of the unit) applied to each client's rows with its
+    parameters, under vmap (``mode == "vmap"``) or client by client; tensors whose first axis holds the K clients'
+    rows are split, anything else is shared."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        params = {n: _get(unit, n) for n in names}  # (K, ...) while the twin runs under functional_call
+        k = next(iter(params.values())).shape[0]
+
+        def split(a: Any) -> Any:
+            return _clients(a, k) if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] % k == 0 else a
+
+        parts = [split(a) for a in args]
+        dims = tuple(0 if isinstance(a, Tensor) and p is not a else None for a, p in zip(args, parts, strict=True))
+        if mode == VMAP:
+            try:
+                out = vmap(lambda p, *a: functional_call(template, p, a, kwargs), in_dims=(0, *dims),
+                           randomness="error")(params, *parts)
+            except Exception as e:  # named, so that ``ClientsForm.verify`` loops this unit
+                e.fedmtl_unit = path  # type: ignore[attr-defined]
+                raise
+        else:
+            rows = [functional_call(template, {n: v[i] for n, v in params.items()},
+                                    tuple(p[i] if d == 0 else p for p, d in zip(parts, dims, strict=True)), kwargs)
+                    for i in range(k)]
+            out = torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *rows)
+        return torch.utils._pytree.tree_map(lambda t: t.reshape(-1, *t.shape[2:]) if isinstance(t, Tensor) else t,
+                                            out)
+
+    return forward
+
+
+def _get(root: nn.Module, dotted: str) -> Tensor:
+    mod, _, leaf = dotted.rpartition(".")
+    return getattr(root.get_submodule(mod) if mod else root, leaf)
+
+
+# ---------------------------------------------------------------------------------------------- the form
+class ClientsForm:
+    """A module's twin for K clients' stacked parameters (module docstring): ``form(params, x)`` with params
+    (K, ...) keyed like the module's ``named_parameters`` and x (K, B, ...) returns (K, B, ...) outputs."""
+
+    def __init__(self, module: nn.Module):
+        drop = [n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+        if drop and module.training:
+            raise NoClientsForm(f"dropout {drop[0]!r} draws random masks from torch's global generator, which no two "
+                               "paths draw alike")
+        self.layers: dict[str, str] = {}
+        self.usable: bool | None = None  # None: not verified yet; False: ``reason`` says why not
+        self.reason = ""
+        self._units: list[tuple[str, nn.Module, nn.Module, list[str]]] = []
+        root = _stacked_form(module)
+        if root is not None:  # the module is one standard layer
+            self.twin, self.layers[""] = root, STACKED
+        else:
+            if any(True for _ in module.parameters(recurse=False)):
+                raise NoClientsForm(f"{type(module).__name__} owns parameters of its own, outside any sub-module")
+            self.twin = copy.deepcopy(module)
+            self._convert(self.twin, "")
+        for m in (*self.twin.modules(), *(t for _, _, t, _ in self._units)):  # only buffers are ever read
+            for m2 in m.modules():
+                for name, p in list(m2._parameters.items()):
+                    if p is not None and p.device.type != "meta":
+                        m2._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                                            requires_grad=p.requires_grad)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ClientsForm | None:
+        """The clients form of ``module``, or None where it cannot have one (``NoClientsForm``) or where no layer
+        with parameters has a stacked form (nothing to gain over the vmap path)."""
+        try:
+            form = cls(module)
+        except NoClientsForm as e:
+            log.debug("no clients form: %s", e)
+            return None
+        return form if STACKED in form.layers.values() else None
+
+    def _convert(self, mod: nn.Module, prefix: str) -> None:
+        for name, child in list(mod.named_children()):
+            path = f"{prefix}{name}"
+            stacked = _stacked_form(child)
+            if stacked is not None:
+                setattr(mod, name, stacked)
+                self.layers[path] = STACKED
+            elif any(True for _ in child.parameters(recurse=False)):
+                # a module with parameters of its own and code we cannot see: vmapped (or looped) as a whole
+                names = [n for n, _ in child.named_parameters()]
+                self._units.append((path, child, copy.deepcopy(child), names))
+                child.forward = _unit_forward(path, child, self._units[-1][2], names, VMAP)
+                self.layers[path] = VMAP
+            elif any(True for _ in child.parameters()):  # a container: its own code runs on the merged batch
+                self._convert(child, f"{path}.")
+
+    def loop_unit(self, path: str) -> None:
+        """Run the fallback unit ``path`` client by client (where vmap cannot run it)."""
+        for p, unit, template, names in self._units:
+            if p == path:
+                unit.forward = _unit_forward(p, unit, template, names, LOOP)
+                self.layers[path] = LOOP
+
+    def __call__(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
+        k, n = x.shape[0], x.shape[1]
+        out = functional_call(self.twin, params, (x.reshape(k * n, *x.shape[2:]),))
+        return out.reshape(k, n, *out.shape[1:])
+
+    def to(self, device: torch.device) -> None:
+        """Move the twin's buffers to ``device`` (its parameters are placeholders: a run supplies them)."""
+        for m in (*self.twin.modules(), *(t for _, _, t, _ in self._units)):
+            for m2 in m.modules():
+                for name, b in list(m2._buffers.items()):
+                    if b is not None:
+                        m2._buffers[name] = b.to(device)
+
+    def verify(self, compare: Callable[[], str | None]) -> bool:
+        """Run ``compare`` (the form against the module on real examples: ``Model.verify_clients``), which returns
+        None where they agree and the difference otherwise.  A fallback unit that vmap cannot run is switched to the
+        loop and the comparison repeated.  Sets ``usable`` and ``reason``; returns usable."""
+        while True:
+            try:
+                diff = compare()
+                break
+            except Exception as e:  # a fallback unit vmap cannot run (or a stacked layer the code misuses)
+                unit = getattr(e, "fedmtl_unit", None)
+                if unit is None or self.layers.get(unit) != VMAP:
+                    diff = f"{type(e).__name__}: {e}"
+                    break
+                self.loop_unit(unit)  # that unit client by client, and again
+        self.usable, self.reason = diff is None, diff or ""
+        if diff is not None:
+            log.info("the clients form of this module is not used: %s", diff)
+        return diff is None
+
+
+class NoClientsForm(ValueError):
+    """A module that cannot have a clients form (and why)."""
+
+
+__all__ = ["LOOP", "STACKED", "VMAP", "ClientsForm", "NoClientsForm", "StackedAttention", "StackedConv",
+           "StackedEmbedding", "StackedGroupNorm", "StackedLayerNorm", "StackedLinear", "StackedRNN"]
