@@ -174,8 +174,8 @@ def main(args: argparse.Namespace) -> int:
         # an honest comparison of what the engine itself adds
         timed("cnn", "per_client_channels_last")
     for key in workloads:
-        for runner in ("vmap", "loop"):
-            if runner != default[key] and args.runners == "all":
+        for runner in ("stacked", "vmap", "loop"):  # stacked: the model's clients form (grouped convolutions,
+            if runner != default[key] and args.runners == "all":  # stacked gates)
                 timed(key, runner)
     # the floor's rate measured again after the rounds; the higher reading is the peak, used by every floor
     res["matmul_gflops"] = max(res["matmul_gflops"], matmul_gflops(device=args.device))
@@ -198,8 +198,9 @@ def main(args: argparse.Namespace) -> int:
         if "per_client_channels_last" in times[key]:
             res[f"speedup_default_vs_per_client_channels_last_{key}"] = (times[key]["per_client_channels_last"]
                                                                          / times[key][default[key]])
-        if "vmap" in times[key]:
-            res[f"speedup_vmap_vs_per_client_{key}"] = times[key]["per_client"] / times[key]["vmap"]
+        for runner in ("vmap", "stacked"):
+            if runner in times[key]:
+                res[f"speedup_{runner}_vs_per_client_{key}"] = times[key]["per_client"] / times[key][runner]
     res["peak_rss_mb"] = peak_rss_mb()
     write_json(out_path(args.out), res)
     for k, v in res.items():

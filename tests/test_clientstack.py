@@ -176,7 +176,7 @@ def test_auto_takes_the_loop_for_a_cnn_on_a_cpu_and_a_refused_form_is_recorded()
     torch.manual_seed(0)
     cfg = {"algorithm": {"name": "fedavg"}, "run": {"rounds": 1, "batch_size": 5}}
     res = fedmtl.run(cfg, data=_image_data(), model=Model.from_module(_cnn(), num_classes=3))
-    assert res.summary["path"] == {"executor": "loop", "model": "clients form"}
+    assert res.summary["path"] == {"executor": "loop", "model": "module"}
 
     class Mixing(nn.Module):
         def __init__(self) -> None:

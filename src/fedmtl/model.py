@@ -399,13 +399,11 @@ class Model:
     @property
     def path(self) -> str:
         """How the model computes: ``"closed form"`` (stacked products and a hand-written backward: ``linear``,
-        ``mlp``, and ReLU MLPs given as a ``nn.Sequential``), ``"clients form"`` (its verified clients form under
-        autograd, ``clients_paths`` layer by layer), ``"forward"`` (its own pure forward under autograd), or
-        ``"module"`` (``torch.func.functional_call`` of the module under autograd)."""
+        ``mlp``, and ReLU MLPs given as a ``nn.Sequential``), ``"forward"`` (its own pure forward under autograd),
+        or ``"module"`` (``torch.func.functional_call`` of the module under autograd).  On the stacked executor a
+        model without the closed form runs its clients form instead (``clients_paths``)."""
         if self.analytic_grad is not None:
             return "closed form"
-        if self.clients_form is not None and self.clients_form.usable:
-            return "clients form"
         return "forward" if self.forward is not None else "module"
 
     @property

@@ -391,8 +391,8 @@ def run_path(model: Model, executor: Executor | None) -> dict[str, Any]:
         name = executor.fallback.name
     path: dict[str, Any] = {"executor": name, "model": model.path}
     form = model.clients_form
-    if form is not None and form.usable and name == "stacked":
-        path["layers"] = dict(form.layers)
+    if form is not None and form.usable and name == "stacked" and not model.closed_form_clients:
+        path["model"], path["layers"] = "clients form", dict(form.layers)
     elif form is not None and form.usable is False:
         path["clients_form_refused"] = form.reason
     return path

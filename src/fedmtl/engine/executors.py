@@ -256,18 +256,17 @@ EXECUTORS: dict[str, Callable[[Model, int, Literal["steps", "none"], str], Execu
 
 def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
                   bucketing: Literal["steps", "none"] = "steps") -> Executor:
-    """The executor ``name``.  ``auto`` decides by rule: on a GPU, ``stacked`` for every model with a clients form
-    (``Model.supports_clients``: the stacked closed form, or a clients form verified on the data), since one batched
-    call for all clients replaces a launch-bound loop; on a CPU, ``stacked`` for those that do not prefer the loop
-    there (``prefer_loop_on_cpu``: convolutions and recurrent layers are compute-bound and run fastest client by
-    client on a CPU, measured), ``loop`` for those that do, ``vmap`` for the rest.  The stacked executor hands
-    algorithms without a clients form (and evaluation) to the path the model would take without one."""
+    """The executor ``name``.  ``auto`` decides by rule: ``stacked`` for models with the stacked closed form, and
+    for models with a clients form (``Model.supports_clients``: verified on the data) that do not prefer the loop on
+    this device; ``loop`` for those that do (``prefer_loop_on_cpu``: convolutions and recurrent layers are
+    compute-bound and run fastest client by client on a CPU; ``prefer_loop_on_cuda``: recurrent layers, whose
+    per-client cuDNN kernel was the fastest path measured on a GPU); ``vmap`` for the rest.  The stacked executor
+    hands algorithms without a clients form (and evaluation) to the path the model would take without one."""
     loop = model.prefer_loop_on_cuda if device.type == "cuda" else model.prefer_loop_on_cpu
     fallback = "loop" if loop else "vmap"
     chosen: str = name
     if name == "auto":
-        stacked = model.supports_clients and (device.type == "cuda" or model.closed_form_clients or not loop)
-        chosen = "stacked" if stacked else fallback
+        chosen = "stacked" if model.supports_clients and (model.closed_form_clients or not loop) else fallback
     if chosen == "stacked" and not model.supports_clients:
         raise ValueError(f"run.runner = 'stacked': model {model.name!r} has no clients form (a closed-form "
                          "stacked gradient: linear, mlp or a converted dense user module; or a clients form "

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..model import Model
+from .clientstack import ClientsForm
 from ..schema import Annotated, Range
 from ..tree import Params
 
@@ -74,6 +75,9 @@ def char_lstm(
     layers: Annotated[int, Range(1, 64)] = 2,
 ) -> Model:
     module = CharLSTM(num_classes, embed, hidden, layers)
+    # on a GPU the stacked executor runs all clients' recurrences as one (the clients form's stacked gates); on a CPU
+    # each client's fused nn.LSTM kernel is faster (the loop)
     return Model(module, "multiclass", num_classes, name="lstm", forward=lambda p, x: lstm_forward(p, x, layers),
                  module_when_eager=True, prefer_loop_on_cpu=True, prefer_loop_on_cuda=True, token_input=True,
-                 head=("decoder.weight", "decoder.bias"), embed=lambda p, x: lstm_features(p, x, layers))
+                 head=("decoder.weight", "decoder.bias"), embed=lambda p, x: lstm_features(p, x, layers),
+                 clients_form=ClientsForm.of(module))
