@@ -87,7 +87,8 @@ def _check_clients(model: Model, x: torch.Tensor, classes: int) -> None:
         gi, li = model.value_and_grad({key: v[i] for key, v in params.items()}, xs[i], ys[i], mask[i])
         assert torch.allclose(losses[i], li, atol=1e-5), (i, float(losses[i] - li))
         for key in gi:
-            assert torch.allclose(grads[key][i], gi[key], atol=1e-5), (i, key, float((grads[key][i] - gi[key]).abs().max()))
+            err = float((grads[key][i] - gi[key]).abs().max())
+            assert torch.allclose(grads[key][i], gi[key], atol=1e-5), (i, key, err)
 
 
 @pytest.mark.parametrize("rnn,batch_first,attention_mask", [("lstm", True, True), ("gru", False, False),

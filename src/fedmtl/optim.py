@@ -41,11 +41,12 @@ class Batches(NamedTuple):
                        work is not counted in batches (MOCHA's coordinate steps) read it as their budget
     idx: (S, B) long   optional: each slot's index into the client's own examples (0 on padding), for
                        methods that keep per-example state (MOCHA's dual variables)
-    all_live: (S,) bools, not a tensor: the steps known to be live for every client of the vmap call these batches
-                       belong to (``with_all_live``, set by the vmap executor; ``None``: unknown).  ``local_sgd`` runs
-                       those steps without the per-client masking of dead steps.  A method that changes ``mask`` or
-                       ``limit`` and passes the result on must drop it (``_replace(all_live=None)``); batches built
-                       anew carry none
+    all_live: (S,) bools, not a tensor: the steps known to be live for every client of the call these batches
+                       belong to, read on the host (``with_all_live``, set by the vmap executor; for one client's
+                       ragged batches its own live steps, set by the loop executor; ``None``: unknown).  Under vmap
+                       ``local_sgd`` runs those steps without the per-client masking of dead steps.  A method that
+                       changes ``mask`` or ``limit`` and passes the result on must drop it
+                       (``_replace(all_live=None)``); batches built anew carry none
     """
 
     x: Tensor
@@ -89,7 +90,9 @@ def live_steps(batches: Batches) -> Tensor:
     """(S,) bool: the steps a client actually runs — non-empty, and within its straggler ``limit``."""
     if isinstance(batches.x, list):
         # on the CPU whatever the batches' device: the loop over one client's steps branches on it, and a flag on
-        # a GPU would stall the CPU once per step
+        # a GPU would stall the CPU once per step (the loop executor reads them on the host: ``all_live``)
+        if batches.all_live is not None:
+            return torch.tensor(batches.all_live, dtype=torch.bool)
         live = torch.ones(len(batches.x), dtype=torch.bool)
         if batches.limit is not None:
             live &= torch.arange(len(batches.x)) < batches.limit.cpu()

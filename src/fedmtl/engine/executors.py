@@ -56,11 +56,19 @@ class TrainBatches:
         self.counts = usable_counts(split.counts[rows], batch_size, drop_last)  # what the steps cover: bucketing's key
 
     def padded(self, pos: Tensor) -> Batches:
-        return T.to(round_batches(self.split, self.rows, self.orders, pos, self.batch_size, drop_last=self.drop_last),
-                    self.device)
+        """The clients at ``pos`` padded to one shape, with the steps live for all of them (``Batches.all_live``)
+        read on the host before the batches move to the device."""
+        b = round_batches(self.split, self.rows, self.orders, pos, self.batch_size, drop_last=self.drop_last)
+        return T.to(with_all_live(b), self.device)
 
     def ragged(self, i: int) -> Batches:
-        return T.to(ragged_batches(self.split, self.rows, self.orders, i, self.batch_size, self.drop_last), self.device)
+        """Client ``i``'s batches unpadded, its live steps (``Batches.all_live``) read on the host: the loop over its
+        steps branches on them without waiting for the device."""
+        b = ragged_batches(self.split, self.rows, self.orders, i, self.batch_size, self.drop_last)
+        live = torch.ones(len(b.x), dtype=torch.bool)
+        if b.limit is not None:
+            live &= torch.arange(len(b.x)) < b.limit
+        return T.to(b._replace(all_live=tuple(live.tolist())), self.device)
 
     def live_counts(self) -> Tensor:
         """(K,) the live steps of every client: its epochs' batches, within its straggler limit."""
@@ -132,7 +140,7 @@ class VmapExecutor(Executor):
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
             # the steps live for the whole bucket skip local_sgd's dead-step masking (``Batches.all_live``)
-            p, b = pos.to(batches.device), with_all_live(batches.padded(pos))
+            p, b = pos.to(batches.device), batches.padded(pos)
             dims = T.batch_dims(b)  # 0 on the tensors, None on the flags and on fields left None
             key = (fn, payload_rows, dims)
             vfn = self._train_fns.get(key)

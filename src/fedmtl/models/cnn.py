@@ -19,8 +19,8 @@ from torch import nn
 
 from ..batchnorm import BatchNorm
 from ..model import Model, default_head, input_transform_for
-from .clientstack import ClientsForm
 from ..schema import Annotated, Range
+from .clientstack import ClientsForm
 
 
 def _flat_dim(features: nn.Module, input_shape: tuple[int, ...]) -> int:

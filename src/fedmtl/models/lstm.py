@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..model import Model
-from .clientstack import ClientsForm
 from ..schema import Annotated, Range
 from ..tree import Params
+from .clientstack import ClientsForm
 
 
 class CharLSTM(nn.Module):
