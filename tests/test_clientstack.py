@@ -189,3 +189,32 @@ def test_auto_takes_the_loop_for_a_cnn_on_a_cpu_and_a_refused_form_is_recorded()
 
     res = fedmtl.run(cfg, data=_image_data(), model=Model.from_module(Mixing(), num_classes=3))
     assert res.summary["path"]["executor"] == "vmap" and "differ" in res.summary["path"]["clients_form_refused"]
+
+
+def _compile_run(compile_: bool) -> fedmtl.RunResult:
+    torch.manual_seed(0)
+    model = Model.from_module(nn.Sequential(nn.Flatten(), nn.Linear(81, 8), nn.Tanh(), nn.Linear(8, 3)), 3,
+                              init="module")
+    cfg = {"algorithm": {"name": "fedavg"}, "optim": {"lr": 0.1, "momentum": 0.5},
+           "run": {"rounds": 2, "batch_size": 8, "runner": "stacked", "compile": compile_}}
+    return fedmtl.run(cfg, data=_image_data(), model=model)
+
+
+def test_run_compile_falls_back_to_the_eager_step_where_the_compiler_fails(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING", logger="fedmtl"):
+        a = _compile_run(True)
+    assert "torch.compile failed (RuntimeError: no C++ compiler); the step runs eagerly" in caplog.text
+    b = _compile_run(False)
+    for x, y in zip(T.leaves(a.server), T.leaves(b.server), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.slow
+def test_run_compile_equals_the_eager_step():
+    a, b = _compile_run(True), _compile_run(False)
+    for x, y in zip(T.leaves(a.server), T.leaves(b.server), strict=True):
+        assert torch.allclose(x, y, atol=1e-5), float((x - y).abs().max())

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,6 +30,8 @@ from .tree import Params
 
 if TYPE_CHECKING:
     from .models.clientstack import ClientsForm
+
+log = logging.getLogger("fedmtl")
 
 
 class ModelError(ValueError):
@@ -88,6 +92,9 @@ class Model:
     #: convolutions, stacked gates); made by ``from_module`` and the built-in CNNs, verified on real examples before
     #: use (``verify_clients``); ``None`` for a model without one
     clients_form: ClientsForm | None = field(default=None, compare=False, repr=False)
+    #: compile the clients' step (``value_and_grad_clients``) with ``torch.compile`` (``run.compile``; ``compiled``)
+    compile_clients: bool = field(default=False, compare=False)
+    _compiled: dict[str, Compiled] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -508,16 +515,36 @@ class Model:
                              "stacked gradient or a verified clients form)")
         if self.closed_form_clients:
             assert self.analytic_grad is not None
-            return self.analytic_grad(params, x, y, mask, None)
+            return self._maybe_compiled("closed_form", self.analytic_grad, x.device)(params, x, y, mask, None)
         return self._clients_value_and_grad(params, x, y, mask)
+
+    def compiled(self, on: bool = True) -> Model:
+        """This model with its clients' step compiled by ``torch.compile`` (``run.compile``): the closed form's
+        gradient, or the clients form's loss (its backward compiled with it).  On a GPU in the ``reduce-overhead``
+        mode (CUDA graphs: the step's kernels replayed without a launch each).  Where compiling fails (no compiler)
+        the step runs eagerly, with one warning."""
+        return self if self.compile_clients == on else dataclasses.replace(self, compile_clients=on)
+
+    def _maybe_compiled(self, name: str, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+        if not self.compile_clients:
+            return fn
+        c = self._compiled.get(name)
+        if c is None:
+            c = self._compiled[name] = Compiled(fn, "reduce-overhead" if device.type == "cuda" else "default")
+        return c
+
+    def _clients_losses(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
+        """(K,) each client's mean loss over its own real samples, through the clients form."""
+        m = mask.to(torch.float32)
+        nll = self.nll(self.clients_logits(params, x), y)  # (K, B)
+        return (nll * m).sum(-1) / m.sum(-1).clamp_min(1.0)
 
     def _clients_value_and_grad(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
         """Autograd through the clients form (``value_and_grad_clients``)."""
+        losses = self._maybe_compiled("clients_form", self._clients_losses, x.device)
         with torch.enable_grad():
             leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            m = mask.to(torch.float32)
-            nll = self.nll(self.clients_logits(leaves, x), y)  # (K, B)
-            loss = (nll * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+            loss = losses(leaves, x, y, mask)
             grads = torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)
         return ({k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)},
                 loss.detach())
@@ -572,6 +599,34 @@ class Model:
 def _close(a: Tensor, b: Tensor) -> bool:
     """Equal to 1e-4 of their scale (a clients form against its module: sums in another order)."""
     return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max().clamp_min(1e-3))))
+
+
+class Compiled:
+    """``fn`` compiled by ``torch.compile`` (``mode``), or ``fn`` itself where compiling fails: the first calls fall
+    back to ``fn`` on any error of the compiler (one warning), and once a compiled call succeeded its errors are
+    the function's own."""
+
+    def __init__(self, fn: Callable[..., Any], mode: str):
+        self.fn, self.mode = fn, mode
+        self.compiled: Callable[..., Any] | None = None
+        self.failed, self.ran = False, False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed:
+            return self.fn(*args)
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(self.fn, mode=self.mode)
+            out = self.compiled(*args)
+        except Exception as e:
+            if self.ran:
+                raise
+            self.failed = True
+            log.warning("run.compile: torch.compile failed (%s: %s); the step runs eagerly", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            return self.fn(*args)
+        self.ran = True
+        return out
 
 
 class _Captured(Exception):

@@ -365,7 +365,7 @@ def local_sgd_clients(
     p = per_client(params)
     center, shift = stacked(prox_center), stacked(grad_shift)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
-    fused = getattr(model, "clients_step", None)
+    fused = None if getattr(model, "compile_clients", False) else getattr(model, "clients_step", None)
     if fused is not None and not (mom or wd or mu) and shift is None and isinstance(lr, float | int):
         # plain SGD: the model applies each step in place with its gradients fused into the update
         first = next(iter(p.values()))

@@ -113,6 +113,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
     if attack.kind == "labelflip" and attack.active:
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:6])
+    model = model.compiled(rc.compile)
     device = torch.device(rc.device)
     clients = LocalClients(
         alg, data, make_executor(rc.runner, model, device, rc.chunk_size, rc.bucketing), device,

@@ -44,6 +44,9 @@ class RunConfig:
     chunk_size: Annotated[int, Range(0, 10**9)] = 0
     #: steps: group clients into vmap calls by their number of local steps; none: one group
     bucketing: Literal["steps", "none"] = "steps"
+    #: compile the stacked executor's step (forward and backward of all clients) with torch.compile; CUDA graphs on
+    #: a GPU.  Pays on long runs of models with many small operations; where no compiler works, the step runs eagerly
+    compile: bool = False
     #: cpu, cuda or cuda:<i>
     device: str = "cpu"
     #: evaluate every this many rounds (and after the last)
