@@ -182,6 +182,20 @@ def test_the_fused_clients_step_equals_gradient_then_update():
         gi, li = model.value_and_grad({n: v[i] for n, v in params.items()}, x[i], y[i], mask[i])
         assert torch.allclose(loss[i], li, atol=1e-6)
         assert torch.allclose(g["0.weight"][i], gi["0.weight"], atol=1e-6)
+    # with momentum and weight decay (and without momentum), two steps: torch.optim.SGD's update
+    for mom, wd in ((0.9, 1e-2), (0.0, 1e-2)):
+        want = {n: v.clone() for n, v in params.items()}
+        buf = {n: torch.zeros_like(v) for n, v in params.items()}
+        got = {n: v.clone() for n, v in params.items()}
+        fused_buf = {n: torch.zeros_like(v) for n, v in params.items()}
+        for _ in range(2):
+            g, _ = model.value_and_grad_clients(want, x, y, mask)
+            for n in want:
+                buf[n] = mom * buf[n] + g[n] + wd * want[n]
+                want[n] = want[n] - 0.3 * buf[n]
+            model.clients_step(got, x, y, mask, 0.3, mom, wd, fused_buf if mom else None)  # type: ignore[misc]
+        for n in want:
+            assert torch.allclose(got[n], want[n], atol=1e-6), (mom, n)
 
 
 def test_fedem_with_a_module_model_loops_its_components_and_equals_vmap():
@@ -206,3 +220,16 @@ def test_fedem_with_a_module_model_loops_its_components_and_equals_vmap():
     for a, b in zip(T.leaves(out["loop"][:2]), T.leaves(out["vmap"][:2]), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     assert abs(out["loop"][2] - out["vmap"][2]) < 1e-6
+
+
+@pytest.mark.parametrize("flatten,shape", [(True, (5, 28, 28)), (False, (5, 3, 8, 8))])
+def test_image_normalize_into_a_workspace_equals_the_transform(flatten, shape):
+    """The stacked executor converts a round's images into one reused buffer: the same bits as the transform."""
+    from fedmtl.model import ImageNormalize
+
+    t = ImageNormalize((0.5, 0.4, 0.3)[: shape[1] if len(shape) == 4 else 1], (0.2, 0.25, 0.3)[
+        : shape[1] if len(shape) == 4 else 1], flatten)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8)
+    buf = torch.full((x.numel() + 7,), float("nan"))
+    got = t.into(x, buf)
+    assert torch.equal(got, t(x)) and got.data_ptr() == buf.data_ptr()

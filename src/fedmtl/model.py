@@ -725,6 +725,18 @@ class ImageNormalize:
         x = torch.addcmul((-self.mean / self.std).to(x.device), x.to(torch.float32), scale)
         return x.flatten(1) if self.flatten else x
 
+    def into(self, x: Tensor, out: Tensor) -> Tensor:
+        """``self(x)`` written into the float32 storage ``out`` (at least as many elements) without a converted copy
+        of ``x`` in between: the stacked executor reuses one workspace for a round's batches, which saves the
+        conversion pass and the page faults of a fresh buffer each round.  The same values as ``self(x)``
+        (tested)."""
+        if x.dim() == 3:
+            x = x.unsqueeze(1)
+        o = out[:x.numel()].view(x.shape)
+        scale = (1.0 / (255.0 * self.std)).to(x.device)
+        torch.addcmul((-self.mean / self.std).to(x.device), x, scale, out=o)
+        return o.flatten(1) if self.flatten else o
+
 
 class Flatten:
     """Flattens (n, ...) features to (n, d) float32 (also the cast of compactly stored float16 features)."""

@@ -366,19 +366,21 @@ def local_sgd_clients(
     center, shift = stacked(prox_center), stacked(grad_shift)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
     fused = None if getattr(model, "compile_clients", False) else getattr(model, "clients_step", None)
-    if fused is not None and not (mom or wd or mu) and shift is None and isinstance(lr, float | int):
-        # plain SGD: the model applies each step in place with its gradients fused into the update
+    buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
+    if fused is not None and not mu and shift is None and isinstance(lr, float | int):
+        # SGD (with momentum and weight decay): the model applies each step in place with its gradients fused into
+        # the update (``models.stacked.mlp_sgd_step_clients``)
         first = next(iter(p.values()))
         loss_sum = torch.zeros(k, dtype=torch.float32, device=first.device)
         steps = torch.zeros(k, dtype=torch.float32, device=first.device)
         for n, xs, ys, ms in batches.steps():
             if n == 0:
                 break
-            loss = fused({name: v[:n] for name, v in p.items()}, xs, ys, ms, float(lr))
+            loss = fused({name: v[:n] for name, v in p.items()}, xs, ys, ms, float(lr), mom, wd,
+                         {name: v[:n] for name, v in buf.items()} if mom > 0 else None)
             loss_sum[:n] += loss.detach().to(torch.float32)
             steps[:n] += 1.0
         return p, loss_sum / steps.clamp_min(1.0)
-    buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
     first = next(iter(p.values()))
     loss_sum = torch.zeros(k, dtype=torch.float32, device=first.device)
     steps = torch.zeros(k, dtype=torch.float32, device=first.device)

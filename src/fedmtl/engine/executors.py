@@ -78,15 +78,36 @@ class TrainBatches:
             steps = torch.minimum(steps, self.orders.limit.cpu())
         return steps
 
-    def clients(self, pos: Tensor, transform: Callable[[Tensor], Tensor] | None) -> ClientBatches:
+    def clients(self, pos: Tensor, transform: Callable[[Tensor], Tensor] | None,
+                workspace: Workspace | None = None) -> ClientBatches:
         """The ``stacked`` executor's batches of the clients at ``pos`` (sorted by live steps, most first;
-        ``data.federated.client_batches``), features through ``transform``, on the device."""
+        ``data.federated.client_batches``), features through ``transform`` (into ``workspace`` where the transform
+        can write into storage it is given: ``ImageNormalize.into``), on the device."""
         x, y, mask, n, live = client_batches(self.split, self.rows, self.orders, pos, self.batch_size, self.drop_last)
         if transform is not None:
-            flat = transform(x.reshape(-1, *x.shape[2:]))
+            into = getattr(transform, "into", None)
+            if into is not None and workspace is not None and x.device == self.device:
+                flat = into(x.reshape(-1, *x.shape[2:]), workspace.take(x.numel(), x.device))
+            else:
+                flat = transform(x.reshape(-1, *x.shape[2:]))
             x = flat.reshape(x.shape[0], x.shape[1], *flat.shape[1:])
         x, y, mask, n = T.to((x, y, mask, n), self.device)
         return ClientBatches(x, y, mask, n, live)
+
+
+class Workspace:
+    """One float32 buffer reused for the features of successive batched calls (grown when a call needs more): a
+    round's converted batches then cost no fresh allocation (whose first touch the kernel pays page by page).  The
+    features of a call are dead when the next call takes the buffer (a client function's outputs never alias
+    its batches)."""
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+
+    def take(self, numel: int, device: torch.device) -> Tensor:
+        if self.buffer is None or self.buffer.numel() < numel or self.buffer.device != device:
+            self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        return self.buffer
 
 
 def _in_dims(*args: Any) -> tuple[Any, ...]:
@@ -215,6 +236,7 @@ class StackedExecutor(Executor):
 
     def __init__(self, model: Model, fallback: Executor, chunk_size: int = 0):
         self.model, self.fallback, self.chunk_size = model, fallback, chunk_size
+        self.workspace = Workspace()  # the features of a call, converted in place of the previous call's
 
     def for_algorithm(self, alg: Any) -> Executor:
         """This executor where ``alg`` has a clients form, else the fallback."""
@@ -227,7 +249,7 @@ class StackedExecutor(Executor):
         outs = []
         for pos in torch.split(order, self.chunk_size or max(len(order), 1)):
             p = pos.to(batches.device)
-            b = batches.clients(pos, self.model.input_transform)
+            b = batches.clients(pos, self.model.input_transform, self.workspace)
             if not self._verified(b):  # a clients form that does not reproduce the module: the fallback's path
                 return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
             try:

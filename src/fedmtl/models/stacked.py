@@ -119,14 +119,17 @@ def mlp_value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weigh
 
 
 def mlp_sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float, layers: Layers,
-                         binary: bool) -> Tensor:
-    """One plain SGD step (no momentum, weight decay or extra terms) of K clients' MLPs on their own batches,
-    applied in place: each weight's gradient product is accumulated straight into the weight
-    (``baddbmm_(residual^T, activation, alpha=-lr)``) after the residual has passed through it, so the gradient is
-    never stored: one pass over each parameter instead of the three of forming it, scaling it and subtracting it.
-    params (K, ...) (views of the stacked parameters), x (K, n, in), y and mask (K, n); returns the (K,) losses
-    (before the step).  The same arithmetic as ``mlp_value_and_grad`` then ``p -= lr g`` up to the rounding of the
-    fused multiply-add (tested)."""
+                         binary: bool, momentum: float = 0.0, weight_decay: float = 0.0,
+                         buffers: Params | None = None) -> Tensor:
+    """One SGD step of K clients' MLPs on their own batches, applied in place with each weight's gradient product
+    accumulated straight into its update, so the gradient is never stored.  Without momentum:
+    ``w.baddbmm_(residual^T, activation, alpha=-lr)``, one pass over each weight (after
+    ``w *= 1 - lr * weight_decay``).  With ``momentum`` (``buffers``: the clients' momentum buffers, views like
+    ``params``, zero before the first step): ``buf.baddbmm_(residual^T, activation, beta=momentum)``, then
+    ``buf += weight_decay * w`` and ``w -= lr * buf`` -- ``torch.optim.SGD``'s ``buf = momentum * buf + (g +
+    weight_decay * w)``, ``w -= lr * buf`` in three passes instead of six.  params (K, ...) (views of the stacked
+    parameters), x (K, n, in), y and mask (K, n); returns the (K,) losses (before the step).  The same arithmetic as
+    ``mlp_value_and_grad`` then the update up to the rounding of the fused multiply-adds (tested)."""
     z, pre = mlp_forward(params, x, layers, binary)
     num_out = params[layers[-1][0]].shape[-2]
     loss, r = head_residual(z, y, mask, None, binary, num_out)
@@ -134,9 +137,26 @@ def mlp_sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr:
         wn, bn = layers[i]
         a = x if i == 0 else F.relu(pre[i - 1])
         r_next = (r @ params[wn]) * (pre[i - 1] > 0).to(r.dtype) if i > 0 else None  # with the weight before its step
-        params[wn].baddbmm_(r.transpose(-1, -2), a, alpha=-lr)
-        if bn:
-            params[bn].sub_(r.sum(-2), alpha=lr)
+        if buffers is None:  # no momentum: w (1 - lr weight_decay) - lr g
+            if weight_decay:
+                params[wn].mul_(1.0 - lr * weight_decay)
+            params[wn].baddbmm_(r.transpose(-1, -2), a, alpha=-lr)
+            if bn:
+                if weight_decay:
+                    params[bn].mul_(1.0 - lr * weight_decay)
+                params[bn].sub_(r.sum(-2), alpha=lr)
+        else:
+            for name, g in ((wn, None), (bn, r.sum(-2) if bn else None)):
+                if not name:
+                    continue
+                buf, w = buffers[name], params[name]
+                if g is None:
+                    buf.baddbmm_(r.transpose(-1, -2), a, beta=momentum)
+                else:
+                    buf.mul_(momentum).add_(g)
+                if weight_decay:
+                    buf.add_(w, alpha=weight_decay)
+                w.sub_(buf, alpha=lr)
         if r_next is not None:
             r = r_next
     return loss
@@ -156,7 +176,8 @@ def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tenso
                        ) -> tuple[Params, Tensor]:
         return mlp_value_and_grad(params, x, y, mask, weight, layers, binary)
 
-    def sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float) -> Tensor:
-        return mlp_sgd_step_clients(params, x, y, mask, lr, layers, binary)
+    def sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float, momentum: float = 0.0,
+                         weight_decay: float = 0.0, buffers: Params | None = None) -> Tensor:
+        return mlp_sgd_step_clients(params, x, y, mask, lr, layers, binary, momentum, weight_decay, buffers)
 
     return forward, value_and_grad, sgd_step_clients
