@@ -24,7 +24,9 @@ Timed per round (the median of ``--rounds`` after one untimed round), all on ``-
 
 Keys: ``speedup_vs_per_client_{mlp,cnn}`` (per-client round / fedmtl round, FedAvg), ``speedup_vs_lean_loop_*``,
 ``round_vs_centralized_*`` (fedmtl round / centralized epoch), the Ditto and FedEM rounds and their per-client
-baselines, the engine's path for each model, device, threads, torch version.  Figures, never assertions.
+baselines, the engine's path for each model (``path_*``) and, with ``--runners all``, FedAvg on the executors it did
+not choose (``fedmtl_fedavg_round_s_{model}_{runner}``), device, threads, torch version.  Figures, never
+assertions.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads(p)
     add_device(p)
     p.add_argument("--models", default="mlp,cnn", help="which models (mlp, cnn)")
+    p.add_argument("--runners", choices=("all", "default"), default="all",
+                   help="also time FedAvg on the executors the engine did not choose (stacked, vmap, loop)")
 
 
 def mlp_module() -> nn.Module:
@@ -266,14 +270,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(0)
         module = make()
         model = Model.from_module(module, num_classes=10, init="module")
-        res[f"path_{name}"] = make_executor("auto", model, device).name
-        for alg_name, alg in algs.items():
+        res[f"path_{name}"] = default = make_executor("auto", model, device).name
+
+        def engine_round(alg: Any, runner: str = "auto", model: Model = model) -> float:
             sim = make_engine(alg, model, data, RunSpec(RunConfig(
-                rounds=10, batch_size=BATCH, drop_last=True, device=args.device, eval_every=10**6), SGD(lr=LR)))
+                rounds=10, batch_size=BATCH, drop_last=True, device=args.device, eval_every=10**6, runner=runner),
+                SGD(lr=LR)))
             st = sim.init_state()
-            res[f"fedmtl_{alg_name}_round_s_{name}"] = _median_round(lambda sim=sim, st=st: sim.round(st),
-                                                                     args.rounds, device)
+            return _median_round(lambda sim=sim, st=st: sim.round(st), args.rounds, device)
+
+        for alg_name, alg in algs.items():
+            res[f"fedmtl_{alg_name}_round_s_{name}"] = engine_round(alg)
             print(f"{name} fedmtl {alg_name}: {res[f'fedmtl_{alg_name}_round_s_{name}']:.3f} s/round", flush=True)
+        for runner in ("stacked", "vmap", "loop") if args.runners == "all" else ():
+            if runner != default:  # FedAvg on the paths the engine did not choose, for the record
+                res[f"fedmtl_fedavg_round_s_{name}_{runner}"] = engine_round(algs["fedavg"], runner)
+                print(f"{name} fedmtl fedavg ({runner}): {res[f'fedmtl_fedavg_round_s_{name}_{runner}']:.3f} s/round",
+                      flush=True)
         loop = PeerLoop(data, module, device)
         loops = [("per_client", loop.fedavg_round), ("lean", loop.lean_round),
                  ("per_client_ditto", loop.ditto_round), ("per_client_fedem", loop.fedem_round)]

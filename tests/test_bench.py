@@ -66,7 +66,7 @@ def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path):
         fn()
     after = list(loop.global_.parameters())
     assert all(torch.isfinite(p).all() for p in after) and not torch.equal(after[0], before[0])
-    res = bp.run(argparse.Namespace(threads=1, device="cpu", rounds=1, models="mlp"))
+    res = bp.run(argparse.Namespace(threads=1, device="cpu", rounds=1, models="mlp", runners="default"))
     for key in ("speedup_vs_per_client_mlp", "speedup_vs_lean_loop_mlp", "round_vs_centralized_mlp"):
         assert res[key] > 0
     assert res["path_mlp"] == "stacked" and res["torch_threads"] == 1
