@@ -32,8 +32,12 @@ def _module() -> nn.Module:
 
 def _run(runner: str, algorithm: dict, optim: dict, run: dict | None = None) -> fedmtl.RunResult:
     torch.manual_seed(0)
+    run = dict(run or {})
+    systems = run.pop("systems", None)
     cfg = {"algorithm": algorithm, "optim": optim, "run": {"rounds": 3, "batch_size": 10, "runner": runner,
-                                                            "eval_every": 3, **(run or {})}}
+                                                            "eval_every": 3, **run}}
+    if systems:
+        cfg["systems"] = systems
     return fedmtl.run(cfg, data=_data(), model=fedmtl.Model.from_module(_module(), 3, init="module"))
 
 
@@ -43,6 +47,11 @@ def _run(runner: str, algorithm: dict, optim: dict, run: dict | None = None) -> 
     ({"name": "fedavg"}, {"lr": 0.1}, {"drop_last": True, "sampling_rate": 0.5}),
     ({"name": "fedprox", "mu": 0.5}, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}, {"local_epochs": 2}),
     ({"name": "ditto", "lam": 0.3}, {"lr": 0.1, "momentum": 0.5}, {"batch_size": 7}),
+    # FedEM: the E-step over every client's first epoch, per-sample weights in the M-step (closed form per component)
+    ({"name": "fedem", "num_components": 2}, {"lr": 0.1}, {}),
+    ({"name": "fedem", "num_components": 3}, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3},
+     {"local_epochs": 2, "systems": {"speed_low": 0.2}}),  # stragglers: fewer steps, the E-step over all the data
+    ({"name": "fedem", "num_components": 2}, {"lr": 0.1}, {"drop_last": True, "sampling_rate": 0.5}),
 ])
 def test_stacked_equals_the_loop_on_every_path(algorithm, optim, run):
     a, b = _run("stacked", algorithm, optim, run), _run("loop", algorithm, optim, run)
@@ -51,6 +60,8 @@ def test_stacked_equals_the_loop_on_every_path(algorithm, optim, run):
         assert torch.allclose(x, y, atol=1e-5), float((x - y).abs().max())
     if algorithm["name"] == "ditto":
         assert torch.allclose(a.client_states().v["1.weight"], b.client_states().v["1.weight"], atol=1e-5)
+    if algorithm["name"] == "fedem":
+        assert torch.allclose(a.client_states().pi, b.client_states().pi, atol=1e-5)
     for ra, rb in zip(a.history, b.history, strict=True):
         assert abs(ra["train_loss"] - rb["train_loss"]) < 1e-5
     assert abs(a.final["seen_test_acc_mean"] - b.final["seen_test_acc_mean"]) < 1e-6
@@ -58,8 +69,9 @@ def test_stacked_equals_the_loop_on_every_path(algorithm, optim, run):
 
 def test_auto_picks_stacked_where_it_applies_and_vmap_elsewhere():
     assert _run("auto", {"name": "fedavg"}, {"lr": 0.1}).summary["path"]["executor"] == "stacked"
-    fedem = _run("auto", {"name": "fedem", "num_components": 2}, {"lr": 0.1})
-    assert fedem.summary["path"] == {"executor": "vmap", "model": "closed form"}  # no clients form: vmap
+    assert _run("auto", {"name": "fedem", "num_components": 2}, {"lr": 0.1}).summary["path"]["executor"] == "stacked"
+    scaffold = _run("auto", {"name": "scaffold"}, {"lr": 0.1})
+    assert scaffold.summary["path"] == {"executor": "vmap", "model": "closed form"}  # no clients form: vmap
     torch.manual_seed(0)
     res = fedmtl.run({"algorithm": {"name": "fedavg"}, "run": {"rounds": 1}}, data=_data(),
                      model=fedmtl.Model.from_module(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Tanh()), 3))
@@ -81,11 +93,12 @@ def test_auto_picks_stacked_where_it_applies_and_vmap_elsewhere():
                    model=fedmtl.Model.from_module(Own(), 3))
 
 
-def test_several_seeds_batched_on_the_stacked_executor_equal_their_separate_runs():
+@pytest.mark.parametrize("algorithm", [{"name": "fedavg"}, {"name": "fedem", "num_components": 2}])
+def test_several_seeds_batched_on_the_stacked_executor_equal_their_separate_runs(algorithm):
     """Replicas share the stacked calls (each client trains from its own replica's model)."""
     from fedmtl.config import validate
 
-    raw = {"model": {"name": "mlp", "hidden": [8]}, "algorithm": {"name": "fedavg"}, "optim": {"lr": 0.1},
+    raw = {"model": {"name": "mlp", "hidden": [8]}, "algorithm": algorithm, "optim": {"lr": 0.1},
            "run": {"rounds": 2, "batch_size": 10, "sampling_rate": 0.5}}
     cfg = validate(raw, data_given=True)
     together = run_seeds(cfg, [4, 9], data=_data(), progress=False)
@@ -105,12 +118,26 @@ def test_client_batches_hold_only_live_batches_in_step_major_prefix_order():
     with pytest.raises(ValueError, match="sorted by their live steps"):
         client_batches(tr, torch.arange(6), orders, torch.arange(6), 10)
     order = torch.argsort(-steps, stable=True)  # most live steps first
-    x, y, mask, n, live = client_batches(tr, torch.arange(6), orders, order, 10)
+    x, y, mask, n, live = client_batches(tr, torch.arange(6), orders, order, 10)[:5]
     steps = steps[order]
     assert list(live) == [int((steps > s).sum()) for s in range(int(steps.max()))]
     assert x.shape[0] == sum(live) == int(steps.sum()) and mask.shape == (sum(live), 10)
     assert n.tolist() == counts[order].float().tolist()
     assert int(mask.sum()) <= 2 * int(counts.sum())
+    # with the first epochs: each client's whole data once, packed, and every slot's example found there
+    d = client_batches(tr, torch.arange(6), orders, order, 10, first_epoch=True)
+    assert d.pos is not None and d.first is not None
+    x0, y0, owner = d.first
+    assert torch.bincount(owner, minlength=6).tolist() == counts[order].tolist()
+    assert owner.tolist() == sorted(owner.tolist())  # client after client
+    at = 0
+    for t, k in enumerate(live):
+        for c in range(k):
+            real = d.mask[at + c] > 0
+            p = d.pos[at + c][real]
+            assert torch.equal(x0[p], d.x[at + c][real]) and torch.equal(y0[p], d.y[at + c][real]), (t, c)
+            assert (owner[p] == c).all()
+        at += k
 
 
 def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_form():
@@ -128,7 +155,7 @@ def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_for
             return super().client_update(ctx, payload, state, batches, lr)
 
     assert FedAvg.clients_form() and FedProx.clients_form() and FedAvgFT.clients_form() and Ditto.clients_form()
-    assert not FedEM.clients_form() and not Mine.clients_form()
+    assert FedEM.clients_form() and not Mine.clients_form()
 
 
 def test_the_engine_picks_a_user_modules_path_by_its_layers():

@@ -83,6 +83,9 @@ class Model:
     #: optional ``(params (K, ...), x (K, n, ...), y, mask (K, n), lr) -> (K,) losses``: one plain SGD step of K clients
     #: applied in place with the gradient fused into the update (``models.stacked.mlp_sgd_step_clients``)
     clients_step: Callable[..., Tensor] | None = field(default=None, compare=False)
+    #: optional ``(params (K, M, ...), x (K, n, ...), y, mask (K, n), weight (K, M, n)) -> (grads, (K, M) losses)``:
+    #: the closed-form gradient of M components of each of K clients (``models.stacked.mlp_value_and_grad_components``)
+    components_grad: Callable[..., tuple[Params, Tensor]] | None = field(default=None, compare=False)
     #: where a run starts: ``None``, fresh weights from the module's initializer seeded by the run (``init``); or
     #: these weights (``from_module(..., init="module")``: the module's own, e.g. pretrained).  Further independent
     #: models a method keeps (FedEM's other components, IFCA's other clusters) are still drawn from the initializer
@@ -237,8 +240,9 @@ class Model:
             from .models.stacked import mlp_functions
 
             layers, flatten = dense
-            forward, grad, step = mlp_functions(layers, output == "binary")
-            fast = {"forward": forward, "analytic_grad": grad, "stacks": True, "clients_step": step}
+            forward, grad, step, comps = mlp_functions(layers, output == "binary")
+            fast = {"forward": forward, "analytic_grad": grad, "stacks": True, "clients_step": step,
+                    "components_grad": comps}
             if flatten:  # the module's leading nn.Flatten, done before the closed form (a no-op in the module then)
                 input_transform = Chain(input_transform, Flatten()) if input_transform is not None else Flatten()
         else:  # any other module: its clients form where its layers have stacked forms (verified on the data first)
@@ -440,6 +444,30 @@ class Model:
             return out.reshape(out.shape[:-1])
         return out
 
+    def clients_components_logits(self, params: Params, x: Tensor, owner: Tensor) -> Tensor:
+        """M components' outputs on K clients' examples packed x (N0, ...) already through ``input_transform``, example
+        i belonging to client ``owner[i]``: params (M, ...) shared by the clients or (K, M, ...) each client's own;
+        (M, N0) for a binary model, (M, N0, C) otherwise (FedEM's E-step on the stacked executor).  Shared components
+        read all clients' examples as one batch (the closed form: one product per layer for the M components)."""
+        name, first = next(iter(params.items()))
+        shared = first.dim() == dict(self.module.named_parameters())[name].dim() + 1
+        if shared and self.closed_form_clients:
+            assert self.forward is not None
+            return self.forward(params, x)
+        if shared:  # the M components as M "clients" on the same examples
+            return self.clients_logits(params, x.unsqueeze(0).expand(first.shape[0], *x.shape))
+        # each client's own components: its examples padded into (K, W) rows, then back
+        k, m = first.shape[:2]
+        counts = torch.bincount(owner, minlength=k)
+        at = torch.arange(len(owner), device=x.device) - (torch.cumsum(counts, 0) - counts)[owner]
+        rows = x.new_zeros((k, int(counts.max()), *x.shape[1:]))
+        rows[owner, at] = x
+        flat = {n: v.reshape(k * m, *v.shape[2:]) for n, v in params.items()}
+        out = self.clients_logits(flat, rows.unsqueeze(1).expand(k, m, *rows.shape[1:]).reshape(k * m,
+                                                                                                 *rows.shape[1:]))
+        out = out.reshape(k, m, *out.shape[1:])  # (K, M, W, ...)
+        return out[owner, :, at].movedim(0, 1)  # (M, N0, ...)
+
     def verify_clients(self, x: Tensor) -> bool:
         """Check the clients form on examples ``x`` (n >= 3, already through ``input_transform``): three clients'
         models (weights drawn around the initial ones) on their own examples, outputs and gradients of the form
@@ -504,19 +532,40 @@ class Model:
             return {"": "closed form"}
         return dict(self.clients_form.layers) if self.clients_form is not None else {}
 
-    def value_and_grad_clients(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
+    def value_and_grad_clients_stacked(self, params: Params, x: Tensor, y: Tensor, mask: Tensor,
+                                       weight: Tensor | None = None) -> tuple[Params, Tensor]:
+        """``value_and_grad_stacked`` of K clients: M components per client (params (K, M, ...)) on the client's own
+        batch x (K, B, ...) already through ``input_transform``, y and mask (K, B), per-sample weights (K, M, B):
+        (grads (K, M, ...), (K, M) losses).  The closed form where the model has one (``components_grad``), else
+        the clients form over the K x M models, each client's batch read by its M components."""
+        if not self.supports_clients:
+            raise ModelError(f"model {self.name!r} has no clients form")
+        k, m = next(iter(params.values())).shape[:2]
+        if self.closed_form_clients and self.components_grad is not None:
+            return self._maybe_compiled("components", self.components_grad, x.device)(params, x, y, mask, weight)
+
+        def rep(t: Tensor) -> Tensor:  # each client's rows once per component
+            return t.unsqueeze(1).expand(k, m, *t.shape[1:]).reshape(k * m, *t.shape[1:])
+
+        flat = {n: v.reshape(k * m, *v.shape[2:]) for n, v in params.items()}
+        w = None if weight is None else weight.reshape(k * m, *weight.shape[2:])
+        g, loss = self.value_and_grad_clients(flat, rep(x), rep(y), rep(mask), w)
+        return {n: v.reshape(params[n].shape) for n, v in g.items()}, loss.reshape(k, m)
+
+    def value_and_grad_clients(self, params: Params, x: Tensor, y: Tensor, mask: Tensor,
+                               weight: Tensor | None = None) -> tuple[Params, Tensor]:
         """``value_and_grad`` of K clients' models (params (K, ...)) on their own batches x (K, B, ...) already
         through ``input_transform``, y and mask (K, B): (K stacked gradients, (K,) losses), each client's loss the
-        mean over its own real samples (the ``stacked`` executor).  The closed form where the model has one, else
-        autograd through the clients form: the sum of the clients' losses, whose gradient with respect to client
-        k's parameters is exactly k's own."""
+        mean over its own real samples (the ``stacked`` executor), weighted by ``weight`` (K, B) where given (as
+        ``Model.loss``).  The closed form where the model has one, else autograd through the clients form: the sum
+        of the clients' losses, whose gradient with respect to client k's parameters is exactly k's own."""
         if not self.supports_clients:
             raise ModelError(f"model {self.name!r} has no clients form (the stacked executor needs a closed-form "
                              "stacked gradient or a verified clients form)")
         if self.closed_form_clients:
             assert self.analytic_grad is not None
-            return self._maybe_compiled("closed_form", self.analytic_grad, x.device)(params, x, y, mask, None)
-        return self._clients_value_and_grad(params, x, y, mask)
+            return self._maybe_compiled("closed_form", self.analytic_grad, x.device)(params, x, y, mask, weight)
+        return self._clients_value_and_grad(params, x, y, mask, weight)
 
     def compiled(self, on: bool = True) -> Model:
         """This model with its clients' step compiled by ``torch.compile`` (``run.compile``): the closed form's
@@ -533,18 +582,21 @@ class Model:
             c = self._compiled[name] = Compiled(fn, "reduce-overhead" if device.type == "cuda" else "default")
         return c
 
-    def _clients_losses(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-        """(K,) each client's mean loss over its own real samples, through the clients form."""
+    def _clients_losses(self, params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
+                        ) -> Tensor:
+        """(K,) each client's mean loss over its own real samples (``weight``-ed), through the clients form."""
         m = mask.to(torch.float32)
+        w = m if weight is None else m * weight
         nll = self.nll(self.clients_logits(params, x), y)  # (K, B)
-        return (nll * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+        return (nll * w).sum(-1) / m.sum(-1).clamp_min(1.0)
 
-    def _clients_value_and_grad(self, params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
+    def _clients_value_and_grad(self, params: Params, x: Tensor, y: Tensor, mask: Tensor,
+                                weight: Tensor | None = None) -> tuple[Params, Tensor]:
         """Autograd through the clients form (``value_and_grad_clients``)."""
         losses = self._maybe_compiled("clients_form", self._clients_losses, x.device)
         with torch.enable_grad():
             leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            loss = losses(leaves, x, y, mask)
+            loss = losses(leaves, x, y, mask, weight)
             grads = torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)
         return ({k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)},
                 loss.detach())

@@ -66,6 +66,10 @@ class ClientBatches(NamedTuple):
     (``step(s)``).  Only live batches are held.  Features are already through the model's input transform.
 
     x: (N, B, *feat)   y: (N, B)   mask: (N, B) float   n: (K,) float   live: the prefix size of every step
+    pos: (N, B) long, optional: each slot's example's index in ``first`` (0 on padding)
+    first: optional (x0 (N0, *feat), y0 (N0,), owner (N0,) long): every client's first epoch whole, packed client
+           after client without padding, each example's client (0..K-1), features through the input transform
+           (``first_epoch``; for methods that read all local data, as FedEM's E-step)
     """
 
     x: Tensor
@@ -73,12 +77,22 @@ class ClientBatches(NamedTuple):
     mask: Tensor
     n: Tensor
     live: tuple[int, ...]
+    pos: Tensor | None = None
+    first: tuple[Tensor, Tensor, Tensor] | None = None
 
     def steps(self) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
         """(live clients n, x (n, B, ...), y (n, B), mask (n, B)) of every step, in order."""
         at = 0
         for n in self.live:
             yield n, self.x[at:at + n], self.y[at:at + n], self.mask[at:at + n]
+            at += n
+
+    def step_pos(self) -> Iterator[Tensor]:
+        """``pos`` (n, B) of every step, in the order of ``steps``."""
+        assert self.pos is not None, "these batches were built without their first epochs"
+        at = 0
+        for n in self.live:
+            yield self.pos[at:at + n]
             at += n
 
 
@@ -199,7 +213,7 @@ def masked_steps(
 def local_sgd(
     grad_fn: GradFn,
     params: Params,
-    batches: Batches,
+    batches: Batches | ClientBatches,
     lr: float | Tensor,
     opt: SGD,
     sample_weight: Tensor | None = None,
@@ -226,9 +240,9 @@ def local_sgd(
     agree to rounding.
     """
     if isinstance(batches, ClientBatches):
-        if sample_weight is not None or steps is not None:
-            raise StackedUnsupported("local_sgd with per-sample weights or a step range has no clients mode")
-        return local_sgd_clients(grad_fn, params, batches, lr, opt, prox_center, prox_mu, grad_shift)
+        if steps is not None:
+            raise StackedUnsupported("local_sgd with a step range has no clients mode")
+        return local_sgd_clients(grad_fn, params, batches, lr, opt, prox_center, prox_mu, grad_shift, sample_weight)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
     owned: set[str] = set()  # parameters (and momentum buffers) this call allocated: updated in place from then on
@@ -335,84 +349,98 @@ def local_sgd_clients(
     prox_center: Params | None = None,
     prox_mu: float = 0.0,
     grad_shift: Params | None = None,
+    sample_weight: Tensor | None = None,
 ) -> tuple[Params, Tensor]:
     """``local_sgd`` for K clients at once (the ``stacked`` executor): returns (K stacked params, (K,) mean losses).
 
-    ``grad_fn`` must be a model's ``value_and_grad``; the model's ``value_and_grad_clients`` runs instead, on the
-    live prefix of the clients at every step: step s updates, in place, the first ``batches.live[s]`` clients'
-    parameters (views of the stacked tensors), and the others are neither computed nor touched.  No padding is
-    computed and no step is masked.  ``params``, ``prox_center`` and ``grad_shift`` are stacked (K, ...) or one
-    model's (broadcast to every client).  The same arithmetic as ``local_sgd`` per client (tested against the loop
-    executor to rounding: the batched products sum in another order)."""
+    ``grad_fn`` must be a model's ``value_and_grad`` (the model's ``value_and_grad_clients`` runs instead) or
+    ``value_and_grad_stacked`` (M components per client, FedEM's: ``value_and_grad_clients_stacked``; losses
+    (K, M)), on the live prefix of the clients at every step: step s updates, in place, the first
+    ``batches.live[s]`` clients' parameters (views of the stacked tensors), and the others are neither computed nor
+    touched.  No padding is computed and no step is masked.  ``params``, ``prox_center`` and ``grad_shift`` are
+    stacked per client or one model's (broadcast to every client); ``sample_weight`` (..., N0) are per-sample
+    weights of the clients' packed first epochs, indexed by ``batches.pos``.  The same arithmetic as ``local_sgd``
+    per client (tested against the loop executor to rounding: the batched products sum in another order)."""
     model = getattr(grad_fn, "__self__", None)
-    clients_grad = getattr(model, "value_and_grad_clients", None)
-    if clients_grad is None or getattr(grad_fn, "__name__", "") != "value_and_grad" or \
-            not getattr(model, "supports_clients", False):
-        raise StackedUnsupported("the stacked executor runs local_sgd on a model's value_and_grad only, for models "
-                                 "with a clients form (Model.supports_clients)")
+    kind = getattr(grad_fn, "__name__", "")
+    lead = {"value_and_grad": 0, "value_and_grad_stacked": 1}.get(kind)
+    if lead is None or not getattr(model, "supports_clients", False):
+        raise StackedUnsupported("the stacked executor runs local_sgd on a model's value_and_grad or "
+                                 "value_and_grad_stacked only, for models with a clients form (Model.supports_clients)")
+    clients_grad = model.value_and_grad_clients if lead == 0 else model.value_and_grad_clients_stacked  # type: ignore
     k = batches.n.shape[0]
     template = dict(model.module.named_parameters())  # type: ignore[union-attr]
 
     def per_client(tree: Params) -> Params:  # (K, ...) owned copies; one model's tensors broadcast to K
-        return {n: (v.unsqueeze(0).expand(k, *v.shape) if v.dim() == template[n].dim() else v).clone()
+        return {n: (v.unsqueeze(0).expand(k, *v.shape) if v.dim() == template[n].dim() + lead else v).clone()
                 for n, v in tree.items()}
 
     def stacked(tree: Params | None) -> Params | None:  # read-only (K, ...) or broadcast views
         if tree is None:
             return None
-        return {n: v.unsqueeze(0) if v.dim() == template[n].dim() else v for n, v in tree.items()}
+        return {n: v.unsqueeze(0) if v.dim() == template[n].dim() + lead else v for n, v in tree.items()}
 
     p = per_client(params)
     center, shift = stacked(prox_center), stacked(grad_shift)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
-    fused = None if getattr(model, "compile_clients", False) else getattr(model, "clients_step", None)
+    fused = None if getattr(model, "compile_clients", False) or lead else getattr(model, "clients_step", None)
     buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
-    if fused is not None and not mu and shift is None and isinstance(lr, float | int):
-        # SGD (with momentum and weight decay): the model applies each step in place with its gradients fused into
-        # the update (``models.stacked.mlp_sgd_step_clients``)
-        first = next(iter(p.values()))
-        loss_sum = torch.zeros(k, dtype=torch.float32, device=first.device)
-        steps = torch.zeros(k, dtype=torch.float32, device=first.device)
-        for n, xs, ys, ms in batches.steps():
-            if n == 0:
-                break
-            loss = fused({name: v[:n] for name, v in p.items()}, xs, ys, ms, float(lr), mom, wd,
-                         {name: v[:n] for name, v in buf.items()} if mom > 0 else None)
-            loss_sum[:n] += loss.detach().to(torch.float32)
-            steps[:n] += 1.0
-        return p, loss_sum / steps.clamp_min(1.0)
     first = next(iter(p.values()))
-    loss_sum = torch.zeros(k, dtype=torch.float32, device=first.device)
+    losses = torch.zeros(first.shape[:1 + lead], dtype=torch.float32, device=first.device)  # (K,) or (K, M)
     steps = torch.zeros(k, dtype=torch.float32, device=first.device)
-    rate = float(lr) if isinstance(lr, float | int) else lr
+    positions = batches.step_pos() if sample_weight is not None else None
     for n, xs, ys, ms in batches.steps():
         if n == 0:
             break
         view = {name: v[:n] for name, v in p.items()}
-        g, loss = clients_grad(view, xs, ys, ms)
-        for name, v in view.items():
-            d = g[name]
-            if wd:
-                d = d.add_(v, alpha=wd)  # g is this step's own tensor
-            if mu:
-                d = d.add_(v - center[name][:n] if center[name].shape[0] == k else v - center[name],  # type: ignore[index]
-                           alpha=mu)
-            if shift is not None:
-                d = d.add_(shift[name][:n] if shift[name].shape[0] == k else shift[name])
-            if mom > 0:
-                d = d.add_(buf[name][:n], alpha=mom)
-                buf[name][:n] = d
-            if isinstance(rate, float):
-                v.sub_(d, alpha=rate)
-            else:
-                v.sub_(d * rate)
-        loss_sum[:n] += loss.detach().to(torch.float32)
+        if fused is not None and not mu and shift is None and sample_weight is None and isinstance(lr, float | int):
+            # SGD (with momentum and weight decay): the model applies the step in place with its gradients fused
+            # into the update (``models.stacked.mlp_sgd_step_clients``)
+            loss = fused(view, xs, ys, ms, float(lr), mom, wd, {name: v[:n] for name, v in buf.items()} if mom > 0
+                         else None)
+        else:
+            w = None
+            if positions is not None:
+                assert sample_weight is not None
+                w = sample_weight[..., next(positions)].movedim(-2, 0)  # (..., N0) -> (n, ..., B)
+            g, loss = clients_grad(view, xs, ys, ms, w)
+            _update(view, g, buf, n, k, lr, mom, wd, mu, center, shift)
+        losses[:n] += loss.detach().to(torch.float32)
         steps[:n] += 1.0
-    return p, loss_sum / steps.clamp_min(1.0)
+    return p, losses / steps.clamp_min(1.0).reshape(-1, *([1] * lead))
 
 
-def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
-    """All examples of the first epoch, flattened: x (S0 * B, ...), y, mask — the index space of ``pos``."""
+def _update(view: Params, g: Params, buf: Params, n: int, k: int, lr: float | Tensor, mom: float, wd: float,
+            mu: float, center: Params | None, shift: Params | None) -> None:
+    """``local_sgd``'s step on the live clients' parameters ``view`` (their first n rows), in place: weight decay,
+    the proximal pull toward ``center``, the constant ``shift``, momentum in ``buf``; ``g`` is this step's own."""
+    rate = float(lr) if isinstance(lr, float | int) else lr
+    for name, v in view.items():
+        d = g[name]
+        if wd:
+            d = d.add_(v, alpha=wd)
+        if mu:
+            assert center is not None
+            d = d.add_(v - center[name][:n] if center[name].shape[0] == k else v - center[name], alpha=mu)
+        if shift is not None:
+            d = d.add_(shift[name][:n] if shift[name].shape[0] == k else shift[name])
+        if mom > 0:
+            d = d.add_(buf[name][:n], alpha=mom)
+            buf[name][:n] = d
+        if isinstance(rate, float):
+            v.sub_(d, alpha=rate)
+        else:
+            v.sub_(d * rate)
+
+
+def first_epoch(batches: Batches | ClientBatches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """All examples of the first epoch, flattened: x (S0 * B, ...), y, mask — the index space of ``pos``.  For K
+    clients' ``ClientBatches``: x (N0, ...), y (N0,), owner (N0,): their examples packed, and whose each is."""
+    if isinstance(batches, ClientBatches):
+        if batches.first is None:
+            raise StackedUnsupported("these clients' batches were built without their first epochs (the algorithm "
+                                     "declares Algorithm.stacked_first_epoch)")
+        return batches.first
     s0 = len(batches.x) // epochs
     if isinstance(batches.x, list):
         return torch.cat(batches.x[:s0]), torch.cat(batches.y[:s0]), torch.cat(batches.mask[:s0])

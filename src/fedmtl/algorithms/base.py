@@ -121,6 +121,9 @@ class Algorithm(Generic[ServerT, ClientT]):
     #: loop); leave False where the update reduces over parameters (norms, dot products) or uses per-sample state.
     #: A subclass that overrides ``client_update`` must declare it again (``clients_form``)
     stacked_clients: ClassVar[bool] = False
+    #: the clients' ``ClientBatches`` on the stacked executor also carry their first epochs whole (``first``, ``pos``:
+    #: ``optim.first_epoch`` and per-sample weights read them; FedEM's E-step)
+    stacked_first_epoch: ClassVar[bool] = False
     #: fields of the server state (NamedTuple field names) that are released without noise under ``[privacy]``
     #: because they do not depend on the clients' data, each with the reason (``fedmtl.testing``'s
     #: ``private_release`` check accepts exactly these as equal with and without noise)

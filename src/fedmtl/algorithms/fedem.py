@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, first_epoch, local_sgd
+from ..optim import Batches, ClientBatches, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, nobody
@@ -67,6 +67,8 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
     keeps_client_state: ClassVar[bool] = True
+    stacked_clients: ClassVar[bool] = True  # runs on K stacked clients (the E-step over their first epochs)
+    stacked_first_epoch: ClassVar[bool] = True
     #: M, the number of shared component models (at most 256)
     num_components: Annotated[int, Range(1, MAX_COMPONENTS)] = 3
     #: participants: average over the sampled clients (the paper); all_clients: the reference code (n-weighted mix
@@ -113,14 +115,19 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
 
     @staticmethod
     def e_step(log_pi: Tensor, nll: Tensor) -> tuple[Tensor, Tensor]:
-        """Responsibilities q (M, n) = softmax_m(log pi_m - nll_m) and per-sample log-likelihood (n,)."""
-        joint = log_pi.unsqueeze(-1) - nll  # (M, n)
+        """Responsibilities q (M, n) = softmax_m(log pi_m - nll_m) and per-sample log-likelihood (n,); ``log_pi``
+        (M,), or (M, n): each example under its own client's pi (K clients at once)."""
+        joint = (log_pi.unsqueeze(-1) if log_pi.dim() == 1 else log_pi) - nll  # (M, n)
         ll = torch.logsumexp(joint, dim=0)
         return torch.exp(joint - ll), ll
 
     def client_update(
-        self, ctx: Context, payload: Params, state: MixtureWeights, batches: Batches, lr: float
+        self, ctx: Context, payload: Params, state: MixtureWeights, batches: Batches | ClientBatches, lr: float
     ) -> tuple[Params, MixtureWeights, Tensor]:
+        """One client (``Batches``) or, on the stacked executor, K clients at once (``ClientBatches``: pi (K, M),
+        components (K, M, ...), their first epochs packed)."""
+        if isinstance(batches, ClientBatches):
+            return self._clients_update(ctx, payload, state, batches, lr)
         x, y, mask = first_epoch(batches, ctx.local_epochs)
         nll = self.component_nll(ctx, payload, x, y)  # (M, S0*B)
         q, ll = self.e_step(torch.log(state.pi).to(nll.dtype), nll)
@@ -128,6 +135,20 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
         mixture_nll = -(ll * mask).sum() / batches.n
 
         # M-step: all M components at once (stacked params, per-component weights q (M, S0*B))
+        comps, _ = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
+        return comps, MixtureWeights(pi.to(state.pi.dtype)), mixture_nll
+
+    def _clients_update(
+        self, ctx: Context, payload: Params, state: MixtureWeights, batches: ClientBatches, lr: float
+    ) -> tuple[Params, MixtureWeights, Tensor]:
+        """``client_update`` of K clients: the E-step on their examples packed (N0, no padding), each under its
+        client's pi; pi and the mixture loss summed per client; the M-step with the responsibilities q (M, N0)."""
+        x, y, owner = first_epoch(batches, ctx.local_epochs)
+        k = batches.n.shape[0]
+        nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x, owner), y)  # (M, N0)
+        q, ll = self.e_step(torch.log(state.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0), (N0,)
+        pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, q.T) / batches.n.unsqueeze(-1)  # (K, M)
+        mixture_nll = -ll.new_zeros(k).index_add_(0, owner, ll) / batches.n
         comps, _ = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
         return comps, MixtureWeights(pi.to(state.pi.dtype)), mixture_nll
 

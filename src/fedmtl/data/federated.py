@@ -441,14 +441,40 @@ def _slots(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_si
     return sel, n_all, kk, epochs, s, batch_size, width, j, valid, local
 
 
+class ClientData(NamedTuple):
+    """``client_batches``' result: the step-major batches of K clients and, where asked, their first epochs."""
+
+    x: Tensor  # (N, B, ...)
+    y: Tensor  # (N, B)
+    mask: Tensor  # (N, B) float
+    n: Tensor  # (K,) float: the clients' training examples
+    live: tuple[int, ...]  # the clients live at every step (a prefix)
+    pos: Tensor | None = None  # (N, B) long: each slot's example's index in ``first`` (0 on padding)
+    first: tuple[Tensor, Tensor, Tensor] | None = None  # x0 (N0, ...), y0 (N0,), owner (N0,) long: packed
+
+
+def _first_epoch_pos(kk: int, epochs: int, width: int, j: Tensor, valid: Tensor, local: Tensor) -> Tensor:
+    """(K, E, W): each slot's position in its client's first-epoch order (the index space of ``Batches.pos``)."""
+    if epochs == 1:
+        return j.view(1, 1, -1).expand(kk, 1, width)
+    inv0 = torch.zeros(kk, width + 1, dtype=torch.long)  # column `width` absorbs the padding slots
+    target = torch.where(valid, local[:, 0], torch.full_like(local[:, 0], width))
+    inv0.scatter_(1, target, j.unsqueeze(0).expand(kk, width).contiguous())  # the inverse permutation of epoch 0
+    pos = torch.gather(inv0, 1, local.reshape(kk, -1)).reshape(kk, epochs, width)
+    return torch.where(valid.unsqueeze(1), pos, j.view(1, 1, -1).expand_as(pos))
+
+
 def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int,
-                   drop_last: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[int, ...]]:
+                   drop_last: bool = False, first_epoch: bool = False) -> ClientData:
     """The ``stacked`` executor's batches of clients ``clients[rows]`` (sorted by their live steps, most first):
     (x (N, B, ...), y (N, B), mask (N, B) float, n (K,) float, live).  Row blocks in step-major order: step s holds
     the batches of the ``live[s]`` clients live at s (a prefix of ``rows``), each client's live steps (non-empty,
-    within its straggler limit) in its own order.  Only those batches are gathered: no padded step is built."""
+    within its straggler limit) in its own order.  Only those batches are gathered: no padded step is built.
+    ``first_epoch``: also every client's first epoch whole (all the examples its epochs cover, straggler or not:
+    FedEM's E-step), packed client after client with no padding, each example's client (0..K-1, in ``rows``'
+    order), and each slot's example's index there (``ClientData.first``, ``.pos``)."""
     dev = split.x.device
-    sel, n_all, kk, epochs, s, batch_size, width, _, valid, local = _slots(split, clients, orders, rows, batch_size,
+    sel, n_all, kk, epochs, s, batch_size, width, j, valid, local = _slots(split, clients, orders, rows, batch_size,
                                                                            None, drop_last)
     slots = (split.offsets[sel].cpu().view(kk, 1, 1) + local).reshape(kk, epochs * s, batch_size)  # global ids
     filled = valid.unsqueeze(1).expand(kk, epochs, width).reshape(kk, epochs * s, batch_size)
@@ -468,7 +494,18 @@ def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, 
     x = split.x.index_select(0, flat).reshape(-1, batch_size, *split.x.shape[1:])
     y = split.y.index_select(0, flat).reshape(-1, batch_size)
     live_counts = tuple(int((n_live > t).sum()) for t in range(steps))
-    return x, y, filled.to(dev, torch.float32), n_all.to(dev, torch.float32), live_counts
+    out = ClientData(x, y, filled.to(dev, torch.float32), n_all.to(dev, torch.float32), live_counts)
+    if not first_epoch:
+        return out
+    # the first epoch packed: client k's examples at [start_k, start_k + count_k) in its epoch-0 order
+    start = torch.cumsum(valid.sum(1), 0) - valid.sum(1)  # (K,)
+    pos = _first_epoch_pos(kk, epochs, width, j, valid, local)  # (K, E, W) within the client's first epoch
+    pos = torch.where(valid.unsqueeze(1), pos + start.view(kk, 1, 1), torch.zeros_like(pos))
+    pos = pos.reshape(kk, epochs * s, batch_size)
+    pos = torch.gather(pos, 1, order.unsqueeze(-1).expand(kk, steps, batch_size)).transpose(0, 1)[pick]
+    first = (split.offsets[sel].cpu().view(kk, 1) + local[:, 0])[valid].to(dev)  # (N0,) global ids, packed
+    owner = torch.arange(kk).unsqueeze(1).expand(kk, width)[valid].to(dev)
+    return out._replace(pos=pos.to(dev), first=(split.x.index_select(0, first), split.y.index_select(0, first), owner))
 
 
 def round_batches(
@@ -485,14 +522,7 @@ def round_batches(
     dev = split.x.device
     sel, n_all, kk, epochs, s, batch_size, width, j, valid, local = _slots(split, clients, orders, rows, batch_size,
                                                                            steps, drop_last)
-    if epochs == 1:
-        pos = j.view(1, 1, -1).expand(kk, 1, width)
-    else:  # position of each example in the first epoch's order (inverse permutation of epoch 0)
-        inv0 = torch.zeros(kk, width + 1, dtype=torch.long)  # column `width` absorbs the padding slots
-        target = torch.where(valid, local[:, 0], torch.full_like(local[:, 0], width))
-        inv0.scatter_(1, target, j.unsqueeze(0).expand(kk, width).contiguous())
-        pos = torch.gather(inv0, 1, local.reshape(kk, -1)).reshape(kk, epochs, width)
-        pos = torch.where(valid.unsqueeze(1), pos, j.view(1, 1, -1).expand_as(pos))
+    pos = _first_epoch_pos(kk, epochs, width, j, valid, local)  # each example's place in the first epoch's order
     gidx = (split.offsets[sel].cpu().view(kk, 1, 1) + local).reshape(-1).to(dev)
     x = split.x.index_select(0, gidx).reshape(kk, epochs * s, batch_size, *split.x.shape[1:])
     y = split.y.index_select(0, gidx).reshape(kk, epochs * s, batch_size)

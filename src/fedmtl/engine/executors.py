@@ -79,20 +79,28 @@ class TrainBatches:
         return steps
 
     def clients(self, pos: Tensor, transform: Callable[[Tensor], Tensor] | None,
-                workspace: Workspace | None = None) -> ClientBatches:
+                workspace: tuple[Workspace, Workspace] | None = None, first_epoch: bool = False) -> ClientBatches:
         """The ``stacked`` executor's batches of the clients at ``pos`` (sorted by live steps, most first;
-        ``data.federated.client_batches``), features through ``transform`` (into ``workspace`` where the transform
-        can write into storage it is given: ``ImageNormalize.into``), on the device."""
-        x, y, mask, n, live = client_batches(self.split, self.rows, self.orders, pos, self.batch_size, self.drop_last)
-        if transform is not None:
+        ``data.federated.client_batches``; with their first epochs where asked), features through ``transform``
+        (into ``workspace`` where the transform can write into storage it is given: ``ImageNormalize.into``), on
+        the device."""
+        d = client_batches(self.split, self.rows, self.orders, pos, self.batch_size, self.drop_last, first_epoch)
+
+        def features(x: Tensor, ws: Workspace | None) -> Tensor:  # (N, B, ...) through the transform
+            if transform is None:
+                return x
             into = getattr(transform, "into", None)
-            if into is not None and workspace is not None and x.device == self.device:
-                flat = into(x.reshape(-1, *x.shape[2:]), workspace.take(x.numel(), x.device))
+            if into is not None and ws is not None and x.device == self.device:
+                flat = into(x.reshape(-1, *x.shape[2:]), ws.take(x.numel(), x.device))
             else:
                 flat = transform(x.reshape(-1, *x.shape[2:]))
-            x = flat.reshape(x.shape[0], x.shape[1], *flat.shape[1:])
-        x, y, mask, n = T.to((x, y, mask, n), self.device)
-        return ClientBatches(x, y, mask, n, live)
+            return flat.reshape(x.shape[0], x.shape[1], *flat.shape[1:])
+
+        x = features(d.x, None if workspace is None else workspace[0])
+        first = None if d.first is None else (features(d.first[0].unsqueeze(0), None if workspace is None else
+                                                       workspace[1]).squeeze(0), *d.first[1:])
+        return ClientBatches(*T.to((x, d.y, d.mask, d.n), self.device), d.live, T.to(d.pos, self.device),
+                             T.to(first, self.device))
 
 
 class Workspace:
@@ -236,11 +244,16 @@ class StackedExecutor(Executor):
 
     def __init__(self, model: Model, fallback: Executor, chunk_size: int = 0):
         self.model, self.fallback, self.chunk_size = model, fallback, chunk_size
-        self.workspace = Workspace()  # the features of a call, converted in place of the previous call's
+        # the features of a call (and of the clients' first epochs), converted in place of the previous call's
+        self.workspace = (Workspace(), Workspace())
+        self.first_epoch = False  # build the clients' first epochs (``Algorithm.stacked_first_epoch``)
 
     def for_algorithm(self, alg: Any) -> Executor:
         """This executor where ``alg`` has a clients form, else the fallback."""
-        return self if alg.clients_form() and self.model.supports_clients else self.fallback
+        if alg.clients_form() and self.model.supports_clients:
+            self.first_epoch = bool(getattr(alg, "stacked_first_epoch", False))
+            return self
+        return self.fallback
 
     def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
               payload_rows: bool = False) -> Any:
@@ -249,7 +262,7 @@ class StackedExecutor(Executor):
         outs = []
         for pos in torch.split(order, self.chunk_size or max(len(order), 1)):
             p = pos.to(batches.device)
-            b = batches.clients(pos, self.model.input_transform, self.workspace)
+            b = batches.clients(pos, self.model.input_transform, self.workspace, self.first_epoch)
             if not self._verified(b):  # a clients form that does not reproduce the module: the fallback's path
                 return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
             try:

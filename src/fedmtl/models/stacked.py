@@ -118,6 +118,45 @@ def mlp_value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weigh
     return {k: grads[k] for k in params}, loss
 
 
+def mlp_value_and_grad_components(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None,
+                                  layers: Layers, binary: bool) -> tuple[Params, Tensor]:
+    """(gradients, loss) of M components of each of K clients on the client's own batch: params (K, M, ...), x (K, n,
+    in), y and mask (K, n), weight (K, M, n) (FedEM's responsibilities); gradients (K, M, ...), losses (K, M), each
+    component's loss the weighted sum over the client's real samples divided by their number (``Model.loss``).
+    The first layer reads each client's batch once for its M components (one product against its M x out rows, as
+    ``_affine`` does for one client); the layers above run the K x M models as one batch of products."""
+    k, m = next(iter(params.values())).shape[:2]
+    km = k * m
+    flat = {name: v.reshape(km, *v.shape[2:]) for name, v in params.items()}  # (K x M, ...) views
+    w0n, b0n = layers[0]
+    w0 = params[w0n]  # (K, M, o, in)
+    o = w0.shape[2]
+    rows = w0.reshape(k, m * o, w0.shape[3]).transpose(1, 2)  # (K, in, M x o)
+    z = torch.bmm(x, rows) if b0n is None else torch.baddbmm(params[b0n].reshape(k, 1, m * o), x, rows)
+    z = z.reshape(k, x.shape[1], m, o).transpose(1, 2).reshape(km, x.shape[1], o)  # (K x M, n, o)
+    pre, a = [], z
+    for wn, bn in layers[1:]:
+        pre.append(a)
+        a = _affine(F.relu(a), flat[wn], flat[bn] if bn else None)
+    logits = a.squeeze(-1) if binary else a
+    rep = (lambda t: t.unsqueeze(1).expand(k, m, *t.shape[1:]).reshape(km, *t.shape[1:]))  # noqa: E731
+    loss, r = head_residual(logits, rep(y), rep(mask), None if weight is None else weight.reshape(km, -1), binary,
+                            params[layers[-1][0]].shape[-2])
+    grads: Params = {}
+    for i in range(len(layers) - 1, 0, -1):
+        wn, bn = layers[i]
+        grads[wn] = r.transpose(-1, -2) @ F.relu(pre[i - 1])
+        if bn:
+            grads[bn] = r.sum(-2)
+        r = (r @ flat[wn]) * (pre[i - 1] > 0).to(r.dtype)
+    n = x.shape[1]
+    rk = r.reshape(k, m, n, o).transpose(1, 2).reshape(k, n, m * o)  # (K, n, M x o): the first layer's residuals
+    grads[w0n] = torch.bmm(rk.transpose(1, 2), x)  # (K, M x o, in)
+    if b0n:
+        grads[b0n] = rk.sum(1)
+    return {name: grads[name].reshape(params[name].shape) for name in params}, loss.reshape(k, m)
+
+
 def mlp_sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float, layers: Layers,
                          binary: bool, momentum: float = 0.0, weight_decay: float = 0.0,
                          buffers: Params | None = None) -> Tensor:
@@ -164,9 +203,10 @@ def mlp_sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr:
 
 def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tensor], Tensor],
                                                           Callable[..., tuple[Params, Tensor]],
-                                                          Callable[..., Tensor]]:
-    """(forward, value_and_grad, sgd_step_clients) of an MLP with these dense layers, for ``Model(forward=...,
-    analytic_grad=..., clients_step=...)``."""
+                                                          Callable[..., Tensor],
+                                                          Callable[..., tuple[Params, Tensor]]]:
+    """(forward, value_and_grad, sgd_step_clients, value_and_grad_components) of an MLP with these dense layers, for
+    ``Model(forward=..., analytic_grad=..., clients_step=..., components_grad=...)``."""
     layers = tuple(layers)
 
     def forward(params: Params, x: Tensor) -> Tensor:
@@ -180,4 +220,8 @@ def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tenso
                          weight_decay: float = 0.0, buffers: Params | None = None) -> Tensor:
         return mlp_sgd_step_clients(params, x, y, mask, lr, layers, binary, momentum, weight_decay, buffers)
 
-    return forward, value_and_grad, sgd_step_clients
+    def value_and_grad_components(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
+                                  ) -> tuple[Params, Tensor]:
+        return mlp_value_and_grad_components(params, x, y, mask, weight, layers, binary)
+
+    return forward, value_and_grad, sgd_step_clients, value_and_grad_components
