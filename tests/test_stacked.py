@@ -127,8 +127,8 @@ def test_client_batches_hold_only_live_batches_in_step_major_prefix_order():
     # with the first epochs: each client's whole data once, packed, and every slot's example found there
     d = client_batches(tr, torch.arange(6), orders, order, 10, first_epoch=True)
     assert d.pos is not None and d.first is not None
-    x0, y0, owner = d.first
-    assert torch.bincount(owner, minlength=6).tolist() == counts[order].tolist()
+    x0, y0, owner, real0 = d.first
+    assert torch.bincount(owner, weights=real0, minlength=6).tolist() == counts[order].float().tolist()
     assert owner.tolist() == sorted(owner.tolist())  # client after client
     at = 0
     for t, k in enumerate(live):
@@ -136,8 +136,14 @@ def test_client_batches_hold_only_live_batches_in_step_major_prefix_order():
             real = d.mask[at + c] > 0
             p = d.pos[at + c][real]
             assert torch.equal(x0[p], d.x[at + c][real]) and torch.equal(y0[p], d.y[at + c][real]), (t, c)
-            assert (owner[p] == c).all()
+            assert (owner[p] == c).all() and (real0[p] == 1).all()
         at += k
+    # one epoch and no straggler: the batches are the first epoch (a view), each row's slots its own client's
+    one = epoch_orders(counts, 1, torch.Generator().manual_seed(2))
+    d = client_batches(tr, torch.arange(6), one, torch.argsort(-counts, stable=True), 10, first_epoch=True)
+    assert d.first is not None and d.pos is not None and d.first[0].data_ptr() == d.x.data_ptr()
+    assert torch.bincount(d.first[2], weights=d.first[3], minlength=6).tolist() == counts[
+        torch.argsort(-counts, stable=True)].float().tolist()
 
 
 def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_form():

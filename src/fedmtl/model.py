@@ -445,8 +445,8 @@ class Model:
         return out
 
     def clients_components_logits(self, params: Params, x: Tensor, owner: Tensor) -> Tensor:
-        """M components' outputs on K clients' examples packed x (N0, ...) already through ``input_transform``, example
-        i belonging to client ``owner[i]``: params (M, ...) shared by the clients or (K, M, ...) each client's own;
+        """M components' outputs on K clients' examples x (N0, ...) already through ``input_transform``, example i
+        belonging to client ``owner[i]``: params (M, ...) shared by the clients or (K, M, ...) each client's own;
         (M, N0) for a binary model, (M, N0, C) otherwise (FedEM's E-step on the stacked executor).  Shared components
         read all clients' examples as one batch (the closed form: one product per layer for the M components)."""
         name, first = next(iter(params.items()))
@@ -459,7 +459,9 @@ class Model:
         # each client's own components: its examples padded into (K, W) rows, then back
         k, m = first.shape[:2]
         counts = torch.bincount(owner, minlength=k)
-        at = torch.arange(len(owner), device=x.device) - (torch.cumsum(counts, 0) - counts)[owner]
+        order = torch.argsort(owner, stable=True)  # each example's place among its client's
+        at = torch.empty_like(owner)
+        at[order] = torch.arange(len(owner), device=x.device) - (torch.cumsum(counts, 0) - counts)[owner[order]]
         rows = x.new_zeros((k, int(counts.max()), *x.shape[1:]))
         rows[owner, at] = x
         flat = {n: v.reshape(k * m, *v.shape[2:]) for n, v in params.items()}

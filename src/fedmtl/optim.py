@@ -67,9 +67,9 @@ class ClientBatches(NamedTuple):
 
     x: (N, B, *feat)   y: (N, B)   mask: (N, B) float   n: (K,) float   live: the prefix size of every step
     pos: (N, B) long, optional: each slot's example's index in ``first`` (0 on padding)
-    first: optional (x0 (N0, *feat), y0 (N0,), owner (N0,) long): every client's first epoch whole, packed client
-           after client without padding, each example's client (0..K-1), features through the input transform
-           (``first_epoch``; for methods that read all local data, as FedEM's E-step)
+    first: optional (x0 (N0, *feat), y0 (N0,), owner (N0,) long, mask0 (N0,) float): every client's first epoch
+           whole, packed, each example's client (0..K-1) and whether it is one (0.0 on padding), features through the
+           input transform (``first_epoch``; for methods that read all local data, as FedEM's E-step)
     """
 
     x: Tensor
@@ -78,7 +78,7 @@ class ClientBatches(NamedTuple):
     n: Tensor
     live: tuple[int, ...]
     pos: Tensor | None = None
-    first: tuple[Tensor, Tensor, Tensor] | None = None
+    first: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def steps(self) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
         """(live clients n, x (n, B, ...), y (n, B), mask (n, B)) of every step, in order."""
@@ -433,14 +433,9 @@ def _update(view: Params, g: Params, buf: Params, n: int, k: int, lr: float | Te
             v.sub_(d * rate)
 
 
-def first_epoch(batches: Batches | ClientBatches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
-    """All examples of the first epoch, flattened: x (S0 * B, ...), y, mask — the index space of ``pos``.  For K
-    clients' ``ClientBatches``: x (N0, ...), y (N0,), owner (N0,): their examples packed, and whose each is."""
-    if isinstance(batches, ClientBatches):
-        if batches.first is None:
-            raise StackedUnsupported("these clients' batches were built without their first epochs (the algorithm "
-                                     "declares Algorithm.stacked_first_epoch)")
-        return batches.first
+def first_epoch(batches: Batches, epochs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """All examples of the first epoch, flattened: x (S0 * B, ...), y, mask — the index space of ``pos`` (for K
+    clients' ``ClientBatches``: ``ClientBatches.first``)."""
     s0 = len(batches.x) // epochs
     if isinstance(batches.x, list):
         return torch.cat(batches.x[:s0]), torch.cat(batches.y[:s0]), torch.cat(batches.mask[:s0])

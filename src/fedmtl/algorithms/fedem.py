@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, ClientBatches, first_epoch, local_sgd
+from ..optim import Batches, ClientBatches, StackedUnsupported, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, nobody
@@ -143,12 +143,14 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
     ) -> tuple[Params, MixtureWeights, Tensor]:
         """``client_update`` of K clients: the E-step on their examples packed (N0, no padding), each under its
         client's pi; pi and the mixture loss summed per client; the M-step with the responsibilities q (M, N0)."""
-        x, y, owner = first_epoch(batches, ctx.local_epochs)
+        if batches.first is None:
+            raise StackedUnsupported("FedEM's clients' batches need their first epochs (stacked_first_epoch)")
+        x, y, owner, mask = batches.first
         k = batches.n.shape[0]
         nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x, owner), y)  # (M, N0)
         q, ll = self.e_step(torch.log(state.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0), (N0,)
-        pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, q.T) / batches.n.unsqueeze(-1)  # (K, M)
-        mixture_nll = -ll.new_zeros(k).index_add_(0, owner, ll) / batches.n
+        pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, (q * mask).T) / batches.n.unsqueeze(-1)  # (K, M)
+        mixture_nll = -ll.new_zeros(k).index_add_(0, owner, ll * mask) / batches.n
         comps, _ = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
         return comps, MixtureWeights(pi.to(state.pi.dtype)), mixture_nll
 

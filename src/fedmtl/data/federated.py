@@ -450,7 +450,8 @@ class ClientData(NamedTuple):
     n: Tensor  # (K,) float: the clients' training examples
     live: tuple[int, ...]  # the clients live at every step (a prefix)
     pos: Tensor | None = None  # (N, B) long: each slot's example's index in ``first`` (0 on padding)
-    first: tuple[Tensor, Tensor, Tensor] | None = None  # x0 (N0, ...), y0 (N0,), owner (N0,) long: packed
+    #: x0 (N0, ...), y0 (N0,), owner (N0,) long, mask0 (N0,) float: packed (x0 may be a view of ``x``)
+    first: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
 
 def _first_epoch_pos(kk: int, epochs: int, width: int, j: Tensor, valid: Tensor, local: Tensor) -> Tensor:
@@ -471,8 +472,9 @@ def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, 
     the batches of the ``live[s]`` clients live at s (a prefix of ``rows``), each client's live steps (non-empty,
     within its straggler limit) in its own order.  Only those batches are gathered: no padded step is built.
     ``first_epoch``: also every client's first epoch whole (all the examples its epochs cover, straggler or not:
-    FedEM's E-step), packed client after client with no padding, each example's client (0..K-1, in ``rows``'
-    order), and each slot's example's index there (``ClientData.first``, ``.pos``)."""
+    FedEM's E-step), packed client after client, each example's client (0..K-1, in ``rows``' order) and whether it
+    is one (1.0; 0.0 on padding), and each slot's example's index there (``ClientData.first``, ``.pos``).  Where
+    the batches already hold every example once (one epoch, no straggler), the first epoch is a view of them."""
     dev = split.x.device
     sel, n_all, kk, epochs, s, batch_size, width, j, valid, local = _slots(split, clients, orders, rows, batch_size,
                                                                            None, drop_last)
@@ -497,6 +499,12 @@ def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, 
     out = ClientData(x, y, filled.to(dev, torch.float32), n_all.to(dev, torch.float32), live_counts)
     if not first_epoch:
         return out
+    if epochs == 1 and bool((n_live == nonempty.sum(1)).all()):  # the batches are the first epoch: a view
+        owner = torch.nonzero(pick)[:, 1]  # each row's client: step-major, as the rows were picked
+        nb = x.shape[0]
+        return out._replace(pos=torch.arange(nb * batch_size, device=dev).reshape(nb, batch_size),
+                            first=(x.reshape(nb * batch_size, *x.shape[2:]), y.reshape(-1),
+                                   owner.repeat_interleave(batch_size).to(dev), out.mask.reshape(-1)))
     # the first epoch packed: client k's examples at [start_k, start_k + count_k) in its epoch-0 order
     start = torch.cumsum(valid.sum(1), 0) - valid.sum(1)  # (K,)
     pos = _first_epoch_pos(kk, epochs, width, j, valid, local)  # (K, E, W) within the client's first epoch
@@ -505,7 +513,8 @@ def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, 
     pos = torch.gather(pos, 1, order.unsqueeze(-1).expand(kk, steps, batch_size)).transpose(0, 1)[pick]
     first = (split.offsets[sel].cpu().view(kk, 1) + local[:, 0])[valid].to(dev)  # (N0,) global ids, packed
     owner = torch.arange(kk).unsqueeze(1).expand(kk, width)[valid].to(dev)
-    return out._replace(pos=pos.to(dev), first=(split.x.index_select(0, first), split.y.index_select(0, first), owner))
+    return out._replace(pos=pos.to(dev), first=(split.x.index_select(0, first), split.y.index_select(0, first), owner,
+                                                torch.ones(len(owner), device=dev)))
 
 
 def round_batches(

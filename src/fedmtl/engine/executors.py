@@ -97,8 +97,14 @@ class TrainBatches:
             return flat.reshape(x.shape[0], x.shape[1], *flat.shape[1:])
 
         x = features(d.x, None if workspace is None else workspace[0])
-        first = None if d.first is None else (features(d.first[0].unsqueeze(0), None if workspace is None else
-                                                       workspace[1]).squeeze(0), *d.first[1:])
+        first = None
+        if d.first is not None:
+            x0 = d.first[0]
+            if x0.data_ptr() == d.x.data_ptr() and x0.numel() == d.x.numel():  # the batches themselves
+                x0 = x.reshape(-1, *x.shape[2:])
+            else:
+                x0 = features(x0.unsqueeze(0), None if workspace is None else workspace[1]).squeeze(0)
+            first = (x0, *d.first[1:])
         return ClientBatches(*T.to((x, d.y, d.mask, d.n), self.device), d.live, T.to(d.pos, self.device),
                              T.to(first, self.device))
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..transforms import eager
 from ..tree import Params
 
 Layers = Sequence[tuple[str, str | None]]  # (weight name, bias name or None) of each dense layer, input first
@@ -37,7 +38,8 @@ def _affine(a: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     Narrow layers (binary heads, FedEM's linear components) return a transposed view of w @ a^T + b."""
     if a.dim() == 2 and w.dim() == 3:  # a shared input, M stacked layers: one GEMM against all M x out rows
         m, o, i = w.shape
-        if m * o <= NARROW:
+        if m * o <= NARROW and not eager():  # under vmap only: one eager product over many rows is ~9x faster as
+            # a @ w^T (measured: 67,758 x 150 -> 3, 2 threads, 17.8 against 1.9 ms)
             flat = w.reshape(m * o, i)
             zt = flat @ a.T if b is None else torch.addmm(b.reshape(m * o, 1), flat, a.T)
             return zt.reshape(m, o, a.shape[0]).transpose(1, 2)  # (M, n, out), a view
