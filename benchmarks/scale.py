@@ -79,9 +79,11 @@ def worker(n: int, alg_name: str, store: str, rounds: int, threads: int) -> dict
         ev = eng.evaluate(st, ("seen",))
         eval_s = time.perf_counter() - t
         store_bytes = eng.clients.store.nbytes  # type: ignore[attr-defined]
+        executor = eng.clients.executor.name  # type: ignore[attr-defined]
         eng.clients.close()
     return {
-        "clients": n, "algorithm": alg_name, "client_store": store, "round_s": statistics.median(times),
+        "clients": n, "algorithm": alg_name, "client_store": store, "executor": executor,
+        "round_s": statistics.median(times),
         "round_s_all": times, "eval_s": eval_s, "eval_clients": int(len(ev["seen"]["test"]["n"])),
         "build_s": build_s, "data_mb": data_bytes / 2**20, "state_mb": store_bytes / 2**20,
         "rss_before_data_mb": rss0, "peak_rss_mb": _rss_mb(), "torch_threads": torch.get_num_threads(),
@@ -119,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
         "benchmark": "scale", "sampled_per_round": K, "rounds_timed": rounds, "torch_threads": threads,
         "torch": runs[0]["torch"], "machine": platform.machine(), "cpu_count": os.cpu_count(),
         "workload": "linear_mixture: linear model, d=60, 10 classes, 10-20 train / 5 test examples per client, "
-                    "float16 features; batch 128, 1 local epoch; default executor (vmap)",
+                    "float16 features; batch 128, 1 local epoch; the default executor of each algorithm (executor)",
+        "executor": {a: next(r["executor"] for r in runs if r["algorithm"] == a) for a in ALGS},
         "round_s": {a: {str(r["clients"]): r["round_s"] for r in runs if r["algorithm"] == a} for a in ALGS},
         "eval_10k_s": {a: {str(r["clients"]): r["eval_s"] for r in runs if r["algorithm"] == a} for a in ALGS},
         "peak_rss_mb": {a: {str(r["clients"]): r["peak_rss_mb"] for r in runs if r["algorithm"] == a} for a in ALGS},
