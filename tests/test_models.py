@@ -165,6 +165,7 @@ def test_the_fused_clients_step_equals_gradient_then_update():
     """``Model.clients_step`` (the gradient products accumulated straight into the weights) equals the stacked
     gradient followed by p -= lr g, for K clients with their own batches and padding."""
     from fedmtl.models import build_model
+    from fedmtl.models.stacked import Step
 
     model = build_model("mlp", 6, 4, hidden=(5, 3))
     k = 4
@@ -174,7 +175,7 @@ def test_the_fused_clients_step_equals_gradient_then_update():
     g, loss = model.value_and_grad_clients(params, x, y, mask)
     want = {n: v - 0.3 * g[n] for n, v in params.items()}
     got = {n: v.clone() for n, v in params.items()}
-    loss2 = model.clients_step(got, x, y, mask, 0.3)  # type: ignore[misc]
+    loss2 = model.clients_step(got, x, y, mask, Step(0.3))  # type: ignore[misc]
     assert torch.allclose(loss, loss2)
     for n in want:
         assert torch.allclose(got[n], want[n], atol=1e-6), n
@@ -193,7 +194,7 @@ def test_the_fused_clients_step_equals_gradient_then_update():
             for n in want:
                 buf[n] = mom * buf[n] + g[n] + wd * want[n]
                 want[n] = want[n] - 0.3 * buf[n]
-            model.clients_step(got, x, y, mask, 0.3, mom, wd, fused_buf if mom else None)  # type: ignore[misc]
+            model.clients_step(got, x, y, mask, Step(0.3, mom, wd, fused_buf if mom else None))  # type: ignore[misc]
         for n in want:
             assert torch.allclose(got[n], want[n], atol=1e-6), (mom, n)
 
@@ -233,3 +234,40 @@ def test_image_normalize_into_a_workspace_equals_the_transform(flatten, shape):
     buf = torch.full((x.numel() + 7,), float("nan"))
     got = t.into(x, buf)
     assert torch.equal(got, t(x)) and got.data_ptr() == buf.data_ptr()
+
+
+@pytest.mark.parametrize("name,kw,classes", [("mlp", {"hidden": (5, 4)}, 4), ("linear", {}, 2)])
+def test_k_clients_m_components_gradient_and_fused_step(name, kw, classes):
+    """FedEM's components on the stacked executor: K clients' M components each, with per-sample weights, equal
+    each client's ``value_and_grad_stacked``; the fused step (momentum, weight decay) equals the gradient then the
+    update, over two steps."""
+    from fedmtl.models import build_model
+    from fedmtl.models.stacked import Step
+
+    model = build_model(name, 6, classes, **kw)
+    k, m, n = 3, 2, 7
+    params = {p: torch.stack([torch.stack([model.init(10 * i + j)[p] for j in range(m)]) for i in range(k)])
+              for p in model.init(0)}
+    x, y = torch.randn(k, n, 6), torch.randint(0, classes, (k, n))
+    mask = torch.ones(k, n)
+    mask[1, 4:] = 0
+    w = torch.rand(k, m, n)
+    g, loss = model.value_and_grad_clients_stacked(params, x, y, mask, w)
+    assert loss.shape == (k, m)
+    for i in range(k):
+        gi, li = model.value_and_grad_stacked({p: v[i] for p, v in params.items()}, x[i], y[i], mask[i], w[i])
+        assert torch.allclose(loss[i], li, atol=1e-6)
+        assert all(torch.allclose(g[p][i], gi[p], atol=1e-6) for p in gi)
+    for mom, wd in ((0.9, 1e-2), (0.0, 1e-2), (0.0, 0.0)):
+        want = {p: v.clone() for p, v in params.items()}
+        buf = {p: torch.zeros_like(v) for p, v in params.items()}
+        got = {p: v.clone() for p, v in params.items()}
+        fused_buf = {p: torch.zeros_like(v) for p, v in params.items()}
+        for _ in range(2):
+            gw, _ = model.value_and_grad_clients_stacked(want, x, y, mask, w)
+            for p in want:
+                buf[p] = mom * buf[p] + gw[p] + wd * want[p]
+                want[p] = want[p] - 0.3 * buf[p]
+            model.components_step(got, x, y, mask, w, Step(0.3, mom, wd, fused_buf if mom else None))  # type: ignore
+        for p in want:
+            assert torch.allclose(got[p], want[p], atol=1e-6), (mom, wd, p)

@@ -80,12 +80,14 @@ class Model:
     #: the parameter names of the model's ``fedmtl.BatchNorm`` layers (affine weights and running statistics), found
     #: from the module; empty for a model without batch norm.  FedBN keeps them per client
     batch_norm: tuple[str, ...] = field(init=False, default=(), compare=False)
-    #: optional ``(params (K, ...), x (K, n, ...), y, mask (K, n), lr) -> (K,) losses``: one plain SGD step of K clients
-    #: applied in place with the gradient fused into the update (``models.stacked.mlp_sgd_step_clients``)
+    #: optional ``(params (K, ...), x (K, n, ...), y, mask (K, n), step) -> (K,) losses``: one SGD step
+    #: (``models.stacked.Step``) of K clients applied in place with the gradient fused into the update
     clients_step: Callable[..., Tensor] | None = field(default=None, compare=False)
     #: optional ``(params (K, M, ...), x (K, n, ...), y, mask (K, n), weight (K, M, n)) -> (grads, (K, M) losses)``:
-    #: the closed-form gradient of M components of each of K clients (``models.stacked.mlp_value_and_grad_components``)
+    #: the closed-form gradient of M components of each of K clients (``models.stacked.mlp_components``)
     components_grad: Callable[..., tuple[Params, Tensor]] | None = field(default=None, compare=False)
+    #: optional ``(params (K, M, ...), x, y, mask, weight, step) -> (K, M) losses``: that gradient's SGD step fused
+    components_step: Callable[..., Tensor] | None = field(default=None, compare=False)
     #: where a run starts: ``None``, fresh weights from the module's initializer seeded by the run (``init``); or
     #: these weights (``from_module(..., init="module")``: the module's own, e.g. pretrained).  Further independent
     #: models a method keeps (FedEM's other components, IFCA's other clusters) are still drawn from the initializer
@@ -240,9 +242,7 @@ class Model:
             from .models.stacked import mlp_functions
 
             layers, flatten = dense
-            forward, grad, step, comps = mlp_functions(layers, output == "binary")
-            fast = {"forward": forward, "analytic_grad": grad, "stacks": True, "clients_step": step,
-                    "components_grad": comps}
+            fast = {"stacks": True, **mlp_functions(layers, output == "binary")._asdict()}
             if flatten:  # the module's leading nn.Flatten, done before the closed form (a no-op in the module then)
                 input_transform = Chain(input_transform, Flatten()) if input_transform is not None else Flatten()
         else:  # any other module: its clients form where its layers have stacked forms (verified on the data first)

@@ -383,7 +383,9 @@ def local_sgd_clients(
     p = per_client(params)
     center, shift = stacked(prox_center), stacked(grad_shift)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
-    fused = None if getattr(model, "compile_clients", False) or lead else getattr(model, "clients_step", None)
+    # the model's step with the gradient products fused into the update (``models.stacked.Step``), where it has one
+    fused = None if getattr(model, "compile_clients", False) else getattr(
+        model, "components_step" if lead else "clients_step", None)
     buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
     first = next(iter(p.values()))
     losses = torch.zeros(first.shape[:1 + lead], dtype=torch.float32, device=first.device)  # (K,) or (K, M)
@@ -393,16 +395,18 @@ def local_sgd_clients(
         if n == 0:
             break
         view = {name: v[:n] for name, v in p.items()}
-        if fused is not None and not mu and shift is None and sample_weight is None and isinstance(lr, float | int):
+        w = None
+        if positions is not None:
+            assert sample_weight is not None
+            w = sample_weight[..., next(positions)].movedim(-2, 0)  # (..., N0) -> (n, ..., B)
+        if fused is not None and not mu and shift is None and (w is None or lead) and isinstance(lr, float | int):
             # SGD (with momentum and weight decay): the model applies the step in place with its gradients fused
-            # into the update (``models.stacked.mlp_sgd_step_clients``)
-            loss = fused(view, xs, ys, ms, float(lr), mom, wd, {name: v[:n] for name, v in buf.items()} if mom > 0
-                         else None)
+            # into the update
+            from .models.stacked import Step
+
+            step = Step(float(lr), mom, wd, {name: v[:n] for name, v in buf.items()} if mom > 0 else None)
+            loss = fused(view, xs, ys, ms, w, step) if lead else fused(view, xs, ys, ms, step)
         else:
-            w = None
-            if positions is not None:
-                assert sample_weight is not None
-                w = sample_weight[..., next(positions)].movedim(-2, 0)  # (..., N0) -> (n, ..., B)
             g, loss = clients_grad(view, xs, ys, ms, w)
             _update(view, g, buf, n, k, lr, mom, wd, mu, center, shift)
         losses[:n] += loss.detach().to(torch.float32)

@@ -20,10 +20,9 @@ def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, objec
     out_dim = 1 if num_classes == 2 else num_classes
     output = "binary" if num_classes == 2 else "multiclass"
     d = int(np.prod(input_shape))
-    forward, grad, step, comps = mlp_functions([("weight", "bias" if bias else None)], output == "binary")
-    return Model(nn.Linear(d, out_dim, bias=bias), output, num_classes, name="linear", forward=forward,
-                 analytic_grad=grad, stacks=True, input_transform=input_transform_for(input_shape, meta, True),
-                 clients_step=step, components_grad=comps)
+    fns = mlp_functions([("weight", "bias" if bias else None)], output == "binary")
+    return Model(nn.Linear(d, out_dim, bias=bias), output, num_classes, name="linear", stacks=True,
+                 input_transform=input_transform_for(input_shape, meta, True), **fns._asdict())
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
@@ -47,6 +46,5 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] 
     if batch_norm and hidden:
         return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head)
     dense = [(f"{i}.weight", f"{i}.bias") for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
-    forward, grad, step, comps = mlp_functions(dense, output == "binary")
-    return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head, forward=forward,
-                 analytic_grad=grad, stacks=True, clients_step=step, components_grad=comps)
+    return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head, stacks=True,
+                 **mlp_functions(dense, output == "binary")._asdict())

@@ -16,6 +16,7 @@ multiclass, with padding and sample weights).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -120,16 +121,56 @@ def mlp_value_and_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weigh
     return {k: grads[k] for k in params}, loss
 
 
-def mlp_value_and_grad_components(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None,
-                                  layers: Layers, binary: bool) -> tuple[Params, Tensor]:
+class Step(NamedTuple):
+    """An SGD step that a backward pass applies in place, with each gradient product accumulated straight into the
+    update, instead of returning the gradients (``torch.optim.SGD``'s update: ``buf = momentum * buf + (g +
+    weight_decay * w)``, ``w -= lr * buf``).  ``buffers``: the momentum buffers, views like the parameters, zero
+    before the first step; ``None`` without momentum."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    buffers: Params | None = None
+
+
+def _apply(step: Step, w: Tensor, buf: Tensor | None, rt: Tensor | None = None, a: Tensor | None = None,
+           g: Tensor | None = None) -> None:
+    """``step`` on ``w`` (and its momentum buffer ``buf``) in place, the gradient given as the batched product
+    ``rt @ a`` (accumulated into the weight or the buffer: never stored) or as ``g``.  Without momentum one pass over
+    ``w`` (after ``w *= 1 - lr * weight_decay``); with momentum three (``buf.baddbmm_(rt, a, beta=momentum)``,
+    ``buf += weight_decay * w``, ``w -= lr * buf``) instead of the six of forming, scaling and applying g."""
+    lr, mom, wd = step.lr, step.momentum, step.weight_decay
+    if buf is None:
+        if wd:
+            w.mul_(1.0 - lr * wd)
+        if g is None:
+            w.baddbmm_(rt, a, alpha=-lr)  # type: ignore[arg-type]
+        else:
+            w.sub_(g, alpha=lr)
+        return
+    if g is None:
+        buf.baddbmm_(rt, a, beta=mom)  # type: ignore[arg-type]
+    else:
+        buf.mul_(mom).add_(g)
+    if wd:
+        buf.add_(w, alpha=wd)
+    w.sub_(buf, alpha=lr)
+
+
+def mlp_components(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None, layers: Layers,
+                   binary: bool, step: Step | None = None) -> tuple[Params, Tensor]:
     """(gradients, loss) of M components of each of K clients on the client's own batch: params (K, M, ...), x (K, n,
     in), y and mask (K, n), weight (K, M, n) (FedEM's responsibilities); gradients (K, M, ...), losses (K, M), each
     component's loss the weighted sum over the client's real samples divided by their number (``Model.loss``).
-    The first layer reads each client's batch once for its M components (one product against its M x out rows, as
-    ``_affine`` does for one client); the layers above run the K x M models as one batch of products."""
+    With ``step``, the step is applied to ``params`` (views of the stacked parameters) in place instead (``Step``) and
+    no gradient is returned.  The first layer reads each client's batch once for its M components (one product
+    against its M x out rows, as ``_affine`` does for one client); the layers above run the K x M models as one
+    batch of products."""
     k, m = next(iter(params.values())).shape[:2]
     km = k * m
     flat = {name: v.reshape(km, *v.shape[2:]) for name, v in params.items()}  # (K x M, ...) views
+    bufs = None if step is None or step.buffers is None else {
+        name: v.reshape(km, *v.shape[2:]) for name, v in step.buffers.items()}
     w0n, b0n = layers[0]
     w0 = params[w0n]  # (K, M, o, in)
     o = w0.shape[2]
@@ -147,68 +188,68 @@ def mlp_value_and_grad_components(params: Params, x: Tensor, y: Tensor, mask: Te
     grads: Params = {}
     for i in range(len(layers) - 1, 0, -1):
         wn, bn = layers[i]
-        grads[wn] = r.transpose(-1, -2) @ F.relu(pre[i - 1])
-        if bn:
-            grads[bn] = r.sum(-2)
-        r = (r @ flat[wn]) * (pre[i - 1] > 0).to(r.dtype)
+        act = F.relu(pre[i - 1])
+        r_next = (r @ flat[wn]) * (pre[i - 1] > 0).to(r.dtype)  # with the weight before its step
+        if step is None:
+            grads[wn] = r.transpose(-1, -2) @ act
+            if bn:
+                grads[bn] = r.sum(-2)
+        else:
+            _apply(step, flat[wn], None if bufs is None else bufs[wn], r.transpose(-1, -2), act)
+            if bn:
+                _apply(step, flat[bn], None if bufs is None else bufs[bn], g=r.sum(-2))
+        r = r_next
     n = x.shape[1]
     rk = r.reshape(k, m, n, o).transpose(1, 2).reshape(k, n, m * o)  # (K, n, M x o): the first layer's residuals
-    grads[w0n] = torch.bmm(rk.transpose(1, 2), x)  # (K, M x o, in)
-    if b0n:
-        grads[b0n] = rk.sum(1)
-    return {name: grads[name].reshape(params[name].shape) for name in params}, loss.reshape(k, m)
+    if step is None:
+        grads[w0n] = torch.bmm(rk.transpose(1, 2), x)  # (K, M x o, in)
+        if b0n:
+            grads[b0n] = rk.sum(1)
+        return {name: grads[name].reshape(params[name].shape) for name in params}, loss.reshape(k, m)
+    for name, g in ((w0n, None), (b0n, rk.sum(1) if b0n else None)):
+        if name:
+            target = params[name].reshape(k, m * o, *params[name].shape[3:])  # (K, M x o[, in]) views
+            buf = None if step.buffers is None else step.buffers[name].reshape(target.shape)
+            _apply(step, target, buf, rk.transpose(1, 2) if g is None else None, x if g is None else None, g)
+    return {}, loss.reshape(k, m)
 
 
-def mlp_sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float, layers: Layers,
-                         binary: bool, momentum: float = 0.0, weight_decay: float = 0.0,
-                         buffers: Params | None = None) -> Tensor:
-    """One SGD step of K clients' MLPs on their own batches, applied in place with each weight's gradient product
-    accumulated straight into its update, so the gradient is never stored.  Without momentum:
-    ``w.baddbmm_(residual^T, activation, alpha=-lr)``, one pass over each weight (after
-    ``w *= 1 - lr * weight_decay``).  With ``momentum`` (``buffers``: the clients' momentum buffers, views like
-    ``params``, zero before the first step): ``buf.baddbmm_(residual^T, activation, beta=momentum)``, then
-    ``buf += weight_decay * w`` and ``w -= lr * buf`` -- ``torch.optim.SGD``'s ``buf = momentum * buf + (g +
-    weight_decay * w)``, ``w -= lr * buf`` in three passes instead of six.  params (K, ...) (views of the stacked
-    parameters), x (K, n, in), y and mask (K, n); returns the (K,) losses (before the step).  The same arithmetic as
-    ``mlp_value_and_grad`` then the update up to the rounding of the fused multiply-adds (tested)."""
+def mlp_sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, layers: Layers, binary: bool,
+                         step: Step) -> Tensor:
+    """One SGD step (``Step``) of K clients' MLPs on their own batches, applied in place with each weight's gradient
+    product accumulated straight into its update, so the gradient is never stored.  params (K, ...) (views of the
+    stacked parameters), x (K, n, in), y and mask (K, n); returns the (K,) losses (before the step).  The same
+    arithmetic as ``mlp_value_and_grad`` then the update up to the rounding of the fused multiply-adds (tested)."""
     z, pre = mlp_forward(params, x, layers, binary)
     num_out = params[layers[-1][0]].shape[-2]
     loss, r = head_residual(z, y, mask, None, binary, num_out)
+    bufs = step.buffers
     for i in range(len(layers) - 1, -1, -1):
         wn, bn = layers[i]
         a = x if i == 0 else F.relu(pre[i - 1])
         r_next = (r @ params[wn]) * (pre[i - 1] > 0).to(r.dtype) if i > 0 else None  # with the weight before its step
-        if buffers is None:  # no momentum: w (1 - lr weight_decay) - lr g
-            if weight_decay:
-                params[wn].mul_(1.0 - lr * weight_decay)
-            params[wn].baddbmm_(r.transpose(-1, -2), a, alpha=-lr)
-            if bn:
-                if weight_decay:
-                    params[bn].mul_(1.0 - lr * weight_decay)
-                params[bn].sub_(r.sum(-2), alpha=lr)
-        else:
-            for name, g in ((wn, None), (bn, r.sum(-2) if bn else None)):
-                if not name:
-                    continue
-                buf, w = buffers[name], params[name]
-                if g is None:
-                    buf.baddbmm_(r.transpose(-1, -2), a, beta=momentum)
-                else:
-                    buf.mul_(momentum).add_(g)
-                if weight_decay:
-                    buf.add_(w, alpha=weight_decay)
-                w.sub_(buf, alpha=lr)
+        _apply(step, params[wn], None if bufs is None else bufs[wn], r.transpose(-1, -2), a)
+        if bn:
+            _apply(step, params[bn], None if bufs is None else bufs[bn], g=r.sum(-2))
         if r_next is not None:
             r = r_next
     return loss
 
 
-def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tensor], Tensor],
-                                                          Callable[..., tuple[Params, Tensor]],
-                                                          Callable[..., Tensor],
-                                                          Callable[..., tuple[Params, Tensor]]]:
-    """(forward, value_and_grad, sgd_step_clients, value_and_grad_components) of an MLP with these dense layers, for
-    ``Model(forward=..., analytic_grad=..., clients_step=..., components_grad=...)``."""
+class MLPFunctions(NamedTuple):
+    """An MLP's closed forms (``mlp_functions``), the ``Model`` fields of the same names."""
+
+    forward: Callable[[Params, Tensor], Tensor]
+    analytic_grad: Callable[..., tuple[Params, Tensor]]
+    clients_step: Callable[..., Tensor]
+    components_grad: Callable[..., tuple[Params, Tensor]]
+    components_step: Callable[..., Tensor]
+
+
+def mlp_functions(layers: Layers, binary: bool) -> MLPFunctions:
+    """The closed forms of an MLP with these dense layers, for ``Model(**mlp_functions(...)._asdict())``: the forward
+    (one model, or M stacked on one input), the gradient (one model, M stacked, or K clients' on their own batches),
+    the fused SGD step of K clients, and the gradient and fused step of K clients' M components each."""
     layers = tuple(layers)
 
     def forward(params: Params, x: Tensor) -> Tensor:
@@ -218,12 +259,15 @@ def mlp_functions(layers: Layers, binary: bool) -> tuple[Callable[[Params, Tenso
                        ) -> tuple[Params, Tensor]:
         return mlp_value_and_grad(params, x, y, mask, weight, layers, binary)
 
-    def sgd_step_clients(params: Params, x: Tensor, y: Tensor, mask: Tensor, lr: float, momentum: float = 0.0,
-                         weight_decay: float = 0.0, buffers: Params | None = None) -> Tensor:
-        return mlp_sgd_step_clients(params, x, y, mask, lr, layers, binary, momentum, weight_decay, buffers)
+    def clients_step(params: Params, x: Tensor, y: Tensor, mask: Tensor, step: Step) -> Tensor:
+        return mlp_sgd_step_clients(params, x, y, mask, layers, binary, step)
 
-    def value_and_grad_components(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
-                                  ) -> tuple[Params, Tensor]:
-        return mlp_value_and_grad_components(params, x, y, mask, weight, layers, binary)
+    def components_grad(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None = None
+                        ) -> tuple[Params, Tensor]:
+        return mlp_components(params, x, y, mask, weight, layers, binary)
 
-    return forward, value_and_grad, sgd_step_clients, value_and_grad_components
+    def components_step(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None, step: Step
+                        ) -> Tensor:
+        return mlp_components(params, x, y, mask, weight, layers, binary, step)[1]
+
+    return MLPFunctions(forward, value_and_grad, clients_step, components_grad, components_step)
