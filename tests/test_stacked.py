@@ -93,13 +93,17 @@ def test_auto_picks_stacked_where_it_applies_and_vmap_elsewhere():
                    model=fedmtl.Model.from_module(Own(), 3))
 
 
-@pytest.mark.parametrize("algorithm", [{"name": "fedavg"}, {"name": "fedem", "num_components": 2}])
-def test_several_seeds_batched_on_the_stacked_executor_equal_their_separate_runs(algorithm):
+@pytest.mark.parametrize("algorithm,run", [
+    ({"name": "fedavg"}, {}),
+    ({"name": "fedem", "num_components": 2}, {}),  # the E-step block by block over the batches
+    ({"name": "fedem", "num_components": 2}, {"local_epochs": 2}),  # over the first epochs gathered apart
+])
+def test_several_seeds_batched_on_the_stacked_executor_equal_their_separate_runs(algorithm, run):
     """Replicas share the stacked calls (each client trains from its own replica's model)."""
     from fedmtl.config import validate
 
     raw = {"model": {"name": "mlp", "hidden": [8]}, "algorithm": algorithm, "optim": {"lr": 0.1},
-           "run": {"rounds": 2, "batch_size": 10, "sampling_rate": 0.5}}
+           "run": {"rounds": 2, "batch_size": 10, "sampling_rate": 0.5, **run}}
     cfg = validate(raw, data_given=True)
     together = run_seeds(cfg, [4, 9], data=_data(), progress=False)
     for seed, res in zip((4, 9), together.runs, strict=True):

@@ -157,6 +157,26 @@ def _apply(step: Step, w: Tensor, buf: Tensor | None, rt: Tensor | None = None, 
     w.sub_(buf, alpha=lr)
 
 
+def mlp_components_forward(params: Params, x: Tensor, layers: Layers, binary: bool) -> tuple[Tensor, list[Tensor]]:
+    """(logits (K x M, n[, out]), pre-activations) of M components of each of K clients on the client's own examples:
+    params (K, M, ...), x (K, n, in).  The first layer reads each client's examples once for its M components (one
+    product against its M x out rows); the layers above run the K x M models as one batch of products."""
+    k, m = next(iter(params.values())).shape[:2]
+    km = k * m
+    w0n, b0n = layers[0]
+    w0 = params[w0n]  # (K, M, o, in)
+    o = w0.shape[2]
+    rows = w0.reshape(k, m * o, w0.shape[3]).transpose(1, 2)  # (K, in, M x o)
+    z = torch.bmm(x, rows) if b0n is None else torch.baddbmm(params[b0n].reshape(k, 1, m * o), x, rows)
+    z = z.reshape(k, x.shape[1], m, o).transpose(1, 2).reshape(km, x.shape[1], o)  # (K x M, n, o)
+    pre, a = [], z
+    for wn, bn in layers[1:]:
+        pre.append(a)
+        a = _affine(F.relu(a), params[wn].reshape(km, *params[wn].shape[2:]),
+                    params[bn].reshape(km, *params[bn].shape[2:]) if bn else None)
+    return (a.squeeze(-1) if binary else a), pre
+
+
 def mlp_components(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: Tensor | None, layers: Layers,
                    binary: bool, step: Step | None = None) -> tuple[Params, Tensor]:
     """(gradients, loss) of M components of each of K clients on the client's own batch: params (K, M, ...), x (K, n,
@@ -172,16 +192,8 @@ def mlp_components(params: Params, x: Tensor, y: Tensor, mask: Tensor, weight: T
     bufs = None if step is None or step.buffers is None else {
         name: v.reshape(km, *v.shape[2:]) for name, v in step.buffers.items()}
     w0n, b0n = layers[0]
-    w0 = params[w0n]  # (K, M, o, in)
-    o = w0.shape[2]
-    rows = w0.reshape(k, m * o, w0.shape[3]).transpose(1, 2)  # (K, in, M x o)
-    z = torch.bmm(x, rows) if b0n is None else torch.baddbmm(params[b0n].reshape(k, 1, m * o), x, rows)
-    z = z.reshape(k, x.shape[1], m, o).transpose(1, 2).reshape(km, x.shape[1], o)  # (K x M, n, o)
-    pre, a = [], z
-    for wn, bn in layers[1:]:
-        pre.append(a)
-        a = _affine(F.relu(a), flat[wn], flat[bn] if bn else None)
-    logits = a.squeeze(-1) if binary else a
+    o = params[w0n].shape[2]
+    logits, pre = mlp_components_forward(params, x, layers, binary)
     rep = (lambda t: t.unsqueeze(1).expand(k, m, *t.shape[1:]).reshape(km, *t.shape[1:]))  # noqa: E731
     loss, r = head_residual(logits, rep(y), rep(mask), None if weight is None else weight.reshape(km, -1), binary,
                             params[layers[-1][0]].shape[-2])
@@ -244,12 +256,13 @@ class MLPFunctions(NamedTuple):
     clients_step: Callable[..., Tensor]
     components_grad: Callable[..., tuple[Params, Tensor]]
     components_step: Callable[..., Tensor]
+    components_forward: Callable[[Params, Tensor], Tensor]
 
 
 def mlp_functions(layers: Layers, binary: bool) -> MLPFunctions:
     """The closed forms of an MLP with these dense layers, for ``Model(**mlp_functions(...)._asdict())``: the forward
     (one model, or M stacked on one input), the gradient (one model, M stacked, or K clients' on their own batches),
-    the fused SGD step of K clients, and the gradient and fused step of K clients' M components each."""
+    the fused SGD step of K clients, and the gradient, fused step and forward of K clients' M components each."""
     layers = tuple(layers)
 
     def forward(params: Params, x: Tensor) -> Tensor:
@@ -270,4 +283,9 @@ def mlp_functions(layers: Layers, binary: bool) -> MLPFunctions:
                         ) -> Tensor:
         return mlp_components(params, x, y, mask, weight, layers, binary, step)[1]
 
-    return MLPFunctions(forward, value_and_grad, clients_step, components_grad, components_step)
+    def components_forward(params: Params, x: Tensor) -> Tensor:
+        k, m = next(iter(params.values())).shape[:2]
+        out = mlp_components_forward(params, x, layers, binary)[0]
+        return out.reshape(k, m, *out.shape[1:])
+
+    return MLPFunctions(forward, value_and_grad, clients_step, components_grad, components_step, components_forward)
