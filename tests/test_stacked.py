@@ -95,11 +95,11 @@ def test_auto_picks_stacked_where_it_applies_and_vmap_elsewhere():
 
 @pytest.mark.parametrize("algorithm,run", [
     ({"name": "fedavg"}, {}),
-    ({"name": "fedem", "num_components": 2}, {}),  # the E-step block by block over the batches
+    ({"name": "fedem", "num_components": 2}, {}),  # the E-step over the batches themselves
     ({"name": "fedem", "num_components": 2}, {"local_epochs": 2}),  # over the first epochs gathered apart
 ])
-def test_several_seeds_batched_on_the_stacked_executor_equal_their_separate_runs(algorithm, run):
-    """Replicas share the stacked calls (each client trains from its own replica's model)."""
+def test_several_seeds_on_the_stacked_executor_equal_their_separate_runs(algorithm, run):
+    """On the stacked executor the replicas train one after the other (evaluation shared) and each equals its run."""
     from fedmtl.config import validate
 
     raw = {"model": {"name": "mlp", "hidden": [8]}, "algorithm": algorithm, "optim": {"lr": 0.1},

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -89,9 +88,6 @@ class Model:
     components_grad: Callable[..., tuple[Params, Tensor]] | None = field(default=None, compare=False)
     #: optional ``(params (K, M, ...), x, y, mask, weight, step) -> (K, M) losses``: that gradient's SGD step fused
     components_step: Callable[..., Tensor] | None = field(default=None, compare=False)
-    #: optional ``(params (K, M, ...), x (K, n, ...)) -> (K, M, n[, C])``: the closed-form outputs of K clients' M
-    #: components each on the client's own examples
-    components_forward: Callable[[Params, Tensor], Tensor] | None = field(default=None, compare=False)
     #: where a run starts: ``None``, fresh weights from the module's initializer seeded by the run (``init``); or
     #: these weights (``from_module(..., init="module")``: the module's own, e.g. pretrained).  Further independent
     #: models a method keeps (FedEM's other components, IFCA's other clusters) are still drawn from the initializer
@@ -448,68 +444,16 @@ class Model:
             return out.reshape(out.shape[:-1])
         return out
 
-    def clients_components_logits(self, params: Params, x: Tensor, owner: Tensor,
-                                  blocks: tuple[int, ...] = ()) -> Tensor:
-        """M components' outputs on K clients' examples x (N0, ...) already through ``input_transform``, example i
-        belonging to client ``owner[i]``: params (M, ...) shared by the clients or (K, M, ...) each client's own;
-        (M, N0) for a binary model, (M, N0, C) otherwise (FedEM's E-step on the stacked executor).  Shared components
-        read all clients' examples as one batch (the closed form: one product per layer for the M components).
-        ``blocks`` (B, live_0, live_1, ...): x is laid out as the stacked executor's batches, step after step,
-        ``live_s`` rows of B examples for clients 0..live_s - 1 (each client's own components then run block by
-        block without any copy of x)."""
-        name, first = next(iter(params.items()))
-        shared = first.dim() == dict(self.module.named_parameters())[name].dim() + 1
-        if shared and self.closed_form_clients:
+    def clients_components_logits(self, components: Params, x: Tensor) -> Tensor:
+        """M components (params (M, ...), shared by the clients) on K clients' examples x (N0, ...) already through
+        ``input_transform``: (M, N0) for a binary model, (M, N0, C) otherwise (FedEM's E-step on the stacked
+        executor): all clients' examples as one batch (the closed form: one product per layer for the M
+        components; else the clients form with the components as its clients)."""
+        if self.closed_form_clients:
             assert self.forward is not None
-            return self.forward(params, x)
-        if shared:  # the M components as M "clients" on the same examples
-            return self.clients_logits(params, x.unsqueeze(0).expand(first.shape[0], *x.shape))
-        k, m = first.shape[:2]
-
-        def run(sub: Params, rows: Tensor) -> Tensor:  # (c, W, ...) examples of c clients -> (c, M, W, ...)
-            if self.closed_form_clients and self.components_forward is not None:
-                return self.components_forward(sub, rows)
-            c, w = rows.shape[:2]
-            flat = {n: v.reshape(c * m, *v.shape[2:]) for n, v in sub.items()}
-            rep = rows.unsqueeze(1).expand(c, m, *rows.shape[1:]).reshape(c * m, *rows.shape[1:])
-            return self.clients_logits(flat, rep).reshape(c, m, w, *self._out_tail())
-
-        out = x.new_empty((m, len(owner), *self._out_tail()))
-        if blocks:  # the batches' own layout: step s's rows are clients 0..live_s - 1, B examples each
-            bsz, at = blocks[0], 0
-            for n in blocks[1:]:
-                o = run({p: v[:n] for p, v in params.items()}, x[at * bsz:(at + n) * bsz].reshape(n, bsz, *x.shape[1:]))
-                out[:, at * bsz:(at + n) * bsz] = o.movedim(1, 0).reshape(m, n * bsz, *o.shape[3:])
-                at += n
-            return out
-        # anywhere else: each client's examples padded into a row, clients of similar numbers of examples together,
-        # a bounded chunk of clients at a time
-        counts = torch.bincount(owner, minlength=k)
-        by_size = torch.argsort(counts, descending=True, stable=True)
-        rank = torch.empty_like(by_size)
-        rank[by_size] = torch.arange(k, device=x.device)
-        order = torch.argsort(rank[owner], stable=True)  # the examples client after client, largest clients first
-        sizes = counts[by_size]
-        ends = torch.cumsum(sizes, 0).tolist()
-        place = torch.arange(len(owner), device=x.device) - (torch.cumsum(sizes, 0) - sizes)[rank[owner[order]]]
-        per_example = m * max(int(np.prod(x.shape[1:])), self.num_classes) * 4  # bytes of a row under M components
-        i = 0
-        while i < k:
-            width = max(int(sizes[i]), 1)
-            j = min(k, i + max(1, CHUNK_BYTES // (width * per_example)))
-            lo, hi = (ends[i - 1] if i else 0), ends[j - 1]
-            idx, pos = order[lo:hi], place[lo:hi]
-            row = rank[owner[idx]] - i
-            rows = x.new_zeros((j - i, width, *x.shape[1:]))
-            rows[row, pos] = x[idx]
-            o = run({p: v.index_select(0, by_size[i:j]) for p, v in params.items()}, rows)
-            out[:, idx] = o[row, :, pos].movedim(0, 1)
-            i = j
-        return out
-
-    def _out_tail(self) -> tuple[int, ...]:
-        """The trailing shape of one example's output: () for a binary model, (C,) otherwise."""
-        return () if self.output == "binary" else (self.num_classes,)
+            return self.forward(components, x)
+        m = next(iter(components.values())).shape[0]
+        return self.clients_logits(components, x.unsqueeze(0).expand(m, *x.shape))
 
     def verify_clients(self, x: Tensor) -> bool:
         """Check the clients form on examples ``x`` (n >= 3, already through ``input_transform``): three clients'
@@ -694,10 +638,6 @@ class Model:
 def _close(a: Tensor, b: Tensor) -> bool:
     """Equal to 1e-4 of their scale (a clients form against its module: sums in another order)."""
     return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max().clamp_min(1e-3))))
-
-
-#: the clients' examples padded at a time in ``Model.clients_components_logits`` (per-client components), in bytes
-CHUNK_BYTES = 256 * 2**20
 
 
 class Compiled:

@@ -141,14 +141,14 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
     def _clients_update(
         self, ctx: Context, payload: Params, state: MixtureWeights, batches: ClientBatches, lr: float
     ) -> tuple[Params, MixtureWeights, Tensor]:
-        """``client_update`` of K clients: the E-step on their examples packed (N0, no padding), each under its
-        client's pi; pi and the mixture loss summed per client; the M-step with the responsibilities q (M, N0)."""
+        """``client_update`` of K clients from one payload (the stacked executor): the E-step on their examples
+        (N0, packed or the batches themselves), each under its client's pi; pi and the mixture loss summed per client;
+        the M-step with the responsibilities q (M, N0)."""
         if batches.first is None:
             raise StackedUnsupported("FedEM's clients' batches need their first epochs (stacked_first_epoch)")
         x, y, owner, mask = batches.first
         k = batches.n.shape[0]
-        blocks = (batches.x.shape[1], *batches.live) if x.data_ptr() == batches.x.data_ptr() else ()
-        nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x, owner, blocks), y)  # (M, N0)
+        nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x), y)  # (M, N0)
         q, ll = self.e_step(torch.log(state.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0), (N0,)
         pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, (q * mask).T) / batches.n.unsqueeze(-1)  # (K, M)
         mixture_nll = -ll.new_zeros(k).index_add_(0, owner, ll * mask) / batches.n

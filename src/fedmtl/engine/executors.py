@@ -263,6 +263,8 @@ class StackedExecutor(Executor):
 
     def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
               payload_rows: bool = False) -> Any:
+        if payload_rows:  # clients from several models (merged replicas): the engine runs replicas apart here
+            return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
         steps = batches.live_counts()
         order = torch.argsort(-steps, stable=True)  # most steps first: the live clients of every step are a prefix
         outs = []
@@ -272,7 +274,7 @@ class StackedExecutor(Executor):
             if not self._verified(b):  # a clients form that does not reproduce the module: the fallback's path
                 return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
             try:
-                outs.append(fn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+                outs.append(fn(payload, T.take(states, p), b, lr))
             except Exception as e:
                 failed_at(e, pos.tolist())
                 raise

@@ -4,8 +4,10 @@
 Each seed is an independent replica of the run: its own model initialization, client sampling, batch orders,
 systems draws, attackers and privacy noise, i.e. exactly the run ``fedmtl run CONFIG --set run.seed=S`` gives
 (the data, built once, is shared: ``[data] seed`` is the data's own seed).  The replicas advance round by round
-together and, in a simulation, their sampled clients train in the same batched executor calls
-(``engine.clients.train_together``): a vmap over all replicas' clients at once.
+together and, in a simulation on the vmap or loop executor, their sampled clients train in the same batched
+executor calls (``engine.clients.train_together``): a vmap over all replicas' clients at once.  The stacked executor
+runs each replica's clients as one computation per local step already and trains the replicas one after the other
+(``driver._batchable``); evaluation is shared either way (``engine.clients.evaluate_together``).
 
 Run directory::
 

@@ -256,13 +256,12 @@ class MLPFunctions(NamedTuple):
     clients_step: Callable[..., Tensor]
     components_grad: Callable[..., tuple[Params, Tensor]]
     components_step: Callable[..., Tensor]
-    components_forward: Callable[[Params, Tensor], Tensor]
 
 
 def mlp_functions(layers: Layers, binary: bool) -> MLPFunctions:
     """The closed forms of an MLP with these dense layers, for ``Model(**mlp_functions(...)._asdict())``: the forward
     (one model, or M stacked on one input), the gradient (one model, M stacked, or K clients' on their own batches),
-    the fused SGD step of K clients, and the gradient, fused step and forward of K clients' M components each."""
+    the fused SGD step of K clients, and the gradient and fused step of K clients' M components each."""
     layers = tuple(layers)
 
     def forward(params: Params, x: Tensor) -> Tensor:
@@ -283,9 +282,4 @@ def mlp_functions(layers: Layers, binary: bool) -> MLPFunctions:
                         ) -> Tensor:
         return mlp_components(params, x, y, mask, weight, layers, binary, step)[1]
 
-    def components_forward(params: Params, x: Tensor) -> Tensor:
-        k, m = next(iter(params.values())).shape[:2]
-        out = mlp_components_forward(params, x, layers, binary)[0]
-        return out.reshape(k, m, *out.shape[1:])
-
-    return MLPFunctions(forward, value_and_grad, clients_step, components_grad, components_step, components_forward)
+    return MLPFunctions(forward, value_and_grad, clients_step, components_grad, components_step)
