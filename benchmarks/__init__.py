@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "round time and memory from 10^3 to 10^6 clients (FedAvg, FedEM, Ditto)",
     "flower": "FedAvg round: vmap vs Flower simulation vs 2-node deployment",
     "networked": "GTV solver vs CVXPY on SBM graphs of 1e3 / 1e4 / 1e5 nodes",
+    "distributed": "one simulation on 1 and 2 torchrun ranks: the models CNN and a 10^5-client Ditto population",
 }
 
 

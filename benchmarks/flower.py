@@ -4,17 +4,22 @@ Workload: FedEM's synthetic federation with ``clients`` clients (linear model, b
 client every round). ``vmap_round_s``: the in-process vmap runner; ``flower_simulation_round_s``: Flower's
 simulation engine (two virtual SuperNodes of half the clients each, one Ray actor);
 ``flower_deployment_round_s``: a real SuperLink and two SuperNodes (each serving half of the clients) on
-127.0.0.1 with TLS and node authentication. Each is the median over rounds after the first (which pays start-up
-costs), reported with the first round's time. ``torch_import_s``: a fresh ``python -c "import torch"`` (median
-of 3), timed in the same run, the unit a deployment round is measured in (``deployment_round_vs_torch_import``):
-Flower starts a ClientApp process per message, so a round costs at least one interpreter start and torch import
-per node. A SIGTERM or Ctrl-C ends the benchmark's SuperLink and SuperNodes with it.
+127.0.0.1 with TLS and node authentication, each with its warm worker (``fedmtl flower worker``: the ClientApp
+relays every message to it); ``flower_deployment_cold_round_s``: the same without workers (each message handled
+in the process Flower starts for it).  ``deployment_round_vs_simulation``: the first over the simulation's round;
+``worker_train_message_s``: what the workers spent on a train message; ``clientapp_import_s``: the imports of the
+process Flower starts per message (``flwr-clientapp`` and the relay app), the floor of a deployed round.  Round
+times are the median over rounds after the first (which pays start-up costs), reported with the first round's
+time.  ``torch_import_s``: a fresh ``python -c "import torch"`` (median of 3), timed in the same run: what a
+message costs a node without a worker at least (``deployment_round_vs_torch_import``).  A SIGTERM or Ctrl-C
+ends the benchmark's SuperLink and SuperNodes with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import subprocess
@@ -66,6 +71,18 @@ def torch_import_seconds(repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def clientapp_import_seconds(repeats: int = 3) -> float:
+    """Median wall-clock seconds of a fresh interpreter importing what Flower's per-message ClientApp process
+    (``flwr-clientapp``) imports before it runs any app code, and the project's relay ClientApp."""
+    code = "from flwr.supernode.cli import flwr_clientapp; import fedmtl.flower.relay_app"
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through LocalDeployment.__exit__, which ends its processes
 
@@ -108,15 +125,26 @@ def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
         export(data, Path(tmp) / "site0", list(range(half)))
         export(data, Path(tmp) / "site1", list(range(half, clients)))
         del data
-        with LocalDeployment(Path(tmp) / "dep", data_dirs=[Path(tmp) / "site0", Path(tmp) / "site1"]) as dep:
-            dep.wait_for_nodes(2)
-            t0 = time.perf_counter()
-            dep.run(app, Path(tmp) / "out", timeout=3600)
-            res["flower_deployment_total_s"] = time.perf_counter() - t0
-        d = json.loads((Path(tmp) / "out" / "summary.json").read_text())
-        hd = d["round_seconds"]
-        res["flower_deployment_round_s"] = statistics.median(hd[1:])
-        res["flower_deployment_first_round_s"] = hd[0]
+        for workers, key in ((True, "flower_deployment"), (False, "flower_deployment_cold")):
+            dep_dir, out_dir = Path(tmp) / f"dep-{key}", Path(tmp) / f"out-{key}"
+            with LocalDeployment(dep_dir, data_dirs=[Path(tmp) / "site0", Path(tmp) / "site1"],
+                                 workers=workers) as dep:
+                dep.wait_for_nodes(2)
+                t0 = time.perf_counter()
+                dep.run(app, out_dir, timeout=3600)
+                res[f"{key}_total_s"] = time.perf_counter() - t0
+            d = json.loads((out_dir / "summary.json").read_text())
+            hd = d["round_seconds"]
+            res[f"{key}_round_s"] = statistics.median(hd[1:])
+            res[f"{key}_first_round_s"] = hd[0]
+            if workers:  # what the warm workers spent on the train messages (their logs: one line a message)
+                served = [float(m.group(1)) for i in range(2) for m in re.finditer(
+                    r"served train \(run \d+\) in ([0-9.]+) s", (dep_dir / f"worker{i}.log").read_text())]
+                res["worker_train_message_s"] = statistics.median(served) if served else None
+    res["clientapp_import_s"] = clientapp_import_seconds()
+    res["deployment_round_vs_simulation"] = res["flower_deployment_round_s"] / res["flower_simulation_round_s"]
+    res["cold_deployment_round_vs_simulation"] = (res["flower_deployment_cold_round_s"]
+                                                  / res["flower_simulation_round_s"])
     res["simulation_over_vmap"] = res["flower_simulation_round_s"] / res["vmap_round_s"]
     res["deployment_over_vmap"] = res["flower_deployment_round_s"] / res["vmap_round_s"]
     res["deployment_round_vs_torch_import"] = res["flower_deployment_round_s"] / res["torch_import_s"]

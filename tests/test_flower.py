@@ -3,6 +3,8 @@ dropped clients and server resume."""
 
 from __future__ import annotations
 
+import stat
+import time
 from typing import NamedTuple
 
 import pytest
@@ -229,7 +231,8 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
     other = validate(tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", k=3)
                                    .replace("num_clients = 5", "num_clients = 2").replace("seed = 2", "seed = 77")))
     app = write_project(other, tmp_path / "app", 5)
-    with LocalDeployment(tmp_path / "dep", data_dirs=[tmp_path / "site_a", tmp_path / "site_b"]) as dep:
+    # every SuperNode with its warm worker (the project's ClientApp relays each message to it over a Unix socket)
+    with LocalDeployment(tmp_path / "dep", data_dirs=[tmp_path / "site_a", tmp_path / "site_b"], workers=True) as dep:
         dep.wait_for_nodes(2)
         intruder = dep.start_unregistered_node()
         dep.run(app, tmp_path / "out")
@@ -252,7 +255,10 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
             assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
         assert not (tmp_path / "dep" / "certs" / "ca.key").exists()
         pids = dep.pids()
-        assert len(pids) >= 5, pids  # the SuperLink, its SuperExec, two SuperNodes with their SuperExecs
+        assert len(pids) >= 7, pids  # the SuperLink, its SuperExec, two SuperNodes with their SuperExecs, 2 workers
+        for i in range(2):  # the messages went through the workers: they built the nodes' data
+            assert "serving" in (tmp_path / "dep" / f"worker{i}.log").read_text()
+            assert stat.S_IMODE((tmp_path / "dep" / f"worker{i}" / "worker.sock").stat().st_mode) == 0o600
     assert not [pid for pid in pids if running(pid)]
     assert not (tmp_path / "out" / ".lock").exists()  # the ServerApp released its run directory
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -316,3 +322,133 @@ def test_interrupted_flower_run_resumes_exactly_from_node_state_files(tmp_path, 
         assert torch.allclose(a, b, atol=1e-5)
     for key, v in final.items():
         assert abs(res.final[key] - v) < 1e-5, key
+
+
+def test_simulation_resources_reach_the_backend(monkeypatch):
+    """`fedmtl flower simulate` reserves --cpus-per-node / --gpus-per-node per virtual node of a Ray cluster it starts
+    with --cpus CPUs, or joins one by --ray-address (then without CPU counts, which Ray refuses there)."""
+    from fedmtl.flower.simulation import backend_config
+
+    assert backend_config(4, 2.0) == {"client_resources": {"num_cpus": 2.0, "num_gpus": 0.0},
+                                      "init_args": {"num_cpus": 4}}
+    joined = backend_config(1, 0.5, 0.0, "127.0.0.1:6379")
+    assert joined["init_args"] == {"address": "127.0.0.1:6379"}
+    assert joined["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.0}
+    with pytest.raises(ValueError, match="cpus-per-node 3 is more than the 2"):
+        backend_config(2, 3.0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            backend_config(2, 1.0, 0.5)
+
+
+@pytest.mark.slow
+def test_simulation_joins_a_running_ray_cluster(tmp_path):
+    """A Ray head started with `ray start --head` on loopback; `fedmtl flower simulate --ray-address` runs its virtual
+    SuperNodes there, 2 CPUs each, and gives the in-process result."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    ray = Path(sys.executable).with_name("ray")
+    if not ray.exists():
+        ray = Path(shutil.which("ray") or "ray")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    text = dumps(validate(tomllib.loads(CONFIG.format(alg="fedavg", extra="", k=0))).raw)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    start = subprocess.run([str(ray), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                            "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats"],
+                           capture_output=True, text=True, env=env, timeout=180)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        p = subprocess.run([sys.executable, "-m", "fedmtl", "flower", "simulate", str(cfg), "--out",
+                            str(tmp_path / "run"), "--ray-address", f"127.0.0.1:{port}", "--cpus-per-node", "2", "-q"],
+                           capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+    finally:
+        subprocess.run([str(ray), "stop", "--force"], capture_output=True, env=env, timeout=120)
+    import json
+
+    got = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]
+    _, final = _in_process(text)
+    for key, v in final.items():
+        assert abs(got[key] - v) < 1e-5, key
+
+
+def _message(content, kind, run_id=7):
+    from flwr.app.message.message import make_message
+    from flwr.app.metadata import Metadata
+
+    return make_message(Metadata(run_id=run_id, message_id="m1", src_node_id=1, dst_node_id=2, reply_to_message_id="",
+                                 group_id="g", created_at=time.time(), ttl=3600.0, message_type=kind), content)
+
+
+def test_warm_worker_serves_the_relay_app(tmp_path):
+    """The project's ClientApp (``relay_app``) forwards a message to ``fedmtl flower worker`` over its socket and
+    gets the reply the in-process handler gives; the worker keeps the node warm across messages of a run; a worker
+    refuses a socket directory others may enter, a non-socket file in its place, and a malformed frame."""
+    import os
+    import socket as socketlib
+    import threading
+    import tomllib
+
+    from flwr.app import ConfigRecord, Context, RecordDict
+
+    from fedmtl.flower import relay_app
+    from fedmtl.flower.apps import NodeCache, handle_query
+    from fedmtl.flower.worker import Worker, WorkerError, recv_frame, send_frame
+
+    text = dumps(validate(tomllib.loads(CONFIG.format(alg="fedavg", extra="", k=0))).raw)
+    sock = tmp_path / "w" / "worker.sock"
+    worker = Worker(sock)
+    stop, ready = threading.Event(), threading.Event()
+    th = threading.Thread(target=worker.serve, args=(stop, ready.set), daemon=True)
+    th.start()
+    assert ready.wait(30)
+    try:
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600 and stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+        node_config = {"partition-ids": "0-2", "fedmtl-worker": str(sock)}
+        ctx = Context(run_id=7, node_id=2, node_config=node_config, state=RecordDict(),
+                      run_config={"fedmtl-config": text})
+        msg = _message(RecordDict({"config": ConfigRecord({"x": 1})}), "query")
+        got = relay_app.relay(msg, ctx)
+        want = handle_query(msg, Context(run_id=7, node_id=2, node_config={"partition-ids": "0-2"},
+                                         state=RecordDict(), run_config={}), text, NodeCache())
+        assert dict(got.content["info"]) == dict(want.content["info"])
+        assert got.metadata.reply_to_message_id == "m1"
+        relay_app.relay(msg, ctx)
+        assert worker.served == 2 and len(worker.runs) == 1 and len(worker.runs[7][1].nodes) == 1  # built once
+        # an error on the worker reaches the ClientApp as one line naming it
+        bad = Context(run_id=7, node_id=2, node_config={"fedmtl-worker": str(sock)}, state=RecordDict(),
+                      run_config={"fedmtl-config": text})
+        with pytest.raises(RuntimeError, match="fedmtl worker at .*this SuperNode has no data"):
+            relay_app.relay(_message(RecordDict(), "query", run_id=8), bad)
+        with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as c:  # not a frame
+            c.connect(str(sock))
+            c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            header, _ = recv_frame(c)
+            assert header["ok"] is False and "not a fedmtl worker frame" in header["error"]
+        with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as c:  # a frame, not a Flower message
+            c.connect(str(sock))
+            send_frame(c, {"node_config": {}, "run_config": {}}, b"\xff\x00garbage")
+            header, _ = recv_frame(c)
+            assert header["ok"] is False
+        with pytest.raises(WorkerError, match="another worker is listening"):
+            Worker(sock).bind()
+    finally:
+        stop.set()
+        th.join(10)
+    assert not sock.exists()
+    (tmp_path / "open").mkdir(mode=0o755)
+    os.chmod(tmp_path / "open", 0o755)
+    with pytest.raises(WorkerError, match="closed to others"):
+        Worker(tmp_path / "open" / "w.sock").bind()
+    (tmp_path / "w" / "worker.sock").write_text("not a socket")
+    with pytest.raises(WorkerError, match="not a socket"):
+        Worker(tmp_path / "w" / "worker.sock").bind()

@@ -161,7 +161,8 @@ def test_deploy_guide_matches_the_code():
     assert len(commands) >= 3
     for c in commands:
         build_parser().parse_args(shlex.split(c)[1:])
-    apps = (Path(__file__).resolve().parents[1] / "src" / "fedmtl" / "flower" / "apps.py").read_text()
+    flower = Path(__file__).resolve().parents[1] / "src" / "fedmtl" / "flower"
+    apps = (flower / "apps.py").read_text() + (flower / "relay_app.py").read_text()
     for key in set(re.findall(r"--node-config '([^']*)'", text)[0].split()):
         name = key.split("=")[0]
         assert f'"{name}"' in apps, name

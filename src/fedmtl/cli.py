@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, TypeVar, overload
 
 from .config import ConfigError
+from .engine.distributed import RankLost
 from .engine.evaluation import HEADLINE, SEEN_TEST_ACC_MEAN
 from .engine.rundir import is_out_of_space
 from .registry import RegistryError, import_plugins, load_plugins
@@ -46,7 +47,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 ci = f"[{100 * st['ci95_low']:.2f}, {100 * st['ci95_high']:.2f}]" if st["ci95_low"] is not None else ""
                 print(f"  {k:28s} {100 * st['mean']:7.2f} +- {100 * st['std']:5.2f}  {ci}")
         return 0
-    result = run_experiment(cfg, out, resume=args.resume, overwrite=args.overwrite)
+    from .engine.distributed import Group, launched
+
+    if args.executor == "distributed" or launched():  # a rank of a torchrun job
+        group = Group.start(cfg.run.device, args.dist_timeout)
+        try:
+            if not group.is_writer:  # every rank runs the same server step: rank 0 alone reports
+                logging.getLogger("fedmtl").setLevel(logging.ERROR)
+            result = run_experiment(cfg, out, resume=args.resume, overwrite=args.overwrite, group=group,
+                                    progress=group.is_writer)
+        finally:
+            group.close()
+        if not group.is_writer:
+            return 0
+    else:
+        result = run_experiment(cfg, out, resume=args.resume, overwrite=args.overwrite)
     summary = result.summary
     final = summary["final"]
     print(f"{cfg.algorithm['name']} on {cfg.data['name']}, {summary['rounds']} rounds -> {out}  (%)")
@@ -54,6 +69,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if k in final:
             print(f"  {k:28s} {100 * final[k]:7.2f}")
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 1 <= v <= 86400:
+        raise argparse.ArgumentTypeError(f"{v:g} s: between 1 and 86400 seconds")
+    return v
 
 
 def parse_seeds(text: str) -> str:
@@ -188,7 +213,18 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 def _cmd_flower(args: argparse.Namespace) -> int:
     from .config import dumps, load
 
-    cfg = load(args.config, args.set)
+    if args.action == "worker":
+        if not args.socket:
+            raise ConfigError("fedmtl flower worker needs --socket PATH (the SuperNode's node config fedmtl-worker)")
+        from .flower.worker import Worker
+
+        print(f"fedmtl flower worker: serving {args.socket}", flush=True)
+        Worker(args.socket).serve()
+        return 0
+    if not args.config:
+        raise ConfigError(f"fedmtl flower {args.action} needs a CONFIG")
+
+    cfg = load(args.config, args.set + ([f"run.device={args.device}"] if args.device else []))
     try:
         import flwr  # noqa: F401
     except ImportError:
@@ -204,9 +240,12 @@ def _cmd_flower(args: argparse.Namespace) -> int:
         out = write_project(cfg, args.out or "flower-app", args.nodes or n)
         print(f"wrote a Flower app project to {out} (flwr run {out}); deployment recipe: {out / 'DEPLOY.md'}")
         return 0
+    import os
+
     from .flower.simulation import simulate
 
-    res = simulate(dumps(cfg.raw), n, args.out or "", nodes=args.nodes)
+    res = simulate(dumps(cfg.raw), n, args.out or "", cpus=args.cpus or os.cpu_count() or 1, nodes=args.nodes,
+                   cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node, ray_address=args.ray_address)
     print(json.dumps(res.final, indent=1))
     return 0
 
@@ -297,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     r.add_argument("--overwrite", action="store_true", help="replace the results a run directory already holds")
     r.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
+    r.add_argument("--executor", choices=["distributed"], help="distributed: this process is a rank of a torchrun "
+                   "job (torchrun --nproc-per-node R -m fedmtl run CONFIG ...); detected from torchrun's environment")
+    r.add_argument("--dist-timeout", type=_positive_seconds, default=1800.0, metavar="SECONDS",
+                   help="distributed: how long a rank waits for the others before the run stops (default 1800)")
     r.add_argument("--seeds", help="several seeds, e.g. 1,2,3 or 1-5: independent replicas run as one batched "
                    "computation; per-seed folders plus mean, std and 95%% interval (same as --set run.seeds=[...])")
     _plugins_arg(r)
@@ -355,14 +398,24 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=_cmd_reproduce)
 
     fl = sub.add_parser("flower", help="run over Flower: 'simulate' (simulation engine) or 'app' (write a project)")
-    fl.add_argument("action", choices=["simulate", "app"])
-    fl.add_argument("config")
+    fl.add_argument("action", choices=["simulate", "app", "worker"])
+    fl.add_argument("config", nargs="?", help="simulate, app: the experiment config")
+    fl.add_argument("--socket", help="worker: the Unix socket to serve (node config fedmtl-worker of the SuperNode)")
     fl.add_argument("--clients", type=int, default=0, help="simulate: check that the config has this many seen "
                     "clients; app: SuperNodes the project's DEPLOY.md describes")
     fl.add_argument("--nodes", type=int, default=0, help="simulate: virtual SuperNodes, each serving a block of "
                     "clients (default: one per client)")
     fl.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     fl.add_argument("--out", help="simulate: run directory; app: project directory (default flower-app)")
+    fl.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
+    fl.add_argument("--cpus", type=int, default=0, help="simulate: CPUs of the Ray cluster started for the run "
+                    "(default: this machine's)")
+    fl.add_argument("--cpus-per-node", type=float, default=1.0, help="simulate: CPUs each virtual SuperNode reserves "
+                    "(default 1: as many nodes run at once as there are CPUs)")
+    fl.add_argument("--gpus-per-node", type=float, default=0.0, help="simulate: GPUs each virtual SuperNode reserves; "
+                    "a fraction shares a GPU (e.g. 0.25: four nodes per GPU); needs run.device = cuda")
+    fl.add_argument("--ray-address", default="", help="simulate: join a running Ray cluster ('auto', or the HOST:PORT "
+                    "of `ray start --head`) instead of starting one; its CPUs and GPUs are the cluster's")
     _plugins_arg(fl)
     _output_args(fl)
     fl.set_defaults(fn=_cmd_flower)
@@ -413,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
             msg = f"{source}: {msg}"  # the file whose settings led here
         print(f"fedmtl: error: {msg}", file=sys.stderr)
         return EXIT_INPUT
+    except RankLost as e:
+        print(f"fedmtl: distributed run stopped: {e}{_resume_hint(args)} (the same torchrun command)", file=sys.stderr)
+        return EXIT_RANK_LOST
     except KeyboardInterrupt:
         print(f"fedmtl: interrupted{_resume_hint(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -435,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
 # Exit codes (README, "Command line"): 0 success; 1 an unexpected error (a bug: a traceback is printed);
 # 2 invalid input (config, data, model/data mismatch, run directory in use or holding results, unusable
 # checkpoint), one line naming the file and key; 3 the operating system refused a write (out of disk space,
-# permissions), one line naming the file and the checkpoint to resume from; 130 interrupted (Ctrl-C);
-# 143 terminated (SIGTERM).  After 3, 130 and 143 the last checkpoint is intact.
-EXIT_INPUT, EXIT_OS, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 130, 143
+# permissions), one line naming the file and the checkpoint to resume from; 4 a distributed run lost a rank;
+# 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).  After 3, 4, 130 and 143 the last checkpoint is intact.
+EXIT_INPUT, EXIT_OS, EXIT_RANK_LOST, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 4, 130, 143
 
 
 class _Terminated(BaseException):

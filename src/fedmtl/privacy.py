@@ -213,10 +213,16 @@ def sampling_probability(sampling_rate: float, clients_per_round: int, num_clien
     return min(clients_per_round / num_clients, 1.0) if clients_per_round else sampling_rate
 
 
-def secure_generator() -> torch.Generator:
-    """A generator seeded with 63 bits from the operating system's CSPRNG (``secrets``): its draws cannot be
-    recomputed from anything the run records."""
-    return torch.Generator().manual_seed(secrets.randbits(63))
+def secure_seed() -> int:
+    """63 bits from the operating system's CSPRNG (``secrets``)."""
+    return secrets.randbits(63)
+
+
+def secure_generator(seed: int | None = None) -> torch.Generator:
+    """A generator seeded with ``seed`` or, by default, 63 bits from the operating system's CSPRNG: its draws cannot
+    be recomputed from anything the run records.  (A distributed run draws the seed on rank 0 and sends it to the
+    other ranks, so that every rank adds the same noise: ``fedmtl.engine.distributed``.)"""
+    return torch.Generator().manual_seed(secure_seed() if seed is None else seed)
 
 
 def dp_combine(reference: Tree, clip_norm: float, sigma: float, denominator: float,
@@ -238,4 +244,4 @@ def dp_combine(reference: Tree, clip_norm: float, sigma: float, denominator: flo
 
 
 __all__ = ["Accountant", "PrivacyConfig", "calibrate", "dp_combine", "epsilon", "sampling_probability",
-           "secure_generator"]
+           "secure_generator", "secure_seed"]

@@ -386,6 +386,19 @@ class Orders(NamedTuple):
     starts: Tensor
     limit: Tensor | None = None  # (K,) long: client i stops after limit[i] local steps (systems layer)
 
+    def take(self, positions: list[int] | Tensor) -> Orders:
+        """The orders of the clients at ``positions`` (in that order) alone: what a process holding only those
+        clients needs to run exactly their batches of the round (a Flower node, a distributed rank)."""
+        pos = torch.as_tensor(positions, dtype=torch.long).cpu()
+        first = self.starts[pos]
+        sizes = self.starts[pos + 1] - first  # (k,)
+        starts = torch.zeros(len(pos) + 1, dtype=torch.long)
+        starts[1:] = torch.cumsum(sizes, 0)
+        # column j of the result is column first[i] + (j - starts[i]) of ``local``, for the i whose slice holds j
+        cols = torch.arange(int(starts[-1])) + torch.repeat_interleave(first - starts[:-1], sizes)
+        local = self.local.index_select(1, cols)
+        return Orders(local, starts, None if self.limit is None else self.limit[pos])
+
 
 def epoch_orders(counts: Tensor, epochs: int, generator: torch.Generator) -> Orders:
     """Independent uniform permutations of range(counts[i]) for each client and epoch.

@@ -32,6 +32,9 @@ class TrainOut(NamedTuple):
     losses: Tensor  # (K,) training loss (NaN where it failed)
     ok: Tensor  # (K,) bool: update, new state and loss finite (the new state was kept)
     failed: Tensor  # (K,) bool: no usable reply (raised, timed out, malformed); remote executors only
+    #: the distributed executor's summed round: ``updates`` are then a zero-copy view, the weighted mean already
+    #: combined across ranks, and ``aggregate`` must read them through this combiner (``engine.distributed``)
+    combine: Any = None
 
 
 class Clients(Protocol):

@@ -35,6 +35,7 @@ from ..robust.attacks import flip_labels
 from ..tree import Tree
 from . import checkpoint
 from .clients import Clients, LocalClients, evaluate_together, train_together
+from .distributed import DistributedClients, Group, owned, shard
 from .evaluation import SEEN_TEST_ACC_MEAN, summarize
 from .executors import Executor, StackedExecutor, make_executor
 from .round import Engine, EngineState, Federation
@@ -65,7 +66,7 @@ class RunSummary(TypedDict):
     lr_decay_from_rounds: list[int]
     config: dict[str, Any]
     #: the path the engine chose for this model and algorithm (``fedmtl.engine.executors.make_executor``)
-    path: dict[str, str]
+    path: dict[str, Any]
     attackers: NotRequired[list[int]]
     #: under [privacy]: the guarantee spent and the noise that bought it
     epsilon: NotRequired[float]
@@ -105,8 +106,9 @@ class RunResult:
 
 
 def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec,
-                out_dir: Path | None = None) -> Engine:
-    """An engine over ``LocalClients`` holding all of ``data`` (a simulation) that runs as ``spec`` says."""
+                out_dir: Path | None = None, group: Group | None = None) -> Engine:
+    """An engine over ``LocalClients`` holding all of ``data`` (a simulation) that runs as ``spec`` says; with
+    ``group`` (a rank of a distributed run), over ``DistributedClients`` holding this rank's share of ``data``."""
     rc, attack = spec.run, spec.attack
     if data.is_regression:
         raise DataError(f"{data.name}: real-valued targets; the round engine trains classifiers")
@@ -115,22 +117,36 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
     model.check_features(data.seen.train.x[:6])
     model = model.compiled(rc.compile)
     device = torch.device(rc.device)
-    clients = LocalClients(
-        alg, data, make_executor(rc.runner, model, device, rc.chunk_size, rc.bucketing), device,
+    held, global_ids = data, None
+    if group is not None:
+        if data.seen.num_clients < group.world:
+            raise ValueError(f"{data.seen.num_clients} seen clients for {group.world} ranks: every rank needs at "
+                             "least one client (fewer ranks)")
+        held, global_ids = shard(data, group.rank, group.world), owned(data.seen.num_clients, group.rank, group.world)
+    local = LocalClients(
+        alg, held, make_executor(rc.runner, model, device, rc.chunk_size, rc.bucketing), device,
         rc.batch_size, rc.eval_chunk_elems, rc.client_store,
         None if out_dir is None else out_dir / "client_store", journal=out_dir is not None and rc.checkpoint_every > 0,
-        drop_last=rc.drop_last,
+        drop_last=rc.drop_last, global_ids=global_ids,
     )
-    return Engine(alg, model, clients, Federation.of(data), spec)
+    clients: Clients = local
+    if group is not None:
+        clients = DistributedClients(group, local, alg, data.seen.train.counts)
+    engine = Engine(alg, model, clients, Federation.of(data), spec)
+    if isinstance(clients, DistributedClients):
+        clients.sum_updates = DistributedClients.can_sum(alg, len(engine.pipeline.steps))
+    if group is not None and engine.privacy is not None:  # every rank adds the same noise: rank 0's seed
+        engine.privacy.secret = group.shared_secret
+    return engine
 
 
 def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model: Model | None = None,
-                out_dir: Path | None = None) -> Engine:
+                out_dir: Path | None = None, group: Group | None = None) -> Engine:
     """``make_engine`` for a validated config (data and model built from it unless given)."""
     data = data if data is not None else cfg.build_data()
     if model is None:
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-    return make_engine(cfg.build_algorithm(), model, data, RunSpec.of(cfg), out_dir)
+    return make_engine(cfg.build_algorithm(), model, data, RunSpec.of(cfg), out_dir, group)
 
 
 def run_experiment(
@@ -141,21 +157,31 @@ def run_experiment(
     data: FederatedData | None = None,
     model: Model | None = None,
     overwrite: bool = False,
+    group: Group | None = None,
 ) -> RunResult:
     """Train and evaluate in this process; the summary is also written to ``out/summary.json``.  The run
     directory is locked for the run; one that holds results needs ``resume`` or ``overwrite``.  (A config with
-    ``run.seeds`` is run by ``fedmtl.engine.seeds.run_seeds``.)"""
+    ``run.seeds`` is run by ``fedmtl.engine.seeds.run_seeds``.)  ``group``: this process is a rank of a distributed
+    run (``fedmtl.engine.distributed``); rank 0 writes the run directory, the others only read its checkpoint."""
     if cfg.run.seeds:
         raise ConfigError(f"{cfg.source}: run.seeds = {list(cfg.run.seeds)}: several seeds are run by run_seeds "
-                          "(fedmtl run --seeds, fedmtl.run(..., seeds=...))")
-    if out is not None:  # before anything is built or touched: the directory must fit the command
+                          "(fedmtl run --seeds, fedmtl.run(..., seeds=...))"
+                          + ("; a distributed run takes one seed" if group is not None else ""))
+    writes = group is None or group.is_writer
+    if out is not None:  # before anything is built or touched: the directory must fit the command (every rank checks)
         check_resumable(Path(out), cfg.raw, None, resume, overwrite)
-    out_dir, prog, data = prepare(cfg, out, resume, progress, data)
+    out_dir, prog, data = prepare(cfg, out, resume, progress if writes else False, data)
     try:
         if out_dir is None:
-            return drive(build_local(cfg, data, model, None), cfg, None, False, prog)
+            return drive(build_local(cfg, data, model, None, group), cfg, None, False, prog)
+        if not writes:
+            assert group is not None
+            group.barrier("wait for rank 0 to open the run directory")
+            return drive(build_local(cfg, data, model, out_dir, group), cfg, out_dir, resume, prog, writes=False)
         with RunDirectory(out_dir, resume, overwrite):
-            return drive(build_local(cfg, data, model, out_dir), cfg, out_dir, resume, prog)
+            if group is not None:
+                group.barrier("wait for rank 0 to open the run directory")
+            return drive(build_local(cfg, data, model, out_dir, group), cfg, out_dir, resume, prog)
     finally:
         prog.close()
 
@@ -191,6 +217,7 @@ class Replica:
     per_client: dict[str, Any] | None = None
     t_train: float = 0.0
     board: Any = None  # a TensorBoard writer ([log] tensorboard = true)
+    writes: bool = True  # False: a rank of a distributed run other than 0 (it reads the run directory, never writes)
 
     @property
     def ckpt(self) -> Path | None:
@@ -214,9 +241,9 @@ class Replica:
 
 
 def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: bool,
-          progress: Progress | bool | str = True) -> RunResult:
-    """The run loop around ``Engine.round``: evaluate, checkpoint, write the run directory."""
-    return drive_many([Replica(engine, cfg, out_dir, cfg.algorithm["name"])], resume, progress)[0]
+          progress: Progress | bool | str = True, writes: bool = True) -> RunResult:
+    """The run loop around ``Engine.round``: evaluate, checkpoint, write the run directory (``writes``)."""
+    return drive_many([Replica(engine, cfg, out_dir, cfg.algorithm["name"], writes=writes)], resume, progress)[0]
 
 
 def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool | str = True,
@@ -267,7 +294,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         if isinstance(e, StoreError):  # corrupt, tampered or non-finite client states: named by the store
             raise checkpoint.CheckpointError(f"{ckpt}: {e}") from None
         raise checkpoint.CheckpointError(f"{ckpt}: does not fit this run: {e}") from None
-    if rep.out_dir is not None:
+    if rep.out_dir is not None and rep.writes:
         rep.out_dir.mkdir(parents=True, exist_ok=True)
         with atomic(rep.out_dir / "config.toml") as f:
             f.write(dumps(cfg.raw))
@@ -349,8 +376,15 @@ def _finish(rep: Replica) -> RunResult:
     if rep.per_client is None:  # resumed a finished run
         rep.per_client = engine.evaluate(state)
     per_client = rep.per_client
+    if isinstance(engine.clients, DistributedClients):
+        engine.clients.check_agreement(state.server, state.round)
     final = summarize(per_client)
     executor = getattr(engine.clients, "executor", None)
+    path = run_path(engine.model, executor)
+    if isinstance(engine.clients, DistributedClients):
+        g = engine.clients.group
+        path = {**path, "executor": "distributed", "rank_executor": path["executor"], "ranks": g.world,
+                "backend": g.backend, "updates": "summed" if engine.clients.sum_updates else "gathered"}
     summary: RunSummary = {
         "algorithm": cfg.algorithm["name"],
         "data": cfg.data["name"],
@@ -367,7 +401,7 @@ def _finish(rep: Replica) -> RunResult:
         "lr_decay_from_rounds": [m + 1 for m in cfg.optim.milestone_rounds(cfg.run.rounds)],
         "config": cfg.raw,
         # the path the engine chose for this model and algorithm (fedmtl.engine.executors.make_executor)
-        "path": run_path(engine.model, executor),
+        "path": path,
     }
     if engine.spec.attack.active:
         summary["attackers"] = engine.attackers.tolist()
@@ -376,7 +410,7 @@ def _finish(rep: Replica) -> RunResult:
         summary["delta"] = dp.cfg.delta
         summary["noise_multiplier"] = dp.noise_multiplier
         summary["reproducible_noise"] = dp.cfg.reproducible_noise
-    if out_dir is not None:
+    if out_dir is not None and rep.writes:
         _write_privacy(out_dir, state, engine)
         write_history_csv(out_dir / "metrics.csv", state.history)
         write_clients_csv(out_dir / "clients.csv", per_client)
@@ -403,8 +437,14 @@ def run_path(model: Model, executor: Executor | None) -> dict[str, Any]:
     return path
 
 
-def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: Engine) -> None:
-    checkpoint.save(ckpt, state, cfg.raw, engine.clients.state_dict())
+def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: Engine, writes: bool = True) -> None:
+    if isinstance(engine.clients, DistributedClients):
+        engine.clients.check_agreement(state.server, state.round)
+    clients = engine.clients.state_dict()  # (a distributed run: every rank sends its clients' rows to rank 0)
+    if not writes:
+        engine.clients.commit()
+        return
+    checkpoint.save(ckpt, state, cfg.raw, clients)
     _committed(ckpt, state, engine)
 
 
@@ -424,7 +464,7 @@ def _checkpoint_group(reps: list[Replica], group_dir: Path | None) -> None:
     if len(reps) <= 1 or group_dir is None:
         for rep in reps:
             assert rep.ckpt is not None and rep.state is not None
-            _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine)
+            _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine, rep.writes)
         return
     rounds = []
     for rep in reps:

@@ -274,7 +274,8 @@ class Engine:
             log.warning("round %d: %d of %d clients failed to answer: %s", r, n_failed, len(ids),
                         ids[failed].tolist()[:20])
         weights = plan.counts.to(torch.float64) * valid.to(torch.float64)
-        return Updates(ids, out.updates, plan.counts, valid, weights, int(bad.sum()), self.ctx)
+        ctx = self.ctx if out.combine is None else self.ctx._replace(combine=out.combine)  # combined across ranks
+        return Updates(ids, out.updates, plan.counts, valid, weights, int(bad.sum()), ctx)
 
     def _check_diverged(self, state: EngineState, r: int, nothing_usable: bool) -> None:
         """Stop a run whose every update was non-finite for ``DIVERGED_AFTER`` rounds in a row."""

@@ -1,4 +1,4 @@
-"""fedmtl algorithms as a Flower ``ServerApp`` and ``ClientApp`` (Flower >= 1.41, Message API).
+"""fedmtl algorithms as a Flower ``ServerApp`` and ``ClientApp`` (Flower >= 1.42, Message API).
 
 * **ServerApp** (``server_main``): asks every SuperNode which clients it serves and what their data looks like
   (``query``: client ids, training-set sizes, feature shape and dtype, classes and the dataset's public metadata,

@@ -155,15 +155,21 @@ def _signal_pid(pid: int, start: int | None, sig: int) -> None:
             pass
 
 
+def _exists(path: Path) -> Callable[[float], bool]:
+    """A readiness check: ``path`` exists (a worker's socket once it listens)."""
+    return lambda _: path.exists()
+
+
 class LocalDeployment:
     """A real SuperLink (TLS, SuperNode authentication) and SuperNodes on 127.0.0.1, as processes.
 
     ``with LocalDeployment(workdir, partitions=[[0], [1]]) as dep: dep.wait_for_nodes(2); dep.run(app_dir,
     out_dir)`` registers one key per SuperNode, starts the nodes (node i serves ``partitions[i]`` of the
     config's federation, or, with ``data_dirs``, the clients whose ``.npz`` files are in ``data_dirs[i]``),
-    launches ``flwr run`` and stops every process at exit.  ``start_unregistered_node()`` starts a node whose
-    key was never registered (the SuperLink must refuse it).  Executables come from the running interpreter's
-    environment.
+    launches ``flwr run`` and stops every process at exit.  ``workers=True`` starts beside every node its warm
+    worker (``fedmtl flower worker``) and names its socket in the node config.  ``start_unregistered_node()``
+    starts a node whose key was never registered (the SuperLink must refuse it).  Executables come from the
+    running interpreter's environment.
 
     Readiness (the SuperLink answering ``flwr supernode ls``, nodes online) is polled every ``poll`` seconds up
     to ``ready_timeout`` seconds overall (default ``FEDMTL_DEPLOY_TIMEOUT`` or 300), each ``flwr`` call allowed
@@ -178,7 +184,7 @@ class LocalDeployment:
 
     def __init__(self, workdir: str | Path, partitions: list[list[int]] | None = None,
                  data_dirs: list[str | Path] | None = None, ready_timeout: float | None = None,
-                 poll: float = 1.0, grace: float = 10.0):
+                 poll: float = 1.0, grace: float = 10.0, workers: bool = False):
         if (partitions is None) == (data_dirs is None):
             raise ValueError("give the nodes either partitions (of the config's federation) or data_dirs")
         if ready_timeout is None:
@@ -193,6 +199,7 @@ class LocalDeployment:
         self.node_configs = ([f'data-dir="{Path(d).resolve()}"' for d in data_dirs] if data_dirs is not None else
                              [f'partition-ids="{",".join(str(k) for k in p)}"' for p in partitions or []])
         self.partitions = partitions
+        self.workers = workers  # a warm worker beside every SuperNode (fedmtl flower worker, node config fedmtl-worker)
         self.ready_timeout, self.poll, self.grace = float(ready_timeout), float(poll), float(grace)
         self.bin = Path(sys.executable).parent
         self.port = free_port()
@@ -289,6 +296,11 @@ class LocalDeployment:
             "--database", str(self.dir / "superlink.db"), "--disable-runtime-dependency-installation"])
         self._wait("the SuperLink", self._link_ready)
         for i, node_config in enumerate(self.node_configs):
+            if self.workers:
+                sock = _private_dir(self.dir / f"worker{i}") / "worker.sock"
+                self._spawn(f"worker{i}", [sys.executable, "-m", "fedmtl", "flower", "worker", "--socket", str(sock)])
+                self._wait(f"worker {i}", _exists(sock))
+                node_config = f'{node_config} fedmtl-worker="{sock}"'
             self._cli("supernode", "register", str(self.keys[i][1]), "deployment",
                       timeout=max(self.ready_timeout, 120))
             self._spawn(f"supernode{i}", [

@@ -84,13 +84,10 @@ def send_and_receive(grid: Any, msgs: list[Message], timeout: float) -> list[Mes
 def order_record(orders: Orders, positions: list[int]) -> ArrayRecord:
     """The epoch orders (E, n_i) of the clients at ``positions`` of ``orders``, concatenated, with their
     starts and step limits: what one node needs to run exactly a simulation's batches."""
-    parts = [orders.local[:, int(orders.starts[i]) : int(orders.starts[i + 1])] for i in positions]
-    sizes = torch.tensor([p.shape[1] for p in parts], dtype=torch.long)
-    starts = torch.zeros(len(parts) + 1, dtype=torch.long)
-    starts[1:] = torch.cumsum(sizes, 0)
-    rec = {"local": torch.cat(parts, 1).contiguous(), "starts": starts}
-    if orders.limit is not None:
-        rec["limit"] = orders.limit[torch.tensor(positions, dtype=torch.long)].to(torch.long)
+    mine = orders.take(positions)
+    rec = {"local": mine.local, "starts": mine.starts}
+    if mine.limit is not None:
+        rec["limit"] = mine.limit.to(torch.long)
     return ArrayRecord(rec)
 
 

@@ -1,7 +1,8 @@
 """``fedmtl flower app``: write a Flower app project (``flwr run`` launches it) for an experiment config.
 
 The project holds the resolved experiment config in its run config (key ``fedmtl-config``), a ServerApp
-and a ClientApp that are two lines each (``fedmtl.flower.make_server_app()`` / ``make_client_app()``), a
+of two lines (``fedmtl.flower.make_server_app()``), a ClientApp that forwards each message to the node's warm
+worker (``fedmtl.flower.relay_app``: ``fedmtl flower worker``) or handles it itself, a
 Flower configuration for a local simulation and for a TLS deployment, and DEPLOY.md: this project's steps
 (fedmtl's own DEPLOY.md is the full operator's guide).
 """
@@ -84,7 +85,10 @@ resuming, key rotation, and what a site must never share).  The steps for this p
 
        flower-supernode --superlink 127.0.0.1:9091 --root-certificates certs/ca.crt \\
            --auth-supernode-private-key keys/site0 \\
-           --node-config 'data-dir="/srv/site0/data" state-dir="/srv/site0/state"'
+           --node-config 'data-dir="/srv/site0/data" state-dir="/srv/site0/state" \\
+                          fedmtl-worker="/srv/site0/run/worker.sock"'
+   and, as the same user, the node's warm worker (data, model and imports kept across messages):
+       fedmtl flower worker --socket /srv/site0/run/worker.sock
 
 5. Server (flwr-config.toml copied to $FLWR_HOME/config.toml):
 
@@ -106,9 +110,8 @@ def write_project(cfg: ExperimentConfig, out: str | Path, num_nodes: int) -> Pat
     (pkg / "server_app.py").write_text(
         '"""ServerApp: fedmtl\'s round loop (config from the run config)."""\n\n'
         "from fedmtl.flower import make_server_app\n\napp = make_server_app()\n")
-    (pkg / "client_app.py").write_text(
-        '"""ClientApp: the node\'s partition trains with the algorithm\'s client_update."""\n\n'
-        "from fedmtl.flower import make_client_app\n\napp = make_client_app()\n")
+    # the ClientApp forwards each message to the node's warm worker (node config fedmtl-worker), else runs it itself
+    (pkg / "client_app.py").write_text((Path(__file__).parent / "relay_app.py").read_text())
     (out / "flwr-config.toml").write_text(FLWR_CONFIG.format(n=num_nodes, certs=(out / "certs").resolve()))
     (out / "DEPLOY.md").write_text(DEPLOY.format(n=num_nodes))
     return out

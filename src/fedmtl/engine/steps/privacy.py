@@ -6,8 +6,17 @@ the operating system's CSPRNG.  Privacy is accounted with dp-accounting (``fedmt
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from ...privacy import Accountant, PrivacyConfig, calibrate, dp_combine, sampling_probability, secure_generator
+from ...privacy import (
+    Accountant,
+    PrivacyConfig,
+    calibrate,
+    dp_combine,
+    sampling_probability,
+    secure_generator,
+    secure_seed,
+)
 from ...robust.aggregators import clip_updates, reference_of
 from ..sampling import clients_per_round, round_generator
 from .base import RoundInfo, Setting, Updates
@@ -28,6 +37,8 @@ class DPNoise:
                  algorithm: str):
         self.cfg, self.noise_multiplier, self.denominator = cfg, noise_multiplier, denominator
         self.accountant, self.algorithm = accountant, algorithm
+        #: where each round's noise seed comes from: the OS's CSPRNG (a distributed run: rank 0's, sent to every rank)
+        self.secret: Callable[[], int] = secure_seed
 
     @classmethod
     def build(cls, s: Setting) -> DPNoise | None:
@@ -62,6 +73,6 @@ class DPNoise:
                              "user-level DP needs updates it can clip against the broadcast model")
         updates = clip_updates(u.updates, ref, u.weights, self.cfg.clip_norm)
         gen = round_generator(info.seed, info.round, NOISE_STREAM) if self.cfg.reproducible_noise \
-            else secure_generator()
+            else secure_generator(self.secret())
         combine = dp_combine(ref, self.cfg.clip_norm, self.noise_multiplier, self.denominator, gen)
         return u._replace(updates=updates, ctx=u.ctx._replace(combine=combine, dp_denominator=self.denominator))
