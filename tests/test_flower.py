@@ -423,7 +423,7 @@ def test_warm_worker_serves_the_relay_app(tmp_path):
         assert dict(got.content["info"]) == dict(want.content["info"])
         assert got.metadata.reply_to_message_id == "m1"
         relay_app.relay(msg, ctx)
-        assert worker.served == 2 and len(worker.runs) == 1 and len(worker.runs[7][1].nodes) == 1  # built once
+        assert worker.served == 2 and len(worker.contexts) == 1 and len(worker.runs.of(7).nodes) == 1  # built once
         # an error on the worker reaches the ClientApp as one line naming it
         bad = Context(run_id=7, node_id=2, node_config={"fedmtl-worker": str(sock)}, state=RecordDict(),
                       run_config={"fedmtl-config": text})
@@ -452,3 +452,17 @@ def test_warm_worker_serves_the_relay_app(tmp_path):
     (tmp_path / "w" / "worker.sock").write_text("not a socket")
     with pytest.raises(WorkerError, match="not a socket"):
         Worker(tmp_path / "w" / "worker.sock").bind()
+
+
+def test_warm_nodes_are_kept_per_run():
+    """Flower 1.42's simulation builds the ClientApp anew for every message: the nodes stay warm in the process,
+    per run (a new run, a resumed server's included, starts from fresh nodes, never another run's client states)."""
+    from fedmtl.flower.apps import RunCaches
+
+    runs = RunCaches(keep=2)
+    a = runs.of(1)
+    assert runs.of(1) is a
+    b = runs.of(2)
+    assert b is not a and runs.of(1) is a
+    runs.of(3)  # the least recently used run (2) goes
+    assert list(runs.runs) == [1, 3] and runs.of(2) is not b

@@ -40,6 +40,10 @@ def test_fedem_single_component_is_fedavg(small_data):
     sa, ra = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
     sb, rb = run_rounds(make_sim(FedEM(num_components=1), small_data, sampling_rate=0.5), 3)
     _same(sa.server.params, T.take(sb.server.components, 0), atol=1e-6)
+    # the logged training loss is the same quantity: the mean over local steps of the (responsibility-weighted)
+    # batch loss, which with one component is FedAvg's
+    for a, b in zip(ra, rb, strict=True):
+        assert abs(a["train_loss"] - b["train_loss"]) < 1e-6, (a["train_loss"], b["train_loss"])
 
 
 def _torch_sgd_client(data, k, params0, opt, orders_fn, rounds, batch_size):

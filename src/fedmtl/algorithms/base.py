@@ -157,6 +157,9 @@ class Algorithm(Generic[ServerT, ClientT]):
     def check_model(self, model: Model) -> None:
         """Refuse, before any work, a model this method cannot use (body/head methods: a model without a head)."""
 
+    def check_optim(self, opt: SGD) -> None:
+        """Refuse (``ValueError``), or warn about, local optimizer settings this method is not made for."""
+
     def train_epochs(self, local_epochs: int) -> int:
         """Epochs of batches ``client_update`` receives each round (``run.local_epochs``; FedRep adds its head
         epochs)."""

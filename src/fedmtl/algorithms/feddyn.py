@@ -10,20 +10,38 @@ theta^t = mean_{k in P_t} theta_k - h / alpha.  The mean is uniform (the paper);
 by sample counts.  With alpha = 0 the regularizers vanish, h stays 0 (the h / alpha term is taken as 0) and
 FedDyn is FedAvg (tested with ``weighted = true``).  Evaluation uses the server model theta^t (the paper
 reports the mean of the active clients' models as its "cloud model"; theta^t is what the next round sends).
+
+The paper's local solver is plain SGD, and so is the bundled config's (``configs/synthetic/feddyn.toml``).  FedDyn
+and heavy-ball momentum interact: the linear term -<h_k, theta> enters every step's gradient, and momentum
+carries it over steps.  A run with ``optim.momentum > 0`` logs a warning.  Alpha matters more than the solver.
+Measured on the FedEM synthetic data (200 rounds, lr 0.1 decayed at rounds 100 and 150), test accuracy:
+
+| alpha | momentum 0 | momentum 0.9 |
+|---|---|---|
+| 0.1 | 69.07 | 69.05 |
+| 0.01 | 39.66 | 68.07 |
+
+With alpha = 0.01 and plain SGD the server model collapses in the last rounds (training accuracy 0.70 at round
+100, 0.40 at round 200).  theta^t = mean - h / alpha, and h / alpha accumulates every round's drift with weight 1
+whatever alpha is, while the prox term alpha / 2 ||theta - theta^{t-1}||^2 that restrains the drift shrinks with
+alpha.  Use alpha >= 0.1 there.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, local_sgd
+from ..optim import SGD, Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, nobody
+
+log = logging.getLogger("fedmtl")
 
 
 class DynServer(NamedTuple):
@@ -50,6 +68,12 @@ class FedDyn(Algorithm[DynServer, GradState]):
     alpha: Annotated[float, Range(0, 1e3)] = 0.1
     #: weight the server mean by sample counts instead of uniformly (the paper)
     weighted: bool = False
+
+    def check_optim(self, opt: SGD) -> None:
+        if opt.momentum > 0:
+            log.warning("feddyn with optim.momentum = %g: the paper's FedDyn runs plain local SGD (momentum 0); "
+                        "momentum carries the dynamic regularizer's linear term over steps (see fedmtl.algorithms."
+                        "feddyn)", opt.momentum)
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> DynServer:
         return DynServer(params, T.zeros_like(params))

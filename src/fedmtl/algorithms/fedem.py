@@ -18,7 +18,9 @@ clients with weights n_t / n, unsampled clients contributing the previous model 
 step under partial participation).
 
 Prediction for client t is the pi_t-weighted mixture of the components' *probabilities* (Eq. 6), not
-of their logits; the reported loss is the NLL of that mixture.  Unseen clients receive Theta and fit
+of their logits; the evaluation loss is the NLL of that mixture.  The training loss a round logs is the M-step's:
+the mean over local steps of the responsibility-weighted batch loss summed over components (with M = 1 exactly
+FedAvg's mean batch loss).  Unseen clients receive Theta and fit
 their pi by EM with Theta fixed on their own training split, iterated until the L1 change of pi is
 below ``unseen_tol`` or ``unseen_max_iter`` iterations (the reference code instead runs one EM
 iteration per evaluation).
@@ -130,30 +132,28 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
             return self._clients_update(ctx, payload, state, batches, lr)
         x, y, mask = first_epoch(batches, ctx.local_epochs)
         nll = self.component_nll(ctx, payload, x, y)  # (M, S0*B)
-        q, ll = self.e_step(torch.log(state.pi).to(nll.dtype), nll)
+        q, _ = self.e_step(torch.log(state.pi).to(nll.dtype), nll)
         pi = (q * mask).sum(-1) / batches.n  # (M,)
-        mixture_nll = -(ll * mask).sum() / batches.n
 
         # M-step: all M components at once (stacked params, per-component weights q (M, S0*B))
-        comps, _ = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
-        return comps, MixtureWeights(pi.to(state.pi.dtype)), mixture_nll
+        comps, m_loss = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
+        return comps, MixtureWeights(pi.to(state.pi.dtype)), m_loss.sum(-1)
 
     def _clients_update(
         self, ctx: Context, payload: Params, state: MixtureWeights, batches: ClientBatches, lr: float
     ) -> tuple[Params, MixtureWeights, Tensor]:
         """``client_update`` of K clients from one payload (the stacked executor): the E-step on their examples
-        (N0, packed or the batches themselves), each under its client's pi; pi and the mixture loss summed per client;
+        (N0, packed or the batches themselves), each under its client's pi; pi summed per client;
         the M-step with the responsibilities q (M, N0)."""
         if batches.first is None:
             raise StackedUnsupported("FedEM's clients' batches need their first epochs (stacked_first_epoch)")
         x, y, owner, mask = batches.first
         k = batches.n.shape[0]
         nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x), y)  # (M, N0)
-        q, ll = self.e_step(torch.log(state.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0), (N0,)
+        q, _ = self.e_step(torch.log(state.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0)
         pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, (q * mask).T) / batches.n.unsqueeze(-1)  # (K, M)
-        mixture_nll = -ll.new_zeros(k).index_add_(0, owner, ll * mask) / batches.n
-        comps, _ = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
-        return comps, MixtureWeights(pi.to(state.pi.dtype)), mixture_nll
+        comps, m_loss = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
+        return comps, MixtureWeights(pi.to(state.pi.dtype)), m_loss.sum(-1)  # (K,)
 
     # -- evaluation -----------------------------------------------------------------------------
     def fit_pi(self, ctx: Context, comps: Params, pi0: Tensor, batches: Batches) -> Tensor:

@@ -6,7 +6,8 @@ Algorithm 2 (model averaging).
 The server keeps k cluster models.  A sampled client evaluates every model on its training data, picks the one
 with the lowest loss (its cluster estimate, re-estimated every round), runs ``run.local_epochs`` of local SGD
 from it and sends the new model with its choice; the server averages, for each cluster, the models of the
-clients that chose it (weighted by sample counts; a cluster nobody chose keeps its model).  Every client, seen
+clients that chose it, uniformly by client as the paper's model averaging does (``weighted = true``: by sample
+counts, as FedAvg and earlier releases of fedmtl did); a cluster nobody chose keeps its model.  Every client, seen
 or unseen, is evaluated with the model of lowest loss on its training data.  Model j starts from the
 initializer seeded with seed + j, so model 0 is FedAvg's and IFCA with k = 1 is FedAvg (tested); the paper's
 random restarts of the initialization are left to the user (run several seeds).
@@ -50,6 +51,8 @@ class IFCA(Algorithm[ClusterModels, tuple[()]]):
     averages_updates: ClassVar[bool] = False
     #: k, the number of cluster models
     num_clusters: Annotated[int, Range(1, 256)] = 2
+    #: average each cluster's models by sample count instead of uniformly by client (the paper)
+    weighted: bool = False
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> ClusterModels:
         dev = next(iter(params.values())).device
@@ -76,8 +79,9 @@ class IFCA(Algorithm[ClusterModels, tuple[()]]):
     def aggregate(self, ctx: Context, server: ClusterModels, updates: IFCAUpdate, weights: Tensor,
                   clients: Tensor) -> ClusterModels:
         models = T.unstack(server.models, self.num_clusters)
+        base = weights if self.weighted else (weights > 0).to(weights.dtype)  # by client: every valid update once
         for j in range(self.num_clusters):
-            w = weights * updates.choice[:, j].to(weights.device, weights.dtype)
+            w = base * updates.choice[:, j].to(weights.device, weights.dtype)
             if float(w.sum()) > 0:
                 models[j] = ctx.combine(updates.params, w)
         return ClusterModels(T.stack(models))

@@ -124,6 +124,7 @@ class Engine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         algorithm.check_model(model)
+        algorithm.check_optim(spec.optim)
         if model.batch_norm and not algorithm.supports_batch_norm:
             raise ModelError(f"model {model.name!r} has batch-norm layers, which {algorithm.name} does not support "
                              "(its update rule or loss would step or ignore their running statistics); the methods "

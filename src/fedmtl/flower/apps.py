@@ -85,11 +85,44 @@ class _Node:
 
 
 class NodeCache:
-    """The nodes one ``ClientApp`` serves, built once per config and node config and kept warm across the messages
-    its process handles (owned by the app ``make_client_app`` returns: no process-wide state)."""
+    """The nodes one run's ClientApp serves in this process, built once per config and node config and kept warm
+    across the messages of that run."""
 
     def __init__(self) -> None:
         self.nodes: dict[tuple[tuple[str, str], bool], _Node] = {}
+
+
+class RunCaches:
+    """A ``NodeCache`` per run id, the ``keep`` most recent runs.  Flower's simulation engine (1.42) builds the
+    ClientApp anew for every message inside a long-lived Ray actor, so a cache owned by the app would be empty at
+    every message (each train message rebuilt the node's data: 1.0 s of a 2.6 s round, measured); one instance of
+    this class per process (``PROCESS_RUNS``) keeps it warm.  Keyed by run id: a new run, a resumed server
+    included, never sees another run's client states, as a fresh ClientApp process would not."""
+
+    def __init__(self, keep: int = 2) -> None:
+        from collections import OrderedDict
+
+        self.keep = keep
+        self.runs: OrderedDict[int, NodeCache] = OrderedDict()
+
+    def of(self, run_id: int) -> NodeCache:
+        if run_id not in self.runs:
+            self.runs[run_id] = NodeCache()
+            while len(self.runs) > self.keep:
+                self.runs.popitem(last=False)
+        self.runs.move_to_end(run_id)
+        return self.runs[run_id]
+
+
+#: this process's warm nodes by run (see ``RunCaches``); what a long-lived Flower worker process keeps
+PROCESS_RUNS = RunCaches()
+
+
+def process_nodes(run_id: int) -> NodeCache:
+    """This process's warm nodes of run ``run_id``.  (A module-level function: Ray ships the ClientApp's closures
+    by value with copies of the globals they name, so the app must reach ``PROCESS_RUNS`` through a function
+    that is imported, not copied.)"""
+    return PROCESS_RUNS.of(run_id)
 
 
 def _partitions(spec: str) -> list[int]:
@@ -366,35 +399,38 @@ def handle_mix(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) 
                                "config": to_config({"clients": node.ids.tolist()})}), reply_to=msg)
 
 
-def make_client_app(cfg_text: str | None = None) -> Any:
-    """A ``ClientApp``; without ``cfg_text`` the config comes from the run config key ``fedmtl-config``."""
+def make_client_app(cfg_text: str | None = None, runs: RunCaches | None = None) -> Any:
+    """A ``ClientApp``; without ``cfg_text`` the config comes from the run config key ``fedmtl-config``.  ``runs``:
+    where the app keeps its warm nodes (default: this process's, ``PROCESS_RUNS``)."""
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
-    nodes = NodeCache()  # this app's nodes, warm across the messages its process handles
 
     def text(context: Context) -> str:
         return cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
 
+    def nodes(context: Context) -> NodeCache:
+        return process_nodes(int(context.run_id)) if runs is None else runs.of(int(context.run_id))
+
     @app.query()
     def _query(msg: Message, context: Context) -> Message:
-        return handle_query(msg, context, text(context), nodes)
+        return handle_query(msg, context, text(context), nodes(context))
 
     @app.train()
     def _train(msg: Message, context: Context) -> Message:
-        return handle_train(msg, context, text(context), nodes)
+        return handle_train(msg, context, text(context), nodes(context))
 
     @app.evaluate()
     def _evaluate(msg: Message, context: Context) -> Message:
-        return handle_evaluate(msg, context, text(context), nodes)
+        return handle_evaluate(msg, context, text(context), nodes(context))
 
     @app.train("pull")
     def _pull(msg: Message, context: Context) -> Message:
-        return handle_pull(msg, context, text(context), nodes)
+        return handle_pull(msg, context, text(context), nodes(context))
 
     @app.train("mix")
     def _mix(msg: Message, context: Context) -> Message:
-        return handle_mix(msg, context, text(context), nodes)
+        return handle_mix(msg, context, text(context), nodes(context))
 
     return app
 

@@ -37,7 +37,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import message_from_proto, recorddict_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
 
-from .apps import NodeCache, handle_evaluate, handle_mix, handle_pull, handle_query, handle_train
+from .apps import NodeCache, RunCaches, handle_evaluate, handle_mix, handle_pull, handle_query, handle_train
 
 log = logging.getLogger("fedmtl")
 
@@ -102,7 +102,8 @@ class Worker:
     def __init__(self, socket_path: str | Path, keep_runs: int = 2):
         self.path = Path(socket_path)
         self.keep_runs = keep_runs
-        self.runs: OrderedDict[int, tuple[Context, NodeCache]] = OrderedDict()
+        self.contexts: OrderedDict[int, Context] = OrderedDict()
+        self.runs = RunCaches(keep_runs)
         self.lock = threading.Lock()
         self.served = 0
         self.last = ""  # the last message served: "TYPE (run R)"
@@ -176,13 +177,13 @@ class Worker:
 
     def _context(self, run_id: int, node_id: int, node_config: dict[str, Any], run_config: dict[str, Any]) -> tuple[
             Context, NodeCache]:
-        if run_id not in self.runs:
-            self.runs[run_id] = (Context(run_id=run_id, node_id=node_id, node_config=node_config, state=RecordDict(),
-                                         run_config=run_config), NodeCache())
-            while len(self.runs) > self.keep_runs:
-                self.runs.popitem(last=False)
-        self.runs.move_to_end(run_id)
-        return self.runs[run_id]
+        if run_id not in self.contexts:
+            self.contexts[run_id] = Context(run_id=run_id, node_id=node_id, node_config=node_config,
+                                            state=RecordDict(), run_config=run_config)
+            while len(self.contexts) > self.keep_runs:
+                self.contexts.popitem(last=False)
+        self.contexts.move_to_end(run_id)
+        return self.contexts[run_id], self.runs.of(run_id)
 
     def handle(self, header: dict[str, Any], body: bytes) -> bytes:
         """One message (``header``: node and run config; ``body``: the message as Flower's protobuf) -> the reply's
