@@ -22,9 +22,9 @@ def test_method_tables_are_package_data():
 
 
 def test_a_method_table_becomes_the_overrides_it_stands_for():
-    sets = overrides({"algorithm": {"name": "fedavg+", "finetune_lr": 0.05, "finetune_epochs": 2},
+    sets = overrides({"algorithm": {"name": "fedavg+", "personal_lr": 0.05, "finetune_epochs": 2},
                       "model": {"hidden": [32], "batch_norm": True, "name": "true"}, "optim": {"momentum": 0.0}})
-    assert sets == ["algorithm.name=fedavg+", "algorithm.finetune_lr=0.05", "algorithm.finetune_epochs=2",
+    assert sets == ["algorithm.name=fedavg+", "algorithm.personal_lr=0.05", "algorithm.finetune_epochs=2",
                     "model.hidden=[32]", "model.batch_norm=true", 'model.name="true"', "optim.momentum=0.0"]
     assert method_overrides({"a": {}, "b": {"run": {"rounds": 3}}}) == {"a": [], "b": ["run.rounds=3"]}
     with pytest.raises(ConfigError, match="table of config keys"):

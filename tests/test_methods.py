@@ -104,7 +104,7 @@ def test_fedrep_trains_the_head_first_then_the_body(small_data, mlp):
     assert float((w - w[0]).abs().max()) > 1e-3  # and every client has its own head
 
 
-@pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(finetune_lr=0.1), FedRoD(),
+@pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(personal_lr=0.1), FedRoD(),
                                  FedALA()],
                          ids=lambda a: a.name)
 def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
@@ -561,3 +561,20 @@ def test_feddyn_warns_about_momentum_and_its_config_runs_plain_sgd(small_data, c
     with caplog.at_level(logging.WARNING, logger="fedmtl"):
         make_sim(FedDyn(), small_data, opt=SGD(0.1, momentum=0.9))
     assert "feddyn with optim.momentum = 0.9" in caplog.text
+
+
+def test_personalization_steps_at_the_initial_rate_after_a_decayed_schedule(small_data):
+    """At the end of a decayed schedule the round's rate is 1e-3 of the initial one; personalization (FedAvg+'s
+    fine-tuning, unseen clients' adaptation) steps at optim.lr, so FedAvg+ still moves away from FedAvg; its
+    ``personal_lr`` overrides the rate (the FedEM reference code's decayed rate reproduces FedAvg's evaluation)."""
+    from fedmtl.algorithms import FedAvgFT
+
+    opt = SGD(0.1, 0.9, lr_milestone_rounds=(1, 2), lr_gamma=0.1)
+    sims = {name: make_sim(alg, small_data, opt=opt) for name, alg in
+            {"fedavg": FedAvg(), "fedavg+": FedAvgFT(), "reference": FedAvgFT(personal_lr=1e-5)}.items()}
+    res = {}
+    for name, sim in sims.items():
+        st, _ = run_rounds(sim, 3)
+        assert sim.eval_plan(st, "seen")[4] == 0.1  # not the round's 1e-3
+        res[name] = summarize(sim.evaluate(st))["seen_test_loss"]
+    assert abs(res["reference"] - res["fedavg"]) < 1e-3 < abs(res["fedavg+"] - res["fedavg"])

@@ -236,7 +236,8 @@ class Algorithm(Generic[ServerT, ClientT]):
     # -- evaluation -----------------------------------------------------------------------------
     def personalize(self, ctx: Context, payload: Payload, state: ClientT, batches: Batches | None, lr: float,
                     seen: bool) -> EvalState:
-        """The state one client predicts with (default: the broadcast global model)."""
+        """The state one client predicts with (default: the broadcast global model).  ``lr``: the personalization
+        rate, ``optim.lr`` (the schedule's initial value: ``Engine.eval_plan``), for methods that take steps here."""
         return payload
 
     def predict_log_proba(self, ctx: Context, eval_state: EvalState, x: Tensor) -> Tensor:

@@ -32,7 +32,7 @@ class FedBABU(Algorithm[SplitModel, tuple[()]]):
 
     name: ClassVar[str] = "fedbabu"
     # the toy task: a frozen random head needs more rounds
-    toy: ClassVar[Toy] = Toy({"finetune_epochs": 1, "finetune_lr": 0.05}, model="mlp", rounds=45)
+    toy: ClassVar[Toy] = Toy({"finetune_epochs": 1, "personal_lr": 0.05}, model="mlp", rounds=45)
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
@@ -40,8 +40,8 @@ class FedBABU(Algorithm[SplitModel, tuple[()]]):
     finetune_epochs: Annotated[int, Range(1, 1000)] = 5
     #: what fine-tuning trains: the whole model (the paper's main setting) or only the head
     finetune: Literal["full", "head"] = "full"
-    #: fine-tuning learning rate (0 = the round's learning rate)
-    finetune_lr: Annotated[float, Range(0, 1e3)] = 0.0
+    #: fine-tuning learning rate (0 = optim.lr, the schedule's initial value)
+    personal_lr: Annotated[float, Range(0, 1e3)] = 0.0
 
     @property
     def adapt_epochs(self) -> int:  # type: ignore[override]
@@ -71,8 +71,8 @@ class FedBABU(Algorithm[SplitModel, tuple[()]]):
     ) -> Params:
         assert batches is not None
         if self.finetune == "full":
-            return finetune(ctx, payload, batches, lr, self.finetune_lr)
+            return finetune(ctx, payload, batches, lr, self.personal_lr)
         body, head = ctx.model.split(payload, self.name)
-        opt = ctx.opt if not self.finetune_lr else SGD(self.finetune_lr, ctx.opt.momentum, ctx.opt.weight_decay)
-        head, _ = train_part(ctx, head, body, batches, self.finetune_lr or lr, opt=opt)
+        opt = ctx.opt if not self.personal_lr else SGD(self.personal_lr, ctx.opt.momentum, ctx.opt.weight_decay)
+        head, _ = train_part(ctx, head, body, batches, self.personal_lr or lr, opt=opt)
         return {**body, **head}

@@ -316,8 +316,10 @@ class Engine:
 
     def eval_plan(self, state: EngineState, group: str) -> tuple[Tree, Tree, Tensor, Orders | None, float]:
         """What evaluating ``group`` at ``state`` asks of the clients: (payload, server, client ids, adaptation
-        orders, learning rate)."""
-        lr = self.opt.lr_at(max(state.round - 1, 0), self.cfg.rounds)
+        orders, personalization rate).  The rate is ``optim.lr``, the schedule's initial value, never the round's
+        decayed one: fine-tuning before an evaluation at the end of a decayed schedule would otherwise barely move
+        (FedAvg+ equalled FedAvg).  A method's own ``personal_lr`` overrides it."""
+        lr = self.opt.lr
         ids = self.eval_ids[group]
         seen = group == "seen"
         adapt = None
