@@ -158,6 +158,20 @@ def test_sweep_runs_each_value_and_plots(tmp_path):
         run_sweep(p, ["run.seed=3"], out)
 
 
+def test_sweep_with_seeds_runs_and_continues(tmp_path):
+    """``fedmtl sweep --seeds`` (the Figure 1 commands): every setting with every seed, mean and std per setting;
+    run again, the finished settings are resumed, not refused or re-run."""
+    p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
+    out = tmp_path / "sweep"
+    args = ["sweep", str(p), "--set", "run.sampling_rate=0.5,1.0", "--seeds", "1-2", "--out", str(out), "-q"]
+    assert main(args) == 0
+    s = json.loads((out / "sweep.json").read_text())
+    assert [r["run.sampling_rate"] for r in s["results"]] == [0.5, 1.0]
+    assert all("seen_test_acc_mean_std" in r for r in s["results"])
+    assert main(args) == 0
+    assert json.loads((out / "sweep.json").read_text())["results"] == s["results"]
+
+
 def test_every_shipped_config_validates():
     configs = sorted(Path(__file__).resolve().parents[1].glob("configs/**/*.toml"))
     assert len(configs) >= 10

@@ -578,3 +578,30 @@ def test_personalization_steps_at_the_initial_rate_after_a_decayed_schedule(smal
         assert sim.eval_plan(st, "seen")[4] == 0.1  # not the round's 1e-3
         res[name] = summarize(sim.evaluate(st))["seen_test_loss"]
     assert abs(res["reference"] - res["fedavg"]) < 1e-3 < abs(res["fedavg+"] - res["fedavg"])
+
+
+def test_omnifedge_exact_head_step_is_scikit_learns_logistic_regression(permuted):
+    """``head_step = "exact"`` solves a node's head sub-problem (its loss with the shared layers fixed, plus
+    head_l2 / 2 ||W||^2): on a linear softmax head that is multinomial logistic regression on the representation,
+    which scikit-learn solves independently (C = 1 / (n head_l2); softmax biases are defined up to a common shift)."""
+    from sklearn.linear_model import LogisticRegression
+
+    model = build_model("mlp", 10, 4, hidden=(8,))
+    params = model.init(0)
+    shared, head = model.split(params, "omnifedge")
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 10, generator=g), torch.randint(0, 4, (40,), generator=g)
+    alg = OmniFedge(head_step="exact", head_l2=0.1, head_iters=4000, head_tol=1e-9)
+    solved = alg.solve_head(lambda h: model.loss({**shared, **h}, x, y, torch.ones(40)), head, 0.5)
+    z = model.features(params, x).detach().double().numpy()
+    clf = LogisticRegression(C=1 / (40 * 0.1), tol=1e-12, max_iter=100_000).fit(z, y.numpy())
+    (wname,) = [k for k, v in solved.items() if v.dim() == 2]
+    (bname,) = [k for k, v in solved.items() if v.dim() == 1]
+    assert torch.allclose(solved[wname].double(), torch.from_numpy(clf.coef_), atol=2e-4)
+    b = solved[bname].double()
+    ref = torch.from_numpy(clf.intercept_)
+    assert torch.allclose(b - b.mean(), ref - ref.mean(), atol=2e-4)
+    # the algorithm runs with it (vmapped over the nodes)
+    sim = make_sim(OmniFedge(head_step="exact", head_iters=50), permuted, model=model, opt=SGD(0.1))
+    st, rows = run_rounds(sim, 3)
+    assert all(math.isfinite(r["train_loss"]) for r in rows)

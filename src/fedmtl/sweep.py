@@ -75,8 +75,9 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path,
         if cfg.run.seeds:  # every setting with every seed: the seeds' mean, and their std for the bands
             from .engine.seeds import run_seeds
 
-            # seeds with a checkpoint continue (an earlier, interrupted sweep), the others start over
-            res = run_seeds(cfg, out=out / name, resume=True, overwrite=True, progress=progress)
+            # a setting whose seeds hold checkpoints continues (an earlier, interrupted sweep); the others start over
+            has_ckpt = any((out / name).glob("seed-*/checkpoint.pt"))
+            res = run_seeds(cfg, out=out / name, resume=has_ckpt, overwrite=not has_ckpt, progress=progress)
             row.update({k: st["mean"] for k, st in res.final.items()})
             row.update({f"{k}_std": st["std"] for k, st in res.final.items()})
             final = {k: st["mean"] for k, st in res.final.items()}

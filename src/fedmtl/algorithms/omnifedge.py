@@ -24,6 +24,14 @@ One round (each node uses one mini-batch, cycling through its batches):
    step (1/N) sum_j sum_i omega_ij grad L_ij with all N nodes reporting, and takes a gradient step on
    theta_sh; it steps each head with its node's gradient, stores L and solves omega row by row.
 
+**The head step** (Algorithm 1, lines 5 and 7: each node's head minimizes its own loss with the shared layers
+fixed).  ``head_step = "gradient"`` (default) takes one gradient step of the round's rate on the node's batch;
+``head_step = "exact"`` solves that sub-problem to tolerance: full-batch gradient descent on the node's batch at
+the round's rate, ``head_iters`` iterations at most, stopping (per node, vmap-safe) once the gradient's norm is
+below ``head_tol``.  On a separable batch the cross-entropy has no minimizer (the logits grow without bound), so
+the exact solve adds ``head_l2 / 2 ||W||^2`` on the head's weight matrices (biases unpenalized, as scikit-learn's
+logistic regression does); it is checked against scikit-learn's solver on a linear head (``tests/test_methods.py``).
+
 Paper vs reference code (stated, and the paper is followed): the code solves omega from the *losses
 of all networks on node i's data* (the transpose), keeps one shared-layer copy per node, and also updates the
 heads with omega-weighted gradients; here omega_i weights network i's losses across nodes (the talk's and the
@@ -34,6 +42,7 @@ training data.  Losses a node has not reported yet are unknown (stored as -1) an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple
 
@@ -102,6 +111,14 @@ class OmniFedge(Algorithm[OmniServer, ClientId]):
     omega: Literal["paper", "simplex"] = "paper"
     #: paper omega: losses below this floor count as the floor (a guard against infinite weights)
     loss_floor: Annotated[float, Range(0, 1e3, lo_open=True)] = 1e-3
+    #: gradient: one gradient step on each node's head a round; exact: solve the head sub-problem to head_tol
+    head_step: Literal["gradient", "exact"] = "gradient"
+    #: exact: at most this many full-batch gradient iterations on the node's batch
+    head_iters: Annotated[int, Range(1, 10**6)] = 500
+    #: exact: stop once the head gradient's L2 norm is below this
+    head_tol: Annotated[float, Range(0, 1e3)] = 1e-6
+    #: exact: L2 weight on the head's weight matrices (a minimizer exists on separable batches)
+    head_l2: Annotated[float, Range(0, 1e6)] = 1e-3
 
     def check_model(self, model: Model) -> None:
         model.head_names(self.name)
@@ -142,11 +159,33 @@ class OmniFedge(Algorithm[OmniServer, ClientId]):
         shared_grad = grad(lambda s: (vmap(loss_of, in_dims=(None, 0))(s, payload.heads) * w_col).sum())(
             payload.shared)
         own_head = row(payload.heads, j)
-        head_grad = grad(lambda h: loss_of(payload.shared, h))(own_head)
         own_loss = losses.index_select(0, j.reshape(1)).squeeze(0)
+        if self.head_step == "exact":
+            solved = self.solve_head(lambda h: loss_of(payload.shared, h), own_head, lr)
+            head_move = T.sub(own_head, solved)  # the server subtracts it: the head becomes the solution
+        else:
+            head_move = T.scale(grad(lambda h: loss_of(payload.shared, h))(own_head), lr)
         # steps (gradient x this round's rate) so the server needs no schedule of its own
-        step = OmniStep(T.scale(shared_grad, lr), T.scale(head_grad, lr), losses)
+        step = OmniStep(T.scale(shared_grad, lr), head_move, losses)
         return step, state, own_loss
+
+    def solve_head(self, loss: Callable[[Params], Tensor], head: Params, lr: float) -> Params:
+        """argmin_h loss(h) + head_l2 / 2 ||weights of h||^2 by gradient descent at rate ``lr`` from ``head``:
+        ``head_iters`` iterations at most, frozen once the gradient norm is below ``head_tol`` (vmap-safe)."""
+        l2 = self.head_l2
+
+        def objective(h: Params) -> Tensor:
+            reg = sum((w * w).sum() for w in h.values() if w.dim() >= 2)
+            return loss(h) + 0.5 * l2 * reg
+
+        g_of = grad(objective)
+        done = torch.zeros((), dtype=torch.bool)
+        for _ in range(self.head_iters):
+            g = g_of(head)
+            norm = torch.sqrt(sum((x * x).sum() for x in g.values()))
+            done = done | (norm < self.head_tol)
+            head = {k: torch.where(done, v, v - lr * g[k]) for k, v in head.items()}
+        return head
 
     def aggregate(self, ctx: Context, server: OmniServer, updates: OmniStep, weights: Tensor,
                   clients: Tensor) -> OmniServer:

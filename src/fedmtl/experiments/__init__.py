@@ -16,6 +16,7 @@ REPRODUCTIONS: dict[str, str] = {
     "robustness": "robustness:run",
     "mocha": "mocha:run",
     "networked": "networked:run",
+    "networked-flow": "networked:flow",
     "fedem-synthetic": "fedem:fedem_synthetic",
     "personalization": "personalization:personalization",
     "omnifedge-fmnist": "omnifedge:omnifedge_fmnist",

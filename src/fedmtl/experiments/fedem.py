@@ -206,7 +206,9 @@ def main_job(out: Path, quick: bool = False) -> dict[str, Any]:
             "its reference code's PersonalizedAggregator (clients keep their own models, trained with a prox term "
             "towards the average): `pfedme_reference` reproduces it; `pfedme` is Dinh et al.'s method, which the "
             "paper did not run. The rows after `fedem` (FedDyn, IFCA with k = 3, SCAFFOLD) are methods the paper did "
-            "not compare, run with the same settings (SCAFFOLD without momentum).\n\n"
+            "not compare, run with the same settings (SCAFFOLD and FedDyn with plain local SGD, as their papers; IFCA "
+            "averaging its clusters' models by client, as its paper). FedAvg+ fine-tunes at optim.lr, the schedule's "
+            "initial rate.\n\n"
             + markdown_table(["method", "avg", "p10", "worst10", "paper avg", "paper bottom decile"], body))
     write_table(out / "table.md", text)
     write_json(out / "summary.json", summary)

@@ -12,7 +12,11 @@ Gaussian features per node, y = x^T w + noise, a random 40% of the nodes labelle
 * robustness: error after a fixed number of iterations with edges failing, nodes not updating and
   mini-batch (stochastic) prox steps;
 * node classification with the logistic loss (labels sign(x^T w_true)): accuracy on the unlabelled
-  nodes against pooled logistic regression on the labelled ones.
+  nodes against pooled logistic regression on the labelled ones;
+* ``fedmtl reproduce networked-flow`` (``flow``): the slides' scalar toy (y_i = w_i + sigma eps_i on S labelled
+  nodes per cluster, w = +1 / -1 on the two clusters, squared loss, TV): the error on the unlabelled nodes and the
+  flow connectivity rho (``fedmtl.networked.flow``) against S p_in / p_out, the quantity whose threshold decides,
+  with high probability, whether the clustering assumption (rho >= 2) holds.
 
 Each figure averages ``reps`` random graphs; every number in summary.json is measured by this run.
 """
@@ -63,6 +67,84 @@ def cluster_accuracy(w: np.ndarray, truth: np.ndarray, seed: int = 0) -> float:
     pred = KMeans(2, n_init=10, random_state=seed).fit_predict(w)
     acc = float((pred == truth).mean())
     return max(acc, 1.0 - acc)
+
+
+def labelled_sweep(out: Path, quick: bool, seed: int, reps: int, sizes: tuple[int, int] = (100, 100),
+                   p_in: float = 0.2, p_out: float = 0.02, sigma: float = 0.1, lam: float = 0.01) -> dict[str, Any]:
+    """The scalar toy against S, the labelled nodes per cluster: for each S and graph, GTV (TV penalty) on the
+    labelled nodes' noisy values, its squared error and sign recovery on the unlabelled nodes, and the flow
+    connectivity rho (the smaller of the two clusters').  Figure ``labelled.png``."""
+    import matplotlib.pyplot as plt
+
+    from ..networked.flow import boundary_flow
+
+    S_values = [1, 3, 20] if quick else [1, 2, 3, 5, 8, 13, 20, 30]
+    iters = 1000 if quick else 4000
+    wbar_c = np.array([1.0, -1.0])
+    mse, sign, rho = (np.zeros((reps, len(S_values))) for _ in range(3))
+    for r in range(reps):
+        g = sbm(list(sizes), p_in, p_out, seed=seed + 300 + r)
+        assert g.clusters is not None
+        rng = np.random.default_rng(seed + 400 + r)
+        wbar = wbar_c[g.clusters]
+        xs = [np.ones((1, 1)) for _ in range(g.num_nodes)]
+        ys = [np.array([w + sigma * rng.normal()]) for w in wbar]
+        order = [rng.permutation(np.flatnonzero(g.clusters == c)) for c in range(2)]
+        for j, S in enumerate(S_values):
+            lab = np.concatenate([o[:S] for o in order])
+            unl = np.setdiff1d(np.arange(g.num_nodes), lab)
+            data = NodeData.from_lists(xs, ys, lab)
+            w = solve(g, data, GTVConfig(lam=lam, penalty="tv", iterations=iters)).w[:, 0]
+            mse[r, j] = float(((w[unl] - wbar[unl]) ** 2).mean())
+            sign[r, j] = float((np.sign(w[unl]) == np.sign(wbar[unl])).mean())
+            rho[r, j] = float(boundary_flow(g, g.clusters, lab).min())
+    x = np.array(S_values) * p_in / p_out
+    holds = [bool((rho[:, j] >= 2).all()) for j in range(len(S_values))]
+    first = next((float(x[j]) for j, h in enumerate(holds) if h), None)
+    recovered = next((float(x[j]) for j in range(len(S_values)) if (sign[:, j] >= 0.99).all()), None)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.loglog(x, mse.mean(0), marker="o", label="GTV (TV), unlabelled nodes")
+    a1.loglog(x, (1 - sign.mean(0)) + 1e-4, marker="s", label="fraction of signs wrong (+1e-4)")
+    a2.semilogx(x, rho.mean(0), marker="o", label="flow connectivity rho (mean over graphs)")
+    a2.semilogx(x, rho.min(0), marker="v", linestyle=":", label="rho, worst graph")
+    a2.axhline(2.0, color="k", linestyle="--", label="rho = 2 (clustering assumption)")
+    a2.axhline(1.0, color="k", linestyle=":", label="rho = 1")
+    if first is not None:
+        for a in (a1, a2):
+            a.axvline(first, color="tab:gray", linestyle="--")
+    a1.set_xlabel("S p_in / p_out")
+    a1.set_ylabel("mean squared error / wrong signs")
+    a1.legend(fontsize=8)
+    a2.set_xlabel("S p_in / p_out")
+    a2.set_ylabel("rho")
+    a2.legend(fontsize=8)
+    fig.suptitle(f"Scalar toy, two SBM clusters of {sizes[0]} (p_in {p_in}, p_out {p_out}), S labelled per cluster")
+    fig.tight_layout()
+    save_figure(fig, out / "labelled.png", dpi=110)
+    return {"S": S_values, "S_pin_over_pout": x.tolist(), "p_in": p_in, "p_out": p_out, "sigma": sigma,
+            "lambda": lam, "iterations": iters, "reps": reps,
+            "mse_unlabelled": mse.mean(0).tolist(), "sign_recovery_unlabelled": sign.mean(0).tolist(),
+            "rho_mean": rho.mean(0).tolist(), "rho_min": rho.min(0).tolist(), "rho_at_least_2_in_every_graph": holds,
+            "first_S_pin_over_pout_with_rho_at_least_2": first,
+            "first_S_pin_over_pout_recovered_in_every_graph": recovered,
+            "rho_min_where_first_recovered": (float(rho[:, [float(v) for v in x].index(recovered)].min())
+                                              if recovered is not None else None)}
+
+
+def flow(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+    """``fedmtl reproduce networked-flow``: ``labelled_sweep`` over 5 graphs (2 with ``quick``) into ``out``
+    (``summary.json``, ``labelled.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    summary = labelled_sweep(out, quick, seed, 2 if quick else 5)
+    summary["seconds"] = time.perf_counter() - t0
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=1))
+    return summary
 
 
 def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
