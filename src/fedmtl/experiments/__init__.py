@@ -18,6 +18,7 @@ REPRODUCTIONS: dict[str, str] = {
     "networked": "networked:run",
     "networked-flow": "networked:flow",
     "fedem-synthetic": "fedem:fedem_synthetic",
+    "fedem-vs-ifca": "fedem_ifca:run",
     "personalization": "personalization:personalization",
     "omnifedge-fmnist": "omnifedge:omnifedge_fmnist",
     "fmnist": "fedem:fmnist",
