@@ -10,8 +10,8 @@ from fedmtl.experiments.common import method_overrides, overrides
 
 
 def test_every_reproduction_resolves_to_a_function():
-    assert sorted(REPRODUCTIONS) == ["fedem-synthetic", "fedem-vs-ifca", "fmnist", "fmnist-cnn", "mocha", "networked", "networked-flow",
-                                     "omnifedge-fmnist", "personalization", "robustness"]
+    assert sorted(REPRODUCTIONS) == ["fedem-synthetic", "fedem-vs-ifca", "fmnist", "fmnist-cnn", "mocha", "networked",
+                                     "networked-flow", "omnifedge-fmnist", "personalization", "robustness"]
     for name in REPRODUCTIONS:
         assert callable(reproduction(name)), name
 

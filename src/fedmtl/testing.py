@@ -32,7 +32,11 @@ model, momentum SGD), each with tolerances that a wrong algorithm fails:
   the noised sum: trained with no noise and with a huge noise, every leaf of the server state differs between the
   two runs, except those the algorithm declares public (``Algorithm.public_server_state``, with the reason); and a
   round in which no client was sampled still releases (the broadcast model changes).  An algorithm that refuses
-  ``[privacy]`` (``Algorithm.check_privacy``) must be refused by the engine before any work.
+  ``[privacy]`` (``Algorithm.check_privacy``) must be refused by the engine before any work;
+* ``everything_on``: with momentum and weight decay (the suite's optimizer), Poisson-sampled DP (a generous clip,
+  little noise; left off where the algorithm refuses privacy), stragglers and drops all on, half the clients a
+  round: either refused before any work (``ValueError``), or every logged loss finite and the last rounds' training
+  loss below the first round's.  No combination diverges silently.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class ContractError(AssertionError):
 
 #: the contract's checks, in the order ``check_algorithm`` runs them
 CHECKS: tuple[str, ...] = ("capabilities", "no_input_mutation", "deterministic", "loop_equals_vmap", "learns",
-                           "checkpoint_round_trip", "nan_excluded", "private_release")
+                           "checkpoint_round_trip", "nan_excluded", "private_release", "everything_on")
 
 
 def toy_model(cls: type[Algorithm], data: FederatedData | None = None) -> Model | None:
@@ -193,6 +197,7 @@ def check_algorithm(
         "checkpoint_round_trip": lambda: _checkpoint_round_trip(sim),
         "nan_excluded": lambda: _nan_excluded(cls, kwargs, data, sim),
         "private_release": lambda: _private_release(alg, sim),
+        "everything_on": lambda: _everything_on(alg, sim, toy_rounds),
     }
     done = {}
     for name, fn in suite.items():
@@ -309,6 +314,38 @@ def _learns(sim: Callable[..., Engine], rounds: int) -> None:
     if not after < before - 0.05:
         raise ContractError(f"training loss did not fall on the toy task: {before:.4f} -> {after:.4f} "
                             f"in {rounds} rounds")
+
+
+def _everything_on(alg: Algorithm, sim: Callable[..., Engine], rounds: int) -> None:
+    """With momentum and weight decay (the suite's optimizer), Poisson-sampled DP-FedAvg (a generous clip, little
+    noise), stragglers and drops all on, the algorithm either refuses the combination before any work
+    (``ValueError`` naming it) or trains: every logged loss finite, nothing silently excluded every round, and the
+    training loss below its start.  Never a silent divergence."""
+    from .engine.systems import SystemsModel
+
+    options: dict[str, Any] = {"systems": SystemsModel(variability="high", drop_prob=0.1), "sampling_rate": 0.5}
+    try:
+        alg.check_privacy()
+        options["privacy"] = PrivacyConfig(clip_norm=10.0, noise_multiplier=0.01, sampling="poisson",
+                                           reproducible_noise=True)
+    except ValueError:
+        pass  # refused by the algorithm (``_private_release`` checks the refusal): the rest stays on
+    try:
+        eng = sim(rounds=rounds, **options)
+    except ValueError:
+        return  # refused before any work
+    st = eng.init_state()
+    rows = [eng.round(st) for _ in range(rounds)]
+    after = summarize(eng.evaluate(st))[SEEN_TRAIN_LOSS]
+    losses = [r["train_loss"] for r in rows if r["clients"] - r["excluded"] > 0]  # rounds somebody trained in
+    if len(losses) < 2 or not all(np.isfinite(losses)) or not np.isfinite(after):
+        raise ContractError(f"no finite training with every option on: logged losses {losses[-3:]}, evaluated "
+                            f"training loss {after}")
+    # the logged local training loss (what the clients' steps minimize), its last rounds against its first
+    if not float(np.mean(losses[-3:])) < losses[0]:
+        raise ContractError(f"training loss did not fall with every option on: {losses[0]:.4f} in the first round, "
+                            f"{float(np.mean(losses[-3:])):.4f} in the last three of {rounds} (momentum, weight "
+                            "decay, Poisson DP, stragglers and drops)")
 
 
 def _checkpoint_round_trip(sim: Callable[..., Engine]) -> None:

@@ -63,7 +63,8 @@ def run(out: str | Path, quick: bool = False, seed: int = 1) -> dict[str, Any]:
             if pi is not None:
                 x, y = te.client(k)
                 p1 = torch.sigmoid(x.float() @ w.T + b)  # (n, M)
-                acc_mix.append(float((((p1 * torch.from_numpy(pi[k]).float()).sum(1) > 0.5).long() == y).float().mean()))
+                mix = (p1 * torch.from_numpy(pi[k]).float()).sum(1)  # (n,) the mixture's P(y = 1)
+                acc_mix.append(float(((mix > 0.5).long() == y).float().mean()))
                 acc_top.append(float(((p1[:, int(pi[k].argmax())] > 0.5).long() == y).float().mean()))
                 acc_train_best.append(float(((p1[:, pick] > 0.5).long() == y).float().mean()))
         picks_a = np.array(picks)
