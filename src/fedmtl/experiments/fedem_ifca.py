@@ -46,14 +46,16 @@ def run(out: str | Path, quick: bool = False, seed: int = 1) -> dict[str, Any]:
         res = run_experiment(cfg, None, progress=False, data=data)
         theta = np.asarray(data.meta["theta"])
         true_pi = np.asarray(data.meta["pi"])[: data.seen.num_clients]
-        comps = res.server.components if alg == "fedem" else res.server.models
+        server: Any = res.server
+        comps = server.components if alg == "fedem" else server.models
         w, b = _linear(comps)
         cos = (w.numpy() / np.linalg.norm(w.numpy(), axis=1, keepdims=True)) @ \
             (theta / np.linalg.norm(theta, axis=1, keepdims=True)).T
         best = max(itertools.permutations(range(len(w))), key=lambda p: sum(cos[i, p[i]] for i in range(len(p))))
         tr, te = data.seen.train, data.seen.test
         picks, acc_mix, acc_top, acc_train_best = [], [], [], []
-        pi = res.client_states().pi.numpy() if alg == "fedem" else None
+        states: Any = res.client_states()
+        pi = states.pi.numpy() if alg == "fedem" else None
         for k in range(data.seen.num_clients):
             xt, yt = tr.client(k)
             train_loss = torch.nn.functional.binary_cross_entropy_with_logits(
