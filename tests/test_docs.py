@@ -96,3 +96,15 @@ def test_no_page_reads_like_a_lab_notebook():
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in pages
              for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_the_readme_main_job_table_is_the_handbook_s():
+    """The README's main-job table and the main-job page's are the same rows (one measurement, shown twice)."""
+
+    def rows(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if re.match(r"\| (local|fedavg|fedem|ifca|scaffold|feddyn|clustered|"
+                                                             r"fedprox|fedavg\+|pfedme\S*) ", ln)]
+
+    readme = rows((ROOT / "README.md").read_text())
+    page = rows((ROOT / "docs" / "results" / "main-job.md").read_text())
+    assert len(readme) == 11 and readme == page

@@ -62,3 +62,24 @@ def test_fedem_vs_ifca_analysis(tmp_path):
     assert sum(s["ifca"]["cosine_to_true_components"]) > sum(fe["cosine_to_true_components"])
     assert 0.7 < s["true_pi"]["mean_max"] < 0.8  # Dirichlet(0.4) over 3 components, the legacy generator
     assert (tmp_path / "summary.json").exists()
+
+
+def test_stored_tables_are_their_measurements_and_the_handbook_shows_them():
+    """``fedmtl tables --check``: every stored table is what its function makes of its stored JSON; and the
+    handbook shows each table's rows verbatim (the page cannot drift from the file)."""
+    from pathlib import Path
+
+    from fedmtl.cli import main
+    from fedmtl.experiments.tables import TABLES
+
+    root = Path(__file__).resolve().parents[1]
+    assert main(["tables", "--check", "--results", str(root / "benchmarks" / "results"), "-q"]) == 0
+    pages = {"mocha/table1.md": "mocha.md", "personalization/personalization.md": "personalization.md",
+             "fmnist_cnn/fmnist_cnn.md": "personalization.md"}
+    assert set(pages) == set(TABLES)
+    for rel, page in pages.items():
+        text = (root / "docs" / "results" / page).read_text()
+        if f'--8<-- "benchmarks/results/{rel}"' in text:
+            continue
+        rows = [ln for ln in (root / "benchmarks" / "results" / rel).read_text().splitlines() if ln.startswith("| ")]
+        assert rows and all(r in text for r in rows), rel

@@ -264,3 +264,16 @@ def test_table1_mtl_beats_local_and_global_on_related_tasks():
     res = table1(synthetic_tasks(m=12, d=10, seed=1), splits=2, seed=0, rounds_scale=0.3, folds=3)
     assert set(res) >= {"global", "local", "mtl", "mtl_se", "mtl_lambdas"}
     assert res["mtl"] < res["local"] and res["mtl"] < res["global"]
+
+
+def test_stored_table1_is_regenerated_from_the_stored_measurements():
+    """benchmarks/results/mocha/table1.md is what ``table1_markdown`` makes of the stored summary.json and its
+    re-measurements (the handbook includes that file, so the page and the file cannot disagree)."""
+    from pathlib import Path
+
+    from fedmtl.experiments.mocha import table1_markdown
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "mocha"
+    assert (results / "table1.md").read_text() == table1_markdown(results)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "results" / "mocha.md").read_text()
+    assert '--8<-- "benchmarks/results/mocha/table1.md"' in page

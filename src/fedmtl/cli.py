@@ -192,6 +192,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tables(args: argparse.Namespace) -> int:
+    from .experiments.tables import regenerate
+
+    differ = regenerate(Path(args.results), check=args.check)
+    if args.check and differ:
+        print(f"fedmtl tables: stored tables differ from their measurements: {', '.join(differ)} (fedmtl tables "
+              "rewrites them)", file=sys.stderr)
+        return 1
+    print("rewritten: " + (", ".join(differ) if differ and not args.check else "nothing (every table matches)"))
+    return 0
+
+
 def _cmd_main(args: argparse.Namespace) -> int:
     from .experiments.fedem import main_job
     from .report import quick_mode
@@ -382,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     _plugins_arg(ls)
     ls.set_defaults(fn=_cmd_list)
 
+    tb = sub.add_parser("tables", help="regenerate the stored result tables from their stored measurements")
+    tb.add_argument("--results", default="benchmarks/results", help="the results directory")
+    tb.add_argument("--check", action="store_true", help="write nothing; exit 1 naming every table that differs")
+    _output_args(tb)
+    tb.set_defaults(fn=_cmd_tables)
     m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
     m.add_argument("--quick", action="store_true", help="20 rounds, a smoke run")

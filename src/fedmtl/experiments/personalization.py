@@ -4,6 +4,7 @@ with a CNN).  The methods and their settings are data: ``personalization.toml`` 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +48,24 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
                    "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
                    "bottom_decile_std": 100 * s["final_std"][SEEN_TEST_ACC_P10],
                    "vs_fedavg_same_model": avg - fedavg[model], "seeds": PERSONALIZATION_SEEDS}
-    title = "Label-permuted client groups (40 clients, 4 groups, 10 classes)"
-    md = (f"# {title}: test accuracy (%), final round, mean ± std over seeds {PERSONALIZATION_SEEDS}"
-          "\n\n"
-          + markdown_table(["method", "model", "avg", "p10", "minus FedAvg (same model)"],
-                           [[n, r["model"], f"{r['avg']:.1f} ± {r['avg_std']:.1f}",
-                             f"{r['bottom_decile']:.1f} ± {r['bottom_decile_std']:.1f}",
-                             f"{r['vs_fedavg_same_model']:+.1f}"] for n, r in rows.items()]))
-    write_table(out / "personalization.md", md)
     write_json(out / "summary.json", rows)
+    md = personalization_markdown(out)
+    write_table(out / "personalization.md", md)
     print(md)
     return rows
+
+
+def personalization_markdown(results: Path) -> str:
+    """``personalization.md`` from the run's stored ``summary.json`` (``fedmtl tables`` regenerates it)."""
+    rows: dict[str, Any] = json.loads((results / "summary.json").read_text())
+    seeds = next(iter(rows.values()))["seeds"] if rows else PERSONALIZATION_SEEDS
+    title = "Label-permuted client groups (40 clients, 4 groups, 10 classes)"
+    return (f"# {title}: test accuracy (%), final round, mean ± std over seeds {seeds}"
+            "\n\n"
+            + markdown_table(["method", "model", "avg", "p10", "minus FedAvg (same model)"],
+                             [[n, r["model"], f"{r['avg']:.1f} ± {r['avg_std']:.1f}",
+                               f"{r['bottom_decile']:.1f} ± {r['bottom_decile_std']:.1f}",
+                               f"{r['vs_fedavg_same_model']:+.1f}"] for n, r in rows.items()]))
 
 
 def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
@@ -84,17 +92,24 @@ def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
         avg = 100 * s["final"][SEEN_TEST_ACC_MEAN]
         rows[n] = {"model": model, "avg": avg, "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
                    "minus_local": avg - local, "rounds": s["rounds"], "seconds_per_round": s["seconds_per_round"]}
-    frac, clients = (0.02, 10) if quick else (FMNIST_CNN_FRACTION, 100)
-    title = (f"Fashion-MNIST ({100 * frac:.0f}% of the images), {clients} clients, 3 label groups by "
-             "Dirichlet(0.4), FEMNIST CNN")
-    md = (f"# {title}: test accuracy (%) after the last round, seed 1234\n\n"
-          + markdown_table(["method", "model", "avg", "p10", "minus Local", "rounds", "time/round"],
-                           [[n, r["model"], r["avg"], r["bottom_decile"], f"{r['minus_local']:+.1f}", r["rounds"],
-                             f"{r['seconds_per_round']:.1f} s"] for n, r in rows.items()]))
-    write_table(out / "fmnist_cnn.md", md)
     write_json(out / "summary.json", {"results": rows, "quick": quick, "methods": FMNIST_CNN_METHODS})
+    md = fmnist_cnn_markdown(out)
+    write_table(out / "fmnist_cnn.md", md)
     print(md)
     return rows
+
+
+def fmnist_cnn_markdown(results: Path) -> str:
+    """``fmnist_cnn.md`` from the run's stored ``summary.json`` (``fedmtl tables`` regenerates it)."""
+    stored = json.loads((results / "summary.json").read_text())
+    rows: dict[str, Any] = stored["results"]
+    frac, clients = (0.02, 10) if stored.get("quick") else (FMNIST_CNN_FRACTION, 100)
+    title = (f"Fashion-MNIST ({100 * frac:.0f}% of the images), {clients} clients, 3 label groups by "
+             "Dirichlet(0.4), FEMNIST CNN")
+    return (f"# {title}: test accuracy (%) after the last round, seed 1234\n\n"
+            + markdown_table(["method", "model", "avg", "p10", "minus Local", "rounds", "time/round"],
+                             [[n, r["model"], r["avg"], r["bottom_decile"], f"{r['minus_local']:+.1f}", r["rounds"],
+                               f"{r['seconds_per_round']:.1f} s"] for n, r in rows.items()]))
 
 
 __all__ = ["FMNIST_CNN_FRACTION", "FMNIST_CNN_METHODS", "FMNIST_CNN_ROUNDS", "PERSONALIZATION_METHODS",

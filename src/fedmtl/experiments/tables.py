@@ -1,0 +1,38 @@
+"""``fedmtl tables [--check]``: every stored result table regenerated from its stored measurements.
+
+A table in ``benchmarks/results/`` is what its experiment's ``*_markdown`` function makes of the JSON stored beside
+it (``TABLES``).  ``fedmtl tables`` rewrites them all; ``--check`` writes nothing and fails naming every table that
+differs (the test suite runs it), so a stored table never drifts from its numbers.  The handbook includes these
+files rather than copies of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .mocha import table1_markdown
+from .personalization import fmnist_cnn_markdown, personalization_markdown
+
+#: stored table (relative to the results directory) -> the function that makes it from its directory's JSON
+TABLES: dict[str, Callable[[Path], str]] = {
+    "mocha/table1.md": table1_markdown,
+    "personalization/personalization.md": personalization_markdown,
+    "fmnist_cnn/fmnist_cnn.md": fmnist_cnn_markdown,
+}
+
+
+def regenerate(results: Path, check: bool = False) -> list[str]:
+    """Rewrite every table of ``TABLES`` under ``results`` (or, with ``check``, only compare); returns the tables
+    that differed from their stored file."""
+    from ..report import write_table
+
+    differ = []
+    for rel, make in TABLES.items():
+        path = results / rel
+        text = make(path.parent)
+        if not path.exists() or path.read_text() != text:
+            differ.append(rel)
+            if not check:
+                write_table(path, text)
+    return differ
