@@ -32,12 +32,13 @@ app = ClientApp()
 _local: list[Any] = []  # the in-process app, built on first use where no worker is configured
 
 
-def _read_exact(conn: socket.socket, n: int) -> bytes:
+def read_exact(conn: socket.socket, n: int, error: type[Exception] = RuntimeError) -> bytes:
+    """Exactly ``n`` bytes from ``conn`` (the worker's framing, shared with ``fedmtl.flower.worker``)."""
     buf = bytearray()
     while len(buf) < n:
         chunk = conn.recv(min(n - len(buf), 1 << 22))
         if not chunk:
-            raise RuntimeError(f"fedmtl worker closed the connection after {len(buf)} of {n} bytes")
+            raise error(f"the connection closed after {len(buf)} of {n} bytes")
         buf += chunk
     return bytes(buf)
 
@@ -68,14 +69,14 @@ def relay(msg: Message, context: Context) -> Message:
                                f"fedmtl flower worker --socket {path}") from None
         conn.sendall(MAGIC + struct.pack("<Q", len(head)) + head + struct.pack("<Q", len(body)))
         conn.sendall(body)
-        if _read_exact(conn, 4) != MAGIC:
+        if read_exact(conn, 4) != MAGIC:
             raise RuntimeError(f"{path}: not a fedmtl worker")
-        (n,) = struct.unpack("<Q", _read_exact(conn, 8))
+        (n,) = struct.unpack("<Q", read_exact(conn, 8))
         if n > MAX_HEADER:
             raise RuntimeError(f"{path}: a reply header of {n} bytes")
-        reply = json.loads(_read_exact(conn, n))
-        (m,) = struct.unpack("<Q", _read_exact(conn, 8))
-        content = _read_exact(conn, m)
+        reply = json.loads(read_exact(conn, n))
+        (m,) = struct.unpack("<Q", read_exact(conn, 8))
+        content = read_exact(conn, m)
     if not reply.get("ok"):
         raise RuntimeError(f"fedmtl worker at {path}: {reply.get('error', 'failed')}")
     return Message(recorddict_from_proto(ProtoRecordDict.FromString(content)), reply_to=msg)

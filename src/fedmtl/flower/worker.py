@@ -38,12 +38,12 @@ from flwr.common.serde import message_from_proto, recorddict_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
 
 from .apps import NodeCache, RunCaches, handle_evaluate, handle_mix, handle_pull, handle_query, handle_train
+from .relay_app import MAGIC, MAX_HEADER, read_exact
 
 log = logging.getLogger("fedmtl")
 
-#: frame: MAGIC, 8-byte header length, JSON header, 8-byte body length, body (a protobuf message)
-MAGIC = b"FMW1"
-MAX_HEADER = 1 << 20
+#: frame: MAGIC, 8-byte header length, JSON header, 8-byte body length, body (a protobuf message); the ClientApp
+#: side (``relay_app``) defines MAGIC, MAX_HEADER and the reading of exact lengths
 MAX_BODY = 1 << 34
 
 HANDLERS: dict[str, Callable[[Message, Context, str, NodeCache], Message]] = {
@@ -57,13 +57,7 @@ class WorkerError(RuntimeError):
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(min(n - len(buf), 1 << 22))
-        if not chunk:
-            raise WorkerError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
+    return read_exact(conn, n, WorkerError)
 
 
 def send_frame(conn: socket.socket, header: dict[str, Any], body: bytes) -> None:
