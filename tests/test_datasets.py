@@ -322,3 +322,15 @@ def test_real_shakespeare_statistics_close_to_leaf():
     assert 1000 < len(roles) < 1250  # LEAF: 1,129 roles
     s = statistics(shakespeare(stride=80))
     assert 950 < s["clients"] < 1150
+
+
+def test_digits_is_an_offline_mnist_analogue():
+    """scikit-learn's digits as a federation: every image once, uint8 8x8, each client a few classes (shards)."""
+    from fedmtl.data import DATASETS
+
+    d = DATASETS["digits"](num_clients=10, seed=3)
+    total = sum(int(s.counts.sum()) for s in d.seen.splits().values())
+    assert total == 1797 and d.feature_shape == (8, 8) and d.seen.train.x.dtype == torch.uint8
+    classes = [len(set(d.seen.train.client(k)[1].tolist())) for k in range(10)]
+    assert max(classes) <= 4 and sum(classes) / 10 <= 3  # two label-sorted shards each (a shard may straddle)
+    assert d.meta["input"] == "image" and 0 < d.meta["mean"] < 1

@@ -11,7 +11,8 @@ from fedmtl.experiments.common import method_overrides, overrides
 
 def test_every_reproduction_resolves_to_a_function():
     assert sorted(REPRODUCTIONS) == ["fedem-synthetic", "fedem-vs-ifca", "fmnist", "fmnist-cnn", "mocha", "networked",
-                                     "networked-flow", "omnifedge-fmnist", "personalization", "robustness"]
+                                     "networked-flow", "omnifedge-fmnist", "perfedavg", "personalization",
+                                     "robustness"]
     for name in REPRODUCTIONS:
         assert callable(reproduction(name)), name
 
@@ -75,7 +76,7 @@ def test_stored_tables_are_their_measurements_and_the_handbook_shows_them():
     root = Path(__file__).resolve().parents[1]
     assert main(["tables", "--check", "--results", str(root / "benchmarks" / "results"), "-q"]) == 0
     pages = {"mocha/table1.md": "mocha.md", "personalization/personalization.md": "personalization.md",
-             "fmnist_cnn/fmnist_cnn.md": "personalization.md"}
+             "fmnist_cnn/fmnist_cnn.md": "personalization.md", "perfedavg/perfedavg.md": "personalization.md"}
     assert set(pages) == set(TABLES)
     for rel, page in pages.items():
         text = (root / "docs" / "results" / page).read_text()
@@ -83,3 +84,17 @@ def test_stored_tables_are_their_measurements_and_the_handbook_shows_them():
             continue
         rows = [ln for ln in (root / "benchmarks" / "results" / rel).read_text().splitlines() if ln.startswith("| ")]
         assert rows and all(r in text for r in rows), rel
+
+
+@pytest.mark.slow
+def test_perfedavg_reproduction_quick(tmp_path):
+    """``fedmtl reproduce perfedavg --quick``: both analogues, every method with its seeds, the table from the JSON."""
+    from fedmtl.experiments.perfedavg import METHODS, perfedavg_markdown, run
+
+    s = run(tmp_path, quick=True)
+    assert set(s["results"]) == {"fmnist", "digits"}
+    for rows in s["results"].values():
+        assert set(rows) == set(METHODS) and all(0 < r["avg"] <= 100 for r in rows.values())
+    d = s["results"]["digits"]
+    assert d["perfedavg (FO)"]["avg"] > d["fedavg"]["avg"]  # one step of adaptation on users of two classes
+    assert (tmp_path / "perfedavg.md").read_text() == perfedavg_markdown(tmp_path)

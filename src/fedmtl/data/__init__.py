@@ -12,7 +12,7 @@ from .federated import ClientGroup, DataError, FederatedData, Split
 from .synthetic import fedem_synthetic, linear_mixture, permuted_groups, related_tasks
 from .tabular import gleam, har, vehicle
 from .text import shakespeare
-from .vision import cifar, emnist, fashion_mnist, femnist, fmnist_pairs, idx_federation, mnist
+from .vision import cifar, digits, emnist, fashion_mnist, femnist, fmnist_pairs, idx_federation, mnist
 
 for _name, _fn in {
     "fedem_synthetic": fedem_synthetic,
@@ -21,6 +21,7 @@ for _name, _fn in {
     "related_tasks": related_tasks,
     "fashion_mnist": functools.partial(idx_federation, name="fashion_mnist"),
     "mnist": functools.partial(idx_federation, name="mnist"),
+    "digits": digits,
     "fmnist_pairs": fmnist_pairs,
     "emnist": emnist,
     "femnist": femnist,
@@ -33,7 +34,7 @@ for _name, _fn in {
     register_dataset(_name, replace=True)(_fn)
 
 __all__ = [
-    "DATASETS", "ClientGroup", "DataError", "FederatedData", "Split", "cifar", "emnist", "fashion_mnist",
+    "DATASETS", "ClientGroup", "DataError", "FederatedData", "Split", "cifar", "digits", "emnist", "fashion_mnist",
     "fedem_synthetic", "femnist", "fmnist_pairs", "gleam", "har", "linear_mixture", "mnist", "permuted_groups",
     "related_tasks", "shakespeare", "vehicle",
 ]

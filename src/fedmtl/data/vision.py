@@ -154,6 +154,32 @@ def idx_federation(
                              num_groups, shards_per_client, keep_high, fraction, test_frac, val_frac, unseen_frac, seed)
 
 
+def digits(
+    num_clients: Annotated[int, Range(1, 1797)] = 20,
+    partition: str = "shards",
+    alpha: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.4,
+    num_groups: Annotated[int, Range(1, 10**4)] = 3,
+    shards_per_client: Annotated[int, Range(1, 10**4)] = 2,
+    keep_high: Annotated[float, Range(0, 1)] = 0.5,
+    test_frac: Fraction = 0.2,
+    val_frac: Fraction = 0.0,
+    unseen_frac: Fraction = 0.0,
+    seed: DataSeed = 12345,
+) -> FederatedData:
+    """scikit-learn's handwritten digits (1,797 images of 8x8 pixels, 10 classes, shipped with scikit-learn: no
+    download), an offline analogue of MNIST; pixel values 0-16 stored as uint8 0-255 and partitioned like MNIST
+    (default ``shards``: each client a couple of classes)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = np.round(d.images * (255.0 / 16.0)).astype(np.uint8)  # (1797, 8, 8)
+    y = d.target.astype(np.int64)
+    scaled = x.astype(np.float64) / 255.0
+    return _image_federation("digits", x, y, 10, float(scaled.mean()), float(scaled.std()), num_clients, partition,
+                             alpha, num_groups, shards_per_client, keep_high, 1.0, test_frac, val_frac, unseen_frac,
+                             seed)
+
+
 def fashion_mnist(**kwargs: Any) -> FederatedData:
     """Fashion-MNIST federation (see ``idx_federation`` for the arguments)."""
     return idx_federation(name="fashion_mnist", **kwargs)

@@ -20,6 +20,7 @@ REPRODUCTIONS: dict[str, str] = {
     "fedem-synthetic": "fedem:fedem_synthetic",
     "fedem-vs-ifca": "fedem_ifca:run",
     "personalization": "personalization:personalization",
+    "perfedavg": "perfedavg:run",
     "omnifedge-fmnist": "omnifedge:omnifedge_fmnist",
     "fmnist": "fedem:fmnist",
     "fmnist-cnn": "personalization:fmnist_cnn",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .mocha import table1_markdown
+from .perfedavg import perfedavg_markdown
 from .personalization import fmnist_cnn_markdown, personalization_markdown
 
 #: stored table (relative to the results directory) -> the function that makes it from its directory's JSON
@@ -19,6 +20,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "mocha/table1.md": table1_markdown,
     "personalization/personalization.md": personalization_markdown,
     "fmnist_cnn/fmnist_cnn.md": fmnist_cnn_markdown,
+    "perfedavg/perfedavg.md": perfedavg_markdown,
 }
 
 
