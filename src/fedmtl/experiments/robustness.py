@@ -27,6 +27,7 @@ noise levels.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,28 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
     """``robustness.md``, ``robustness.json``, ``summary.json``, ``robustness.png`` and ``privacy.png`` from a
     study's results."""
     quick = bool(result.get("quick"))
+    md, curves, heat = _report(result)
+    if curves:
+        plot_curves(out / "privacy.png", curves, "final mean test accuracy (%)",
+                    f"privacy-utility{' (quick)' if quick else ''}: epsilon at delta = 1e-5 (RDP)", xlabel="epsilon")
+    if heat:
+        plot_matrices(out / "robustness.png", heat)
+    write_table(out / "robustness.md", md)
+    write_json(out / "robustness.json", result)
+    write_json(out / "summary.json", result)
+    print(md)
+
+
+def robustness_markdown(results: Path) -> str:
+    """``robustness.md`` from the stored ``summary.json`` (``fedmtl tables`` regenerates it)."""
+    return _report(json.loads((results / "summary.json").read_text()))[0]
+
+
+def _report(result: dict[str, Any]) -> tuple[str, dict[str, tuple[list[float], list[float]]],
+                                              dict[str, tuple[list[str], list[str], list[list[float | None]],
+                                                              float | None]]]:
+    """The report's Markdown, the privacy curves and the FedAvg matrices of a study's results."""
+    quick = bool(result.get("quick"))
     md = [f"# Robustness{' (quick: 6 rounds, IPM 0.1 at 20% attackers only)' if quick else ''}: final-round mean "
           "test accuracy (%) over all clients (attackers included)\n\n"
           f"Rows: aggregators (`+b{BUCKET}`: bucketing with s = {BUCKET} in front); columns: the aggregator without "
@@ -255,15 +278,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
                 curves[f"{ds} {method}"] = ([p["epsilon"] for p in pts], [p["acc"] for p in pts])
     if result.get("wall_s"):
         md.append("\nWall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["wall_s"].items()) + "\n")
-    if curves:
-        plot_curves(out / "privacy.png", curves, "final mean test accuracy (%)",
-                    f"privacy-utility{' (quick)' if quick else ''}: epsilon at delta = 1e-5 (RDP)", xlabel="epsilon")
-    if heat:
-        plot_matrices(out / "robustness.png", heat)
-    write_table(out / "robustness.md", "\n".join(md) + "\n")
-    write_json(out / "robustness.json", result)
-    write_json(out / "summary.json", result)
-    print("\n".join(md))
+    return "\n".join(md) + "\n", curves, heat
 
 
 def plot_matrices(path: Path, heat: dict[str, tuple[list[str], list[str], list[list[float | None]], float | None]]

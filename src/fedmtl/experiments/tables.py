@@ -14,6 +14,7 @@ from pathlib import Path
 from .mocha import table1_markdown
 from .perfedavg import perfedavg_markdown
 from .personalization import fmnist_cnn_markdown, personalization_markdown
+from .robustness import robustness_markdown
 
 #: stored table (relative to the results directory) -> the function that makes it from its directory's JSON
 TABLES: dict[str, Callable[[Path], str]] = {
@@ -21,6 +22,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "personalization/personalization.md": personalization_markdown,
     "fmnist_cnn/fmnist_cnn.md": fmnist_cnn_markdown,
     "perfedavg/perfedavg.md": perfedavg_markdown,
+    "robustness/robustness.md": robustness_markdown,
 }
 
 
