@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import tomllib
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,15 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
 
 
 __all__ = ["method_overrides", "overrides", "read_tables", "run_methods", "run_one", "run_seeds"]
+
+
+def publish(out: Path, table: str, summary: Any, markdown: Callable[[Path], str]) -> str:
+    """Write ``out/summary.json``, then ``out/table``: what ``markdown`` makes of it (the function ``fedmtl tables``
+    regenerates the stored table with); print the table and return it."""
+    from ..report import write_json, write_table
+
+    write_json(out / "summary.json", summary)
+    md = markdown(out)
+    write_table(out / table, md)
+    print(md)
+    return md

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from ..report import markdown_table, write_json, write_table
+from ..report import markdown_table
 from ..resources import config_path
-from .common import method_overrides, read_tables, run_methods
+from .common import method_overrides, publish, read_tables, run_methods
 
 _TABLE = read_tables("perfedavg.toml")["perfedavg"]
 METHODS: dict[str, list[str]] = method_overrides(_TABLE["methods"])
@@ -37,10 +37,7 @@ def run(out: str | Path, quick: bool = False) -> dict[str, Any]:
             n: {"avg": 100 * s["final"][SEEN_TEST_ACC_MEAN], "avg_std": 100 * s["final_std"][SEEN_TEST_ACC_MEAN],
                 "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
                 "bottom_decile_std": 100 * s["final_std"][SEEN_TEST_ACC_P10]} for n, s in res.items()}
-    write_json(out / "summary.json", summary)
-    md = perfedavg_markdown(out)
-    write_table(out / "perfedavg.md", md)
-    print(md)
+    publish(out, "perfedavg.md", summary, perfedavg_markdown)
     return summary
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from ..config import load
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from ..report import markdown_table, write_json, write_table
+from ..report import markdown_table
 from ..resources import config_path
-from .common import method_overrides, read_tables, run_methods
+from .common import method_overrides, publish, read_tables, run_methods
 
 _TABLES = read_tables("personalization.toml")
 #: label -> ``--set`` overrides of every method of ``reproduce personalization``
@@ -48,10 +48,7 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
                    "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
                    "bottom_decile_std": 100 * s["final_std"][SEEN_TEST_ACC_P10],
                    "vs_fedavg_same_model": avg - fedavg[model], "seeds": PERSONALIZATION_SEEDS}
-    write_json(out / "summary.json", rows)
-    md = personalization_markdown(out)
-    write_table(out / "personalization.md", md)
-    print(md)
+    publish(out, "personalization.md", rows, personalization_markdown)
     return rows
 
 
@@ -92,10 +89,7 @@ def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
         avg = 100 * s["final"][SEEN_TEST_ACC_MEAN]
         rows[n] = {"model": model, "avg": avg, "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
                    "minus_local": avg - local, "rounds": s["rounds"], "seconds_per_round": s["seconds_per_round"]}
-    write_json(out / "summary.json", {"results": rows, "quick": quick, "methods": FMNIST_CNN_METHODS})
-    md = fmnist_cnn_markdown(out)
-    write_table(out / "fmnist_cnn.md", md)
-    print(md)
+    publish(out, "fmnist_cnn.md", {"results": rows, "quick": quick, "methods": FMNIST_CNN_METHODS}, fmnist_cnn_markdown)
     return rows
 
 
