@@ -406,10 +406,6 @@ class DistributedClients:
     def commit(self) -> None:
         self.local.commit()
 
-    def read(self, ids: Tensor) -> Tree:
-        """Client states of this rank's clients among ``ids``."""
-        return self.local.read(ids[ids % self.group.world == self.group.rank])
-
     def close(self) -> None:
         self.local.close()
 
