@@ -277,3 +277,60 @@ def test_stored_table1_is_regenerated_from_the_stored_measurements():
     assert (results / "table1.md").read_text() == table1_markdown(results)
     page = (Path(__file__).resolve().parents[1] / "docs" / "results" / "mocha.md").read_text()
     assert '--8<-- "benchmarks/results/mocha/table1.md"' in page
+
+
+# ------------------------------------------------------------------ shared tasks (Remark 4)
+def split_over_nodes(xs, ys, seed=0, per_task=(1, 2, 3)):
+    """Each task's examples cut at random into 1-3 nodes: (node arrays, node -> task)."""
+    rng = np.random.default_rng(seed)
+    nx, ny, owner = [], [], []
+    for t, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        k = per_task[t % len(per_task)]
+        cuts = np.sort(rng.choice(np.arange(1, len(y)), k - 1, replace=False))
+        for a, b in zip(np.split(x, cuts), np.split(y, cuts), strict=True):
+            nx.append(a)
+            ny.append(b)
+            owner.append(t)
+    return MTLData.from_tasks(nx, ny).shared(owner)
+
+
+@pytest.mark.parametrize("loss", ["hinge", "squared_hinge"])
+def test_shared_tasks_solve_the_pooled_problem(loss):
+    """Remark 4: a task's data on several nodes, their dB added into the task's b_t, reaches the optimum of the
+    problem with each task's data pooled (CVXPY), with one W row per task and a nonnegative duality gap."""
+    xs, ys, pooled = tasks(11)
+    shared = split_over_nodes(xs, ys)
+    assert shared.nodes == 7 and shared.m == pooled.m == 4
+    assert (shared.task_counts == pooled.counts).all()
+    a = np.random.default_rng(1).normal(size=(4, 4))
+    omega, lam = a @ a.T / 4 + 0.5 * np.eye(4), 0.05
+    W_ref, p_ref = cvx_solution(xs, ys, omega, lam, loss)
+    res = solve(shared, MochaConfig(lam=lam, loss=loss, inner=2000, local_frac=1.0, record_every=100, tol=1e-7),
+                FixedOmega(omega))
+    assert res.W.shape == (4, 5) and res.beta.shape == (7, shared.X.shape[1])
+    assert all(r["gap"] >= -1e-9 for r in res.trace)
+    assert abs(res.trace[-1]["primal"] - p_ref) < 1e-5 * max(1.0, abs(p_ref))
+    assert np.linalg.norm(res.W - W_ref) / np.linalg.norm(W_ref) < 1e-2
+
+
+def test_shared_tasks_one_node_each_is_the_plain_problem_and_full_batches_agree():
+    xs, ys, pooled = tasks(12)
+    same = pooled.shared(np.arange(pooled.m))
+    cfg = MochaConfig(lam=0.05, outer=2, inner=30, record_every=10)
+    a, b = solve(pooled, cfg, TaskCovariance()), solve(same, cfg, TaskCovariance())
+    assert np.array_equal(a.W, b.W) and np.array_equal(a.omega, b.omega)
+    shared = split_over_nodes(xs, ys, seed=2)
+    for method in ("mbsdca", "mbsgd"):  # every example in every round's batch: the same steps as pooled
+        cfg = MochaConfig(lam=0.05, method=method, inner=40, local_frac=2.0, record_every=40)
+        p, s = solve(pooled, cfg, identity(4)), solve(shared, cfg, identity(4))
+        assert np.allclose(p.W, s.W, atol=1e-12), method
+    full = solve(shared, MochaConfig(lam=0.05, outer=3, inner=50, record_every=50), TaskCovariance())
+    assert full.omega.shape == (4, 4) and full.trace[-1]["primal"] < full.trace[0]["primal"]
+
+
+def test_shared_task_map_is_checked():
+    _, _, data = tasks(13)
+    with pytest.raises(DataError, match="map each of the 4 nodes"):
+        data.shared([0, 1])
+    with pytest.raises(DataError, match="0..k-1"):
+        data.shared([0, 2, 2, 0])

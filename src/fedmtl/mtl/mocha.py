@@ -20,7 +20,12 @@ last row is then re-recorded at the returned (W, Omega).  An early stop (``tol``
 the old W and keeps adding dB Sigma / lam, as the reference MATLAB code does (needed only to reproduce its
 exact numbers; there the final Omega update leaves W unchanged).
 
-All nodes run as one vectorized computation: every SDCA step is one numpy operation over the m nodes.
+All nodes run as one vectorized computation: every SDCA step is one numpy operation over the nodes.
+
+**Shared tasks** (Remark 4): with ``MTLData.tasks`` several nodes hold data of one task.  Each node solves the same
+data-local subproblem on its own examples (its duals, its w_tau(t), the task's n_t as divisor) and the server adds
+the dB of all the nodes of a task into that task's b_t; Omega is tasks x tasks.  sigma' is Lemma 9's bound for the
+node-level matrix Sigma[tau(j), tau(k)] (the nodes of one task update one w together, as CoCoA+'s machines do).
 
 Baselines (the paper's Figures 1-2): **CoCoA** solves the same subproblem on every node to a fixed
 quality theta (certified by the local duality gap: gap <= theta * progress, checked every 5 steps, at most
@@ -40,7 +45,7 @@ import numpy as np
 
 from ..engine.systems import SystemsModel, TimeModel
 from .omega import Regularizer, identity, sigma_prime
-from .problem import Loss, MTLData, dual, dual_B, get_loss, margins, primal, w_of
+from .problem import Loss, MTLData, dual, dual_B, get_loss, primal, w_of
 
 METHODS = ("mocha", "cocoa", "mbsdca", "mbsgd")
 # FLOP coefficients per local step (times d), as in the reference code's time formulas (8 / 6 / 4 per point).
@@ -109,7 +114,7 @@ def sdca_local(
     Steps are processed in chunks: at a chunk's start every sampled example's margin against the local
     model is computed at once, and the local model's later changes enter through the chunk's Gram matrix,
     so each coordinate step costs O(m * chunk) instead of O(m * d) numpy work."""
-    m, n = data.m, data.counts
+    m, n, den = data.nodes, data.counts, data.denom
     ar = np.arange(m)
     dbeta = np.zeros_like(beta)
     dB = np.zeros_like(W)
@@ -125,7 +130,7 @@ def sdca_local(
         yc, sqc = data.y[ar[:, None], idx], sq[ar[:, None], idx]
         base = np.einsum("tld,td->tl", xc, W + q[:, None] * dB)  # margins before this chunk's updates
         qgram = q[:, None, None] * np.einsum("tld,tkd->tlk", xc, xc)
-        curv = q[:, None] * sqc / n[:, None]
+        curv = q[:, None] * sqc / den[:, None]
         coef = np.zeros((m, c1 - c0))
         for j in range(c1 - c0):
             act = live & (c0 + j < steps)
@@ -137,7 +142,7 @@ def sdca_local(
             delta = loss.coordinate(b_old, mar, curv[:, j]) - b_old
             delta *= act
             dbeta[ar, i] += delta
-            cj = delta * yc[:, j] / n
+            cj = delta * yc[:, j] / den
             coef[:, j] = cj
             base += cj[:, None] * qgram[:, j, :]  # every later margin sees the local model's change
             taken += act
@@ -151,16 +156,17 @@ def sdca_local(
 
 def local_gap(data: MTLData, loss: Loss, beta: np.ndarray, dbeta: np.ndarray, W: np.ndarray, dB: np.ndarray,
               q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per node: the subproblem's duality gap at d_beta (>= G* - G(d_beta)) and its progress G(d) - G(0).
+    """Per node: the subproblem's duality gap at d_beta (>= G* - G(d_beta)) and its progress G(d) - G(0)
+    (``W`` holds each node's w_tau(t), one row per node; n is the task's count).
 
     The subproblem's primal in v is (1/n) sum_i [l(m_i(w + v)) + beta_i m_i(w + v)] + ||v||^2 / (2 q); at
     v = q dB the gap is the Fenchel-Young sum (1/n) sum_i [l(m_i(u)) + b_i m_i(u) + phi(b_i)], u = w + q dB.
     Since G* - G(d) <= gap, stopping when gap <= theta (G(d) - G(0)) certifies theta_t^h <= theta."""
     u = W + q[:, None] * dB
-    mar = margins(data, u)
+    mar = data.y * np.einsum("tnd,td->tn", data.X, u)
     b = beta + dbeta
     mask = data.mask
-    n = data.counts
+    n = data.denom
     gap = ((loss.primal(mar) + b * mar + loss.conj(b)) * mask).sum(1) / n
     progress = ((loss.conj(beta) - loss.conj(b)) * mask).sum(1) / n - (dB * W).sum(1) - 0.5 * q * (dB * dB).sum(1)
     return gap, progress
@@ -182,14 +188,14 @@ def solve(
     unit = 1.0 if time_model.network == "paper" else float(data.d)
     step_cost = STEP_COST[cfg.method] * unit
     nbytes = 8.0 * data.d
-    lam, m = cfg.lam, data.m
+    lam, m, nodes, tau = cfg.lam, data.m, data.nodes, data.task_of
     omega, sigma = reg.init(m)
     beta = np.zeros(data.y.shape)
     B = np.zeros((m, data.d))
     W = np.zeros((m, data.d))
     sq = data.sqnorm
     rng = np.random.default_rng(cfg.seed)
-    base = data.counts if cfg.budget == "n_t" else np.full(m, data.counts.min())
+    base = data.counts if cfg.budget == "n_t" else np.full(nodes, data.counts.min())
     budget = np.maximum(1, np.floor(cfg.local_frac * base + 1e-9)).astype(np.int64)
     res = MochaResult(W, beta, omega, sigma)
     clock = 0.0
@@ -209,18 +215,20 @@ def solve(
     record(0, 0)
     stop = False
     for o in range(cfg.outer):
-        sp = sigma_prime(sigma, cfg.gamma, cfg.sigma_mode == "per_task")
-        q = sp * np.diag(sigma) / lam
+        node_sigma = data.node_sigma(sigma)
+        sp = sigma_prime(node_sigma, cfg.gamma, cfg.sigma_mode == "per_task")
+        q = sp * np.diag(node_sigma) / lam
         lam_min = float(np.linalg.eigvalsh(omega).min())
         radius = np.sqrt(2.0 * float(loss.primal(np.zeros(1))[0]) * m / (lam * lam_min))
         for _ in range(cfg.inner):
-            draw = systems.draw(cfg.seed, h_global, np.arange(m))
-            cap = budget if cfg.method != "cocoa" else np.full(m, cfg.cocoa_max_steps)
+            draw = systems.draw(cfg.seed, h_global, np.arange(nodes))
+            cap = budget if cfg.method != "cocoa" else np.full(nodes, cfg.cocoa_max_steps)
             steps = systems.steps(draw, cap)
             perm = _perm(rng, data)
             if cfg.method in ("mocha", "cocoa"):
                 theta = cfg.theta if cfg.method == "cocoa" else None
-                dbeta, dB, taken = sdca_local(data, loss, beta, W, q, steps, perm, sq, theta)
+                dbeta, dB, taken = sdca_local(data, loss, beta, W[tau], q, steps, perm, sq, theta)
+                dB = data.to_tasks(dB)  # Remark 4: the nodes of a task add into its b_t
                 beta = beta + cfg.gamma * dbeta
                 if cfg.reference_w_update:
                     W = W + cfg.gamma * w_of(dB, sigma, lam)
@@ -235,8 +243,8 @@ def solve(
                 xb = np.take_along_axis(data.X, idx[:, :, None], 1)
                 yb = np.take_along_axis(data.y, idx, 1)
                 bb = np.take_along_axis(beta, idx, 1)
-                mar = yb * np.einsum("tnd,td->tn", xb, W)
-                curv = (np.diag(sigma) / lam)[:, None] * np.take_along_axis(sq, idx, 1) / data.counts[:, None]
+                mar = yb * np.einsum("tnd,td->tn", xb, W[tau])
+                curv = (np.diag(node_sigma) / lam)[:, None] * np.take_along_axis(sq, idx, 1) / data.denom[:, None]
                 delta = np.where(sel, loss.coordinate(bb, mar, curv) - bb, 0.0)
                 nu = min(1.0, cfg.scaling / max(int(steps.sum()), 1))
                 dbeta = np.zeros_like(beta)
@@ -249,9 +257,10 @@ def solve(
                 sel = np.arange(data.y.shape[1])[None, :] < steps[:, None]
                 xb = np.take_along_axis(data.X, perm[:, :, None], 1)
                 yb = np.take_along_axis(data.y, perm, 1)
-                mar = yb * np.einsum("tnd,td->tn", xb, W)
+                mar = yb * np.einsum("tnd,td->tn", xb, W[tau])
                 coef = np.where(sel, loss.subgradient(mar) * yb, 0.0) / np.maximum(steps, 1)[:, None]
-                G = np.einsum("tn,tnd->td", coef, xb) + lam * omega @ W
+                share = (data.counts / data.denom)[:, None]  # a task's mean gradient: its nodes' by their share
+                G = data.to_tasks(share * np.einsum("tn,tnd->td", coef, xb)) + lam * omega @ W
                 eta = cfg.scaling / (lam * lam_min * (h_global + 1))
                 W = W - eta * G
                 norm = np.linalg.norm(W)
@@ -259,8 +268,8 @@ def solve(
                     W = W * (radius / norm)
             h_global += 1
             answered = int((~draw.dropped).sum())
-            res.messages += m + answered
-            res.bytes += nbytes * (m + answered)
+            res.messages += nodes + answered
+            res.bytes += nbytes * (nodes + answered)
             compute = systems.compute_time_steps(draw, cap if cfg.method != "cocoa" else taken, taken) * step_cost
             compute_total += compute
             clock += time_model.round_seconds(compute, nbytes, nbytes)

@@ -12,8 +12,13 @@ dual variable in label-free form.  Hinge: phi(beta) = -beta on [0, 1].  Squared 
 l(m) = max(0, 1 - m)^2: phi(beta) = -beta + beta^2 / 4 on [0, inf).  P(W(beta)) - D(beta) >= 0 is the
 duality gap.
 
-Arrays are float64 numpy, padded over tasks: X (m, n_max, d), y (m, n_max) in {-1, +1} (0 = padding); the padded
-view of a ``FederatedData`` (``MTLData.from_federated``: one task per client), the reference solver's input.
+Arrays are float64 numpy, padded over nodes: X (nodes, n_max, d), y (nodes, n_max) in {-1, +1} (0 = padding); the
+padded view of a ``FederatedData`` (``MTLData.from_federated``: one task per client), the reference solver's input.
+
+**Shared tasks** (the paper's Remark 4, Appendix B.3.1): ``MTLData.tasks`` maps each node to the task whose data it
+holds, several nodes to one task.  Everything above then reads with the task's data pooled over its nodes: n_t is
+the task's total count (every node of task t divides by it), b_t sums its nodes' contributions and W, Omega are
+(tasks x d) and (tasks x tasks).  The duals stay per node and per example.
 """
 
 from __future__ import annotations
@@ -90,15 +95,62 @@ def get_loss(name: str) -> Loss:
 
 @dataclass
 class MTLData:
-    """m binary tasks, padded.  Build with ``from_tasks``."""
+    """Binary tasks on nodes, padded.  Build with ``from_tasks`` (then ``shared`` for several nodes per task)."""
 
-    X: np.ndarray  # (m, n_max, d)
-    y: np.ndarray  # (m, n_max) in {-1, 0, +1}
-    counts: np.ndarray  # (m,) int
+    X: np.ndarray  # (nodes, n_max, d)
+    y: np.ndarray  # (nodes, n_max) in {-1, 0, +1}
+    counts: np.ndarray  # (nodes,) int
+    #: (nodes,) the task each node holds (Remark 4); None: node t holds task t alone
+    tasks: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.tasks is not None:
+            t = np.asarray(self.tasks)
+            if t.shape != (self.X.shape[0],) or not np.issubdtype(t.dtype, np.integer):
+                raise DataError(f"tasks must map each of the {self.X.shape[0]} nodes to a task id, got shape {t.shape}")
+            if t.min(initial=0) < 0 or set(np.unique(t).tolist()) != set(range(int(t.max(initial=-1)) + 1)):
+                raise DataError("task ids must be 0..k-1, each held by at least one node")
+            self.tasks = t.astype(np.int64)
+
+    @property
+    def nodes(self) -> int:
+        return self.X.shape[0]
 
     @property
     def m(self) -> int:
-        return self.X.shape[0]
+        """The number of tasks (rows of W, the order of Omega)."""
+        return self.X.shape[0] if self.tasks is None else int(self.tasks.max()) + 1
+
+    @property
+    def task_of(self) -> np.ndarray:
+        """(nodes,) each node's task."""
+        return np.arange(self.X.shape[0]) if self.tasks is None else self.tasks
+
+    @property
+    def task_counts(self) -> np.ndarray:
+        """(m,) each task's examples over all its nodes."""
+        return np.bincount(self.task_of, weights=self.counts, minlength=self.m).astype(np.int64)
+
+    @property
+    def denom(self) -> np.ndarray:
+        """(nodes,) n_t of each node's task: the divisor of the task's mean loss on every node that holds it."""
+        return self.counts if self.tasks is None else self.task_counts[self.tasks]
+
+    def to_tasks(self, a: np.ndarray) -> np.ndarray:
+        """Rows per node -> rows per task (their sum)."""
+        if self.tasks is None:
+            return a
+        out = np.zeros((self.m, *a.shape[1:]), dtype=a.dtype)
+        np.add.at(out, self.tasks, a)
+        return out
+
+    def node_sigma(self, sigma: np.ndarray) -> np.ndarray:
+        """Sigma between nodes: Sigma[tau(j), tau(k)] (rank <= m; W-step quantities per node read it)."""
+        return sigma if self.tasks is None else sigma[np.ix_(self.tasks, self.tasks)]
+
+    def shared(self, tasks: np.ndarray | list[int]) -> MTLData:
+        """These rows as nodes holding the tasks ``tasks`` (node j holds task ``tasks[j]``)."""
+        return MTLData(self.X, self.y, self.counts, np.asarray(tasks))
 
     @property
     def d(self) -> int:
@@ -154,29 +206,30 @@ class MTLData:
         return cls.from_federated(fd)
 
     def subset(self, keep: list[np.ndarray]) -> MTLData:
-        """Per-task index arrays -> a new MTLData (used for CV folds and splits)."""
+        """Per-node index arrays -> a new MTLData on the same nodes and tasks (used for CV folds and splits)."""
         xs = [self.X[t, k] for t, k in enumerate(keep)]
-        return MTLData.from_tasks(xs, [self.y[t, k] for t, k in enumerate(keep)])
+        out = MTLData.from_tasks(xs, [self.y[t, k] for t, k in enumerate(keep)])
+        return out if self.tasks is None else out.shared(self.tasks)
 
 
 def margins(data: MTLData, W: np.ndarray) -> np.ndarray:
-    """(m, n_max) y_ti x_ti^T w_t (0 on padding)."""
-    return data.y * np.einsum("tnd,td->tn", data.X, W)
+    """(nodes, n_max) y_ti x_ti^T w_tau(t) (0 on padding); W has one row per task."""
+    return data.y * np.einsum("tnd,td->tn", data.X, W if data.tasks is None else W[data.tasks])
 
 
 def primal(data: MTLData, W: np.ndarray, omega: np.ndarray, lam: float, loss: Loss) -> float:
-    per = (loss.primal(margins(data, W)) * data.mask).sum(1) / data.counts
+    per = (loss.primal(margins(data, W)) * data.mask).sum(1) / data.denom
     return float(per.sum() + 0.5 * lam * np.sum(omega * (W @ W.T)))
 
 
 def dual_B(data: MTLData, beta: np.ndarray) -> np.ndarray:
-    """(m, d) rows b_t = (1/n_t) X_t^T (beta_t * y_t)."""
-    return np.einsum("tn,tnd->td", beta * data.y, data.X) / data.counts[:, None]
+    """(m, d) rows b_t = (1/n_t) X_t^T (beta_t * y_t), summed over the nodes of each task."""
+    return data.to_tasks(np.einsum("tn,tnd->td", beta * data.y, data.X) / data.denom[:, None])
 
 
 def dual(data: MTLData, beta: np.ndarray, sigma: np.ndarray, lam: float, loss: Loss) -> float:
     B = dual_B(data, beta)
-    per = (-loss.conj(beta) * data.mask).sum(1) / data.counts
+    per = (-loss.conj(beta) * data.mask).sum(1) / data.denom
     return float(per.sum() - 0.5 / lam * np.sum(sigma * (B @ B.T)))
 
 
@@ -185,6 +238,6 @@ def w_of(B: np.ndarray, sigma: np.ndarray, lam: float) -> np.ndarray:
 
 
 def error_rate(data: MTLData, W: np.ndarray) -> np.ndarray:
-    """Per-task 0/1 error of sign(x^T w_t) (a zero score counts as an error)."""
+    """Per-task 0/1 error of sign(x^T w_t) over all the task's examples (a zero score counts as an error)."""
     wrong = (margins(data, W) <= 0) & data.mask
-    return wrong.sum(1) / data.counts
+    return data.to_tasks(wrong.sum(1)) / data.task_counts
