@@ -334,3 +334,40 @@ def test_shared_task_map_is_checked():
         data.shared([0, 1])
     with pytest.raises(DataError, match="0..k-1"):
         data.shared([0, 2, 2, 0])
+
+
+# ------------------------------------------------------------------ skewed data (Tables 3-4)
+def test_skewed_sizes_have_the_papers_table3_shapes():
+    from fedmtl.experiments.mocha_skewed import TABLE3, skewed_sizes
+
+    for name, (m, _, lo, hi, std) in TABLE3.items():
+        n = skewed_sizes(m, lo, hi, std)
+        assert len(n) == m and n.min() == lo and n.max() == hi, name
+        assert abs(n.std() - std) < 0.1, name
+        assert np.median(n) < n.mean()  # most tasks small: a skewed profile
+    with pytest.raises(ValueError, match="no size profile"):
+        skewed_sizes(10, 5, 10, 100.0)  # at most (10 - 5) / 2
+
+
+def test_spread_puts_every_example_on_one_node_of_its_task():
+    from fedmtl.experiments.mocha_skewed import spread
+
+    xs, ys, _ = tasks(14, sizes=(1, 2, 30, 9))
+    (nx, ny), owner = spread((xs, ys), np.random.default_rng(0))
+    assert len(nx) == len(owner) and all(len(y) >= 1 for y in ny)
+    for t in range(4):
+        got = np.concatenate([nx[j] for j in np.flatnonzero(owner == t)])
+        assert np.array_equal(got, xs[t])
+    assert np.bincount(owner).max() <= 3
+
+
+def test_table4_columns_on_a_small_skewed_federation():
+    from fedmtl.experiments.mocha_skewed import METHODS, orderings, skewed_sizes, table4
+    from fedmtl.experiments.mocha import synthetic_tasks
+
+    sizes = np.random.default_rng(0).permutation(skewed_sizes(6, 3, 80, 27.0))
+    res = table4(synthetic_tasks(m=6, d=5, seed=2, sizes=sizes), splits=2, rounds_scale=0.05, cv_scale=0.05)
+    for k in METHODS:
+        assert 0.0 <= res[k] <= 100.0 and len(res["per_split"][k]) == 2, k
+    assert set(res["lambdas"]) == {"global", "local", "mtl"}
+    assert set(orderings(res)) == {"mtl_below_local", "mtl_below_global", "shared_tasks_equal_mtl"}

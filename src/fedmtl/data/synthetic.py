@@ -18,6 +18,8 @@ example by its own component, as the paper describes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -134,17 +136,20 @@ def permuted_groups(
                         name="permuted_groups", meta={"group": groups})
 
 
-def related_task_arrays(m: int = 30, d: int = 20, clusters: int = 3, seed: int = 0, noise: float = 0.05
-                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def related_task_arrays(m: int = 30, d: int = 20, clusters: int = 3, seed: int = 0, noise: float = 0.05,
+                        sizes: Sequence[int] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Related tasks: ``clusters`` groups whose separators are a shared centre plus a small task offset;
-    a few dozen examples per task (log-normal sizes), 5% label noise; labels +-1 (MOCHA's Table 1 synthetic
-    federation, ``fedmtl reproduce mocha``)."""
+    a few dozen examples per task (log-normal sizes; ``sizes``: task t gets ``sizes[t]``), 5% label noise;
+    labels +-1 (MOCHA's Table 1 synthetic federation, ``fedmtl reproduce mocha``)."""
     rng = np.random.default_rng(seed)
+    if sizes is not None and len(sizes) != m:
+        raise ValueError(f"sizes: {len(sizes)} values for {m} tasks")
     centres = rng.normal(size=(clusters, d))
     xs, ys = [], []
     for t in range(m):
         w = centres[t % clusters] + 0.25 * rng.normal(size=d)
         n = int(np.clip(rng.lognormal(3.6, 0.4), 20, 120))
+        n = n if sizes is None else int(sizes[t])
         x = rng.normal(size=(n, d))
         y = np.sign(x @ w)
         flip = rng.random(n) < noise

@@ -14,6 +14,7 @@ import json
 import struct
 import tarfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -367,10 +368,13 @@ def cifar(
 FMNIST_PAIRS = ((0, 6), (2, 4), (7, 9))  # T-shirt/shirt, pullover/coat, sneaker/ankle boot
 
 
-def fmnist_pair_arrays(m: int = 30, seed: int = 0, data_dir: str = "") -> tuple[list[np.ndarray], list[np.ndarray]]:
+def fmnist_pair_arrays(m: int = 30, seed: int = 0, data_dir: str = "", sizes: Sequence[int] | None = None
+                       ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One binary task per client: client t separates the classes of pair ``t mod 3``, with 40-120 images
-    (2x2-average-pooled to 14x14, scaled to [0, 1], plus a constant feature); labels +-1 (MOCHA's Table 1
-    Fashion-MNIST federation)."""
+    (``sizes``: task t gets ``sizes[t]``; 2x2-average-pooled to 14x14, scaled to [0, 1], plus a constant feature);
+    labels +-1 (MOCHA's Table 1 Fashion-MNIST federation)."""
+    if sizes is not None and len(sizes) != m:
+        raise ValueError(f"sizes: {len(sizes)} values for {m} tasks")
     raw = load_idx_dataset("fashion_mnist", data_dir, download=False)
     x = raw["train_x"].astype(np.float64).reshape(-1, 14, 2, 14, 2).mean((2, 4)).reshape(-1, 196) / 255.0
     x = np.hstack([x, np.ones((len(x), 1))])
@@ -382,11 +386,15 @@ def fmnist_pair_arrays(m: int = 30, seed: int = 0, data_dir: str = "") -> tuple[
     for t in range(m):
         p = FMNIST_PAIRS[t % len(FMNIST_PAIRS)]
         n = int(rng.integers(40, 121))
+        n = n if sizes is None else int(sizes[t])
         k = int(rng.binomial(n, 0.5))
         take = []
         for j, cnt in enumerate((k, n - k)):
             take.append(pools[p][j][used[p][j]: used[p][j] + cnt])
             used[p][j] += cnt
+            if used[p][j] > len(pools[p][j]):
+                raise ValueError(f"sizes: the tasks of classes {p} need more than the {len(pools[p][j])} images "
+                                 f"of class {p[j]}")
         idx = np.concatenate(take)
         xs.append(x[idx])
         ys.append(np.where(y[idx] == p[0], 1.0, -1.0))

@@ -15,6 +15,7 @@ from typing import Any
 REPRODUCTIONS: dict[str, str] = {
     "robustness": "robustness:run",
     "mocha": "mocha:run",
+    "mocha-skewed": "mocha_skewed:run",
     "networked": "networked:run",
     "networked-flow": "networked:flow",
     "fedem-synthetic": "fedem:fedem_synthetic",

@@ -11,6 +11,8 @@
     ``fedmtl.engine.systems.TimeModel.paper``) for MOCHA, CoCoA, Mb-SDCA, Mb-SGD: statistical heterogeneity on
     WiFi / LTE / 3G, high and low systems variability, and MOCHA under increasing drop probability and
     with one node that never answers (W-step and the full method).
+(c) **Tables 3-4** — highly skewed task sizes, with stragglers, drops and shared tasks (Remark 4):
+    ``fedmtl.experiments.mocha_skewed`` (also alone: ``fedmtl reproduce mocha-skewed``).
 
 Local SVMs use MOCHA's own solver with the identity coupling (solved to a duality gap of 1e-5); the Global
 SVM on the pooled data uses liblinear's dual coordinate ascent (scikit-learn ``LinearSVC``, the same SDCA
@@ -77,11 +79,12 @@ def _standardize(train: Tasks, test: Tasks) -> tuple[Tasks, Tasks]:
 
 
 def _split(tasks: Tasks, rng: np.random.Generator, frac: float = 0.75) -> tuple[Tasks, Tasks]:
+    """Each task's examples at random: ceil(frac n) to train, the rest (at least one example) to test."""
     tr: Tasks = ([], [])
     te: Tasks = ([], [])
     for x, y in zip(*tasks, strict=True):
         perm = rng.permutation(len(y))
-        k = int(np.ceil(frac * len(y)))
+        k = min(int(np.ceil(frac * len(y))), len(y) - 1)
         tr[0].append(x[perm[:k]])
         tr[1].append(y[perm[:k]])
         te[0].append(x[perm[k:]])
@@ -89,8 +92,10 @@ def _split(tasks: Tasks, rng: np.random.Generator, frac: float = 0.75) -> tuple[
     return tr, te
 
 
-def fit(method: str, train: MTLData, lam: float, seed: int = 0, rounds_scale: float = 1.0) -> np.ndarray:
-    """(m, d) models of ``method`` in {"global", "local", "mtl"} trained on ``train``."""
+def fit(method: str, train: MTLData, lam: float, seed: int = 0, rounds_scale: float = 1.0,
+        systems: SystemsModel | None = None) -> np.ndarray:
+    """(m, d) models of ``method`` in {"global", "local", "mtl"} trained on ``train`` (``systems``: MTL's
+    stragglers and drops)."""
     if method == "local":
         cfg = MochaConfig(lam=lam, inner=max(20, int(100 * rounds_scale)), local_frac=1.0, record_every=10,
                           tol=1e-5, seed=seed)
@@ -108,9 +113,9 @@ def fit(method: str, train: MTLData, lam: float, seed: int = 0, rounds_scale: fl
             svc.fit(x, y)
         return np.repeat(svc.coef_, train.m, axis=0)
     if method == "mtl":
-        cfg = MochaConfig(lam=lam, outer=10, inner=int(100 * rounds_scale), local_frac=0.5,
+        cfg = MochaConfig(lam=lam, outer=10, inner=max(1, int(100 * rounds_scale)), local_frac=0.5,
                           record_every=10**9, seed=seed)
-        return solve(train, cfg, TaskCovariance()).W
+        return solve(train, cfg, TaskCovariance(), systems).W
     raise ValueError(method)
 
 
@@ -356,4 +361,7 @@ def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     print(table)
     print(json.dumps({"time_to_subopt_1e-3": targets, "drops": summary["drops"],
                       "full_method_drops": summary["full_method_drops"]}, indent=1))
+    from .mocha_skewed import run as skewed  # Tables 3-4: table4.json, table4.md
+
+    skewed(out, quick=quick, seed=seed)
     return summary

@@ -113,44 +113,52 @@ def sdca_local(
 
     Steps are processed in chunks: at a chunk's start every sampled example's margin against the local
     model is computed at once, and the local model's later changes enter through the chunk's Gram matrix,
-    so each coordinate step costs O(m * chunk) instead of O(m * d) numpy work."""
-    m, n, den = data.nodes, data.counts, data.denom
-    ar = np.arange(m)
+    so each coordinate step costs O(m * chunk) instead of O(m * d) numpy work.  A chunk computes only the
+    nodes that still have steps in it (with skewed node sizes, after the first chunk only the large nodes)."""
+    n, den = data.counts, data.denom
     dbeta = np.zeros_like(beta)
     dB = np.zeros_like(W)
     live = steps > 0
-    taken = np.zeros(m, dtype=np.int64)
+    taken = np.zeros(data.nodes, dtype=np.int64)
     total = int(steps.max(initial=0))
     for c0 in range(0, total, chunk):
-        if not live.any():
+        r = np.flatnonzero(live & (steps > c0))  # the nodes that step in this chunk
+        if not len(r):
             break
         c1 = min(total, c0 + chunk)
-        idx = perm[ar[:, None], np.arange(c0, c1)[None, :] % n[:, None]]  # (m, L)
-        xc = data.X[ar[:, None], idx]  # (m, L, d)
-        yc, sqc = data.y[ar[:, None], idx], sq[ar[:, None], idx]
-        base = np.einsum("tld,td->tl", xc, W + q[:, None] * dB)  # margins before this chunk's updates
-        qgram = q[:, None, None] * np.einsum("tld,tkd->tlk", xc, xc)
-        curv = q[:, None] * sqc / den[:, None]
-        coef = np.zeros((m, c1 - c0))
+        ar = np.arange(len(r))
+        idx = perm[r[:, None], np.arange(c0, c1)[None, :] % n[r, None]]  # (k, L)
+        xc = data.X[r[:, None], idx]  # (k, L, d)
+        yc, sqc = data.y[r[:, None], idx], sq[r[:, None], idx]
+        qr, den_r, steps_r = q[r], den[r], steps[r]
+        base = (xc @ (W[r] + qr[:, None] * dB[r])[:, :, None])[:, :, 0]  # margins before this chunk's updates
+        qgram = qr[:, None, None] * (xc @ xc.transpose(0, 2, 1))
+        curv = qr[:, None] * sqc / den_r[:, None]
+        coef = np.zeros((len(r), c1 - c0))
+        bet, dbet = beta[r], dbeta[r]
+        act_r = live[r].copy()
         for j in range(c1 - c0):
-            act = live & (c0 + j < steps)
+            act = act_r & (c0 + j < steps_r)
             if not act.any():
                 break
-            mar = yc[:, j] * base[:, j]
             i = idx[:, j]
-            b_old = beta[ar, i] + dbeta[ar, i]
-            delta = loss.coordinate(b_old, mar, curv[:, j]) - b_old
+            b_old = bet[ar, i] + dbet[ar, i]
+            delta = loss.coordinate(b_old, yc[:, j] * base[:, j], curv[:, j]) - b_old
             delta *= act
-            dbeta[ar, i] += delta
-            cj = delta * yc[:, j] / den
+            dbet[ar, i] += delta
+            cj = delta * yc[:, j] / den_r
             coef[:, j] = cj
             base += cj[:, None] * qgram[:, j, :]  # every later margin sees the local model's change
-            taken += act
+            taken[r] += act
             if theta is not None and (c0 + j + 1) % check_every == 0:
-                cur = dB + np.einsum("tl,tld->td", coef, xc)
+                cur = dB.copy()
+                cur[r] += (coef[:, None, :] @ xc)[:, 0]
+                dbeta[r] = dbet
                 gap, progress = local_gap(data, loss, beta, dbeta, W, cur, q)
                 live &= ~((gap <= theta * progress) | (gap <= 1e-12))
-        dB = dB + np.einsum("tl,tld->td", coef, xc)
+                act_r = live[r]
+        dbeta[r] = dbet
+        dB[r] += (coef[:, None, :] @ xc)[:, 0]
     return dbeta, dB, taken
 
 
