@@ -40,14 +40,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedmtl.algorithms import Ditto, FedAvg, FedEM
-from fedmtl.data import partition
 from fedmtl.data.federated import FederatedData
+from fedmtl.data.vision import fmnist_peer_workload
 from fedmtl.engine.driver import make_engine
 from fedmtl.engine.executors import make_executor
 from fedmtl.engine.spec import RunConfig, RunSpec
@@ -80,19 +79,8 @@ def cnn_module() -> nn.Module:
 
 
 def peers_data(seed: int = 0) -> FederatedData:
-    """The workload's federation (module docstring)."""
-    from fedmtl.data.vision import load_idx_dataset
-
-    raw = load_idx_dataset("fashion_mnist", download=False)
-    x = np.concatenate([raw["train_x"], raw["test_x"]])
-    y = np.concatenate([raw["train_y"], raw["test_y"]]).astype(np.int64)
-    rng = np.random.default_rng(seed)
-    keep = np.sort(rng.choice(len(y), EXAMPLES, replace=False))
-    x = (x[keep].astype(np.float32) / 255.0 - 0.5) / 0.5
-    x, y = x.reshape(-1, 1, 28, 28), y[keep]
-    parts = partition.dirichlet(y, CLIENTS, ALPHA, rng, min_size=40)
-    train, test = partition.split_arrays(x, y, parts, 0.25, rng)
-    return FederatedData.from_arrays(train, test, num_classes=10, name="fmnist_peers")
+    """The workload's federation (module docstring): ``fedmtl.data.vision.fmnist_peer_workload``."""
+    return fmnist_peer_workload(seed, EXAMPLES, CLIENTS, ALPHA)
 
 
 def _median_round(step: Callable[[], Any], rounds: int, device: torch.device) -> float:

@@ -362,8 +362,8 @@ def test_spread_puts_every_example_on_one_node_of_its_task():
 
 
 def test_table4_columns_on_a_small_skewed_federation():
-    from fedmtl.experiments.mocha_skewed import METHODS, orderings, skewed_sizes, table4
     from fedmtl.experiments.mocha import synthetic_tasks
+    from fedmtl.experiments.mocha_skewed import METHODS, orderings, skewed_sizes, table4
 
     sizes = np.random.default_rng(0).permutation(skewed_sizes(6, 3, 80, 27.0))
     res = table4(synthetic_tasks(m=6, d=5, seed=2, sizes=sizes), splits=2, rounds_scale=0.05, cv_scale=0.05)

@@ -468,11 +468,14 @@ class ClientData(NamedTuple):
 
 
 def _first_epoch_pos(kk: int, epochs: int, width: int, j: Tensor, valid: Tensor, local: Tensor) -> Tensor:
-    """(K, E, W): each slot's position in its client's first-epoch order (the index space of ``Batches.pos``)."""
+    """(K, E, W): each slot's position in its client's first-epoch order (the index space of ``Batches.pos``).
+    With ``drop_last`` (one epoch a round, ``RunConfig``; FedRep's head epochs come before it) an example of a
+    later epoch may be missing from the first, dropped from its tail: its position is 0."""
     if epochs == 1:
         return j.view(1, 1, -1).expand(kk, 1, width)
-    inv0 = torch.zeros(kk, width + 1, dtype=torch.long)  # column `width` absorbs the padding slots
-    target = torch.where(valid, local[:, 0], torch.full_like(local[:, 0], width))
+    ids = max(width, int(local.max()) + 1 if local.numel() else 0)  # the examples' own numbers (drop_last: > width)
+    inv0 = torch.zeros(kk, ids + 1, dtype=torch.long)  # the last column absorbs the padding slots
+    target = torch.where(valid, local[:, 0], torch.full_like(local[:, 0], ids))
     inv0.scatter_(1, target, j.unsqueeze(0).expand(kk, width).contiguous())  # the inverse permutation of epoch 0
     pos = torch.gather(inv0, 1, local.reshape(kk, -1)).reshape(kk, epochs, width)
     return torch.where(valid.unsqueeze(1), pos, j.view(1, 1, -1).expand_as(pos))

@@ -22,6 +22,7 @@ REPRODUCTIONS: dict[str, str] = {
     "fedem-vs-ifca": "fedem_ifca:run",
     "personalization": "personalization:personalization",
     "perfedavg": "perfedavg:run",
+    "peer-fedper": "peer_fedper:run",
     "omnifedge-fmnist": "omnifedge:omnifedge_fmnist",
     "fmnist": "fedem:fmnist",
     "fmnist-cnn": "personalization:fmnist_cnn",
