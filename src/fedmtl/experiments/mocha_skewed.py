@@ -102,7 +102,7 @@ def datasets(seed: int = 0) -> dict[str, Callable[[], Tasks]]:
     files are present."""
     out: dict[str, Callable[[], Tasks]] = {}
     rng = np.random.default_rng(seed)
-    shapes = {k: rng.permutation(skewed_sizes(m, lo, hi, sd)) for k, (m, _, lo, hi, sd) in TABLE3.items()}
+    shapes = {k: rng.permutation(skewed_sizes(m, lo, hi, sd)).tolist() for k, (m, _, lo, hi, sd) in TABLE3.items()}
     for k, sizes in shapes.items():
         out[f"synthetic-{k}"] = functools.partial(related_task_arrays, m=len(sizes), seed=seed, sizes=sizes)
     try:
