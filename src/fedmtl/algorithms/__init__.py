@@ -17,6 +17,7 @@ from .fedbabu import FedBABU
 from .fedbn import FedBN
 from .feddyn import FedDyn
 from .fedem import FedEM
+from .fednova import FedNova
 from .fedper import FedPer
 from .fedrep import FedRep
 from .fedrod import FedRoD
@@ -34,7 +35,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN):
+             PFedHN, FedBN, FedNova):
     register_algorithm(_cls, replace=True)
 
 
@@ -46,6 +47,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
-    "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedPer", "FedProx", "FedRep", "FedRoD",
-    "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "Scaffold", "get_algorithm",
+    "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedNova", "FedPer", "FedProx", "FedRep",
+    "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "Scaffold",
+    "get_algorithm",
 ]
