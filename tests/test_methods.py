@@ -641,7 +641,7 @@ def test_fednova_client_sends_the_step_normalized_change(small_model):
         y, _ = local_sgd(small_model.value_and_grad, x, b, 0.1, ctx.opt)
         a = float(momentum_weight_sum(torch.tensor(2.0), beta))
         assert abs(float(upd.a) - a) < 1e-6
-        _same(upd.d, T.tmap(lambda p, q: (p - q) / a, x, y), atol=1e-6)
+        _same(upd.d, T.tmap(lambda p, q, a=a: (p - q) / a, x, y), atol=1e-6)
 
 
 def test_fednova_removes_the_objective_inconsistency_of_fedavg():
@@ -670,3 +670,72 @@ def test_fednova_removes_the_objective_inconsistency_of_fedavg():
     assert torch.allclose(nova, ((shrink / tau)[:, None] * c).sum(0) / (shrink / tau).sum(), atol=1e-8)
     opt = (p[:, None] * c).sum(0)
     assert float((nova - opt).norm()) < 0.05 * float((avg - opt).norm())  # FedAvg's lands elsewhere
+
+
+# ------------------------------------------------------------------------------------------------ q-FFL
+def test_qffl_with_q_zero_is_fedavg(small_data):
+    from fedmtl.algorithms import QFFL
+
+    for run in ({}, {"sampling_rate": 0.5}):
+        sa, _ = run_rounds(make_sim(FedAvg(), small_data, **run), 3)
+        sb, _ = run_rounds(make_sim(QFFL(q=0.0), small_data, **run), 3)
+        _same(sa.server.params, sb.server.params, atol=1e-5)
+    sc, _ = run_rounds(make_sim(QFFL(q=2.0), small_data), 3)
+    assert max(float((a - b).abs().max()) for a, b in zip(T.leaves(sa.server.params), T.leaves(sc.server.params),
+                                                           strict=True)) > 1e-3
+
+
+def test_qffl_client_message_is_algorithm_2s(small_model):
+    """Delta_k = F_k(w)^q L (w - w_k), h_k = q F_k^(q-1) ||L (w - w_k)||^2 + L F_k^q, F_k at the received w."""
+    from fedmtl.algorithms import QFFL
+    from fedmtl.optim import local_sgd
+
+    x = small_model.init(0)
+    g = torch.Generator().manual_seed(4)
+    xb, yb = torch.randn(2, 8, 10, generator=g), (torch.rand(2, 8, generator=g) > 0.5).long()
+    b = Batches(xb, yb, torch.ones(2, 8), torch.zeros(2, 8, dtype=torch.long), torch.tensor(16.0))
+    ctx = Context(small_model, SGD(0.1), 16, 1.0)
+    q, lr = 1.5, 0.1
+    upd, _, _ = QFFL(q=q).client_update(ctx, x, (), b, lr)
+    y, _ = local_sgd(small_model.value_and_grad, x, b, lr, ctx.opt)
+    f = float(small_model.loss(x, xb.reshape(16, 10), yb.reshape(16), torch.ones(16)))
+    dw = T.tmap(lambda p, r: (p - r) / lr, x, y)
+    _same(upd.delta, T.tmap(lambda v: f**q * v, dw), atol=1e-5)
+    sq = sum(float((v**2).sum()) for v in T.leaves(dw))
+    assert abs(float(upd.h) - (q * f ** (q - 1) * sq + f**q / lr)) < 1e-4 * float(upd.h)
+
+
+def test_qffedavg_fixed_point_minimizes_the_q_ffl_objective():
+    """One local GD step on F_k(w) = ||w - c_k||^2 / 2 + 1/2 makes L (w - w_k) = grad F_k(w), so q-FedAvg's fixed point
+    is where sum_k p_k F_k^q grad F_k = 0: the minimizer of f_q = sum_k p_k F_k^(q+1) / (q+1) (scipy's, independent).
+    Larger q moves it towards the worst-off client."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    from fedmtl.algorithms import QFFL
+    from fedmtl.algorithms.base import GlobalModel
+    from fedmtl.algorithms.qffl import QUpdate
+
+    c = torch.tensor([[0.0, 0.0], [3.0, 1.0], [-1.0, 4.0]], dtype=torch.float64)
+    n = torch.tensor([50.0, 30.0, 20.0], dtype=torch.float64)
+    p, lr = n / n.sum(), 0.1
+    ctx = Context(None, SGD(lr), 100, 1.0)  # type: ignore[arg-type]
+    worst = []
+    for q in (0.0, 1.0, 5.0):
+        w = torch.zeros(2, dtype=torch.float64)
+        for _ in range(3000):
+            f = 0.5 * ((w - c) ** 2).sum(1) + 0.5
+            dw = w - c  # L (w - w_k) with w_k = w - lr (w - c_k), L = 1 / lr
+            h = q * f ** (q - 1) * (dw**2).sum(1) + f**q / lr
+            w = QFFL(q=q).aggregate(ctx, GlobalModel({"w": w}), QUpdate({"w": f[:, None] ** q * dw}, h), n,
+                                    torch.arange(3)).params["w"]
+
+        def fq(v, q=q):
+            f = 0.5 * ((v[None, :] - c.numpy()) ** 2).sum(1) + 0.5
+            return float((p.numpy() * f ** (q + 1)).sum() / (q + 1))
+
+        ref = minimize(fq, np.zeros(2), method="Nelder-Mead",
+                       options={"xatol": 1e-10, "fatol": 1e-14, "maxiter": 20000})
+        assert np.allclose(w.numpy(), ref.x, atol=1e-5), (q, w, ref.x)
+        worst.append(float((0.5 * ((w - c) ** 2).sum(1)).max()))
+    assert worst[0] > worst[1] > worst[2]  # fairer: the largest client loss falls as q grows

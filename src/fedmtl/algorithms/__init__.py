@@ -31,11 +31,12 @@ from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
 from .pfedhn import PFedHN
 from .pfedme import PFedMe
+from .qffl import QFFL
 from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova):
+             PFedHN, FedBN, FedNova, QFFL):
     register_algorithm(_cls, replace=True)
 
 
@@ -48,6 +49,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
     "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedNova", "FedPer", "FedProx", "FedRep",
-    "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "Scaffold",
-    "get_algorithm",
+    "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL",
+    "Scaffold", "get_algorithm",
 ]
