@@ -14,7 +14,7 @@ from typing import Any
 #: name -> ``module:function`` of this package; the function takes ``(out: Path, quick: bool = False)``
 REPRODUCTIONS: dict[str, str] = {
     "robustness": "robustness:run",
-    "mocha": "mocha:run",
+    "mocha": "mocha_skewed:everything",
     "mocha-skewed": "mocha_skewed:run",
     "networked": "networked:run",
     "networked-flow": "networked:flow",

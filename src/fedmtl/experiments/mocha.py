@@ -12,7 +12,8 @@
     WiFi / LTE / 3G, high and low systems variability, and MOCHA under increasing drop probability and
     with one node that never answers (W-step and the full method).
 (c) **Tables 3-4** — highly skewed task sizes, with stragglers, drops and shared tasks (Remark 4):
-    ``fedmtl.experiments.mocha_skewed`` (also alone: ``fedmtl reproduce mocha-skewed``).
+    ``fedmtl.experiments.mocha_skewed`` (``fedmtl reproduce mocha`` runs (a)-(c): ``mocha_skewed.everything``;
+    ``fedmtl reproduce mocha-skewed`` (c) alone).
 
 Local SVMs use MOCHA's own solver with the identity coupling (solved to a duality gap of 1e-5); the Global
 SVM on the pooled data uses liblinear's dual coordinate ascent (scikit-learn ``LinearSVC``, the same SDCA
@@ -361,7 +362,4 @@ def run(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     print(table)
     print(json.dumps({"time_to_subopt_1e-3": targets, "drops": summary["drops"],
                       "full_method_drops": summary["full_method_drops"]}, indent=1))
-    from .mocha_skewed import run as skewed  # Tables 3-4: table4.json, table4.md
-
-    skewed(out, quick=quick, seed=seed)
     return summary

@@ -262,3 +262,12 @@ def run(out: str | Path, quick: bool = False, seed: int = 0, workers: int = 0) -
     write_table(out / "table4.md", table)
     print(table)
     return summary
+
+
+def everything(out: str | Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+    """``fedmtl reproduce mocha``: Table 1 and Figures 1-3 (``fedmtl.experiments.mocha.run``), then Tables 3-4."""
+    from .mocha import run as table1_and_figures
+
+    summary = table1_and_figures(out, quick=quick, seed=seed)
+    summary["table4"] = run(out, quick=quick, seed=seed)
+    return summary
