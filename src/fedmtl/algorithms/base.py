@@ -251,6 +251,14 @@ def nobody(ctx: Context, weights: Tensor) -> bool:
     return float(weights.sum()) <= 0 and not ctx.private
 
 
+def scalar_mean(values: Tensor, weights: Tensor) -> Tensor:
+    """(float64) sum_k w_k v_k / sum_k w_k of one scalar per update (FedNova's tau_eff, q-FFL's mean h_k); the rows
+    with w_k = 0 (excluded: NaN / Inf) stay out, whatever they hold."""
+    w = weights.to(torch.float64)
+    v = torch.where(w > 0, values.reshape(-1).to(torch.float64), torch.zeros_like(w))
+    return (v * w).sum() / w.sum()
+
+
 def check_positive(name: str, value: float, strict: bool = True) -> None:
     if (value <= 0) if strict else (value < 0):
         raise ValueError(f"algorithm.{name} must be {'>' if strict else '>='} 0, got {value}")

@@ -29,7 +29,7 @@ from .. import tree as T
 from ..optim import Batches, live_steps, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel
+from .base import Algorithm, Context, GlobalModel, scalar_mean
 from .scaffold import momentum_weight_sum
 
 
@@ -68,8 +68,5 @@ class FedNova(Algorithm[GlobalModel, tuple[()]]):
         if not bool((weights > 0).any()):
             return server
         d = ctx.combine(updates.d, weights)  # sum_i p_i d_i, p_i = n_i / sum n over the updates that arrived
-        w = weights.to(updates.a.dtype)
-        a = torch.where(w > 0, updates.a.reshape(-1), torch.zeros_like(w))  # an excluded (NaN) update adds nothing
-        tau_eff = (a * w).sum() / w.sum()  # eq. 7's tau_eff
-        scale = self.server_lr * tau_eff
+        scale = self.server_lr * scalar_mean(updates.a, weights)  # eq. 7's tau_eff = sum_i p_i ||a_i||_1
         return GlobalModel(T.tmap(lambda p, di: p - (scale * di).to(p.dtype), server.params, d))

@@ -28,7 +28,7 @@ from .. import tree as T
 from ..optim import Batches, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
-from .base import Algorithm, Context, GlobalModel
+from .base import Algorithm, Context, GlobalModel, scalar_mean
 
 
 class QUpdate(NamedTuple):
@@ -70,7 +70,5 @@ class QFFL(Algorithm[GlobalModel, tuple[()]]):
         if not bool((weights > 0).any()):
             return server
         delta = ctx.combine(updates.delta, weights)  # sum_k p_k Delta_k / sum_k p_k
-        w = weights.to(torch.float64)
-        h = torch.where(w > 0, updates.h.reshape(-1).to(torch.float64), torch.zeros_like(w))
-        mean_h = (h * w).sum() / w.sum()
+        mean_h = scalar_mean(updates.h, weights)  # sum_k p_k h_k / sum_k p_k
         return GlobalModel(T.tmap(lambda p, d: p - (d.to(torch.float64) / mean_h).to(p.dtype), server.params, delta))
