@@ -152,3 +152,23 @@ def test_drop_last_with_fedreps_head_epoch(runner):
     for a, b in zip(res.runs, ref.runs, strict=True):
         for k in a.server.params:
             assert torch.allclose(a.server.params[k], b.server.params[k], atol=1e-5)
+
+
+def test_fedem_mixture_weights_sum_to_one_under_drop_last():
+    """pi is the mean responsibility over the examples a client trained on: under run.drop_last (the tail of the epoch
+    left out; a client smaller than a batch keeps nothing and keeps its pi) every client's pi still sums to 1, on
+    every executor."""
+    import numpy as np
+
+    import fedmtl
+
+    rng = np.random.default_rng(2)
+    pairs = [(rng.normal(size=(n, 5)).astype(np.float32), rng.integers(0, 3, n)) for n in (25, 7, 43, 18)]
+    data = fedmtl.FederatedData.from_arrays(pairs, pairs, num_classes=3)
+    for runner in ("vmap", "loop", "stacked"):
+        cfg = {"model": {"name": "linear"}, "algorithm": {"name": "fedem", "num_components": 3},
+               "run": {"rounds": 2, "batch_size": 10, "drop_last": True, "runner": runner}}
+        res = fedmtl.run(cfg, data=data)
+        pi = res.client_states().pi
+        assert torch.allclose(pi.sum(-1), torch.ones(4, dtype=pi.dtype), atol=1e-5), (runner, pi.sum(-1))
+        assert torch.allclose(pi[1], torch.full((3,), 1 / 3, dtype=pi.dtype))  # 7 examples < a batch: the initial pi

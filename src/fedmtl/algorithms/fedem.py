@@ -133,7 +133,10 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
         x, y, mask = first_epoch(batches, ctx.local_epochs)
         nll = self.component_nll(ctx, payload, x, y)  # (M, S0*B)
         q, _ = self.e_step(torch.log(state.pi).to(nll.dtype), nll)
-        pi = (q * mask).sum(-1) / batches.n  # (M,)
+        # pi = the mean responsibility over the examples the client trained on (all of them, or under run.drop_last
+        # those its first epoch kept); a client that kept none keeps its pi
+        kept = mask.sum()
+        pi = torch.where(kept > 0, (q * mask).sum(-1) / kept.clamp_min(1.0), state.pi.to(q.dtype))  # (M,)
 
         # M-step: all M components at once (stacked params, per-component weights q (M, S0*B))
         comps, m_loss = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
@@ -151,7 +154,9 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
         k = batches.n.shape[0]
         nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x), y)  # (M, N0)
         q, _ = self.e_step(torch.log(state.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0)
-        pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, (q * mask).T) / batches.n.unsqueeze(-1)  # (K, M)
+        kept = mask.new_zeros(k).index_add_(0, owner, mask).unsqueeze(-1)  # (K, 1): as client_update's ``kept``
+        pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, (q * mask).T) / kept.clamp_min(1.0)  # (K, M)
+        pi = torch.where(kept > 0, pi, state.pi.to(pi.dtype))
         comps, m_loss = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
         return comps, MixtureWeights(pi.to(state.pi.dtype)), m_loss.sum(-1)  # (K,)
 
@@ -164,7 +169,7 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
         done = torch.zeros((), dtype=torch.bool)
         for _ in range(self.unseen_max_iter):
             q, _ = self.e_step(torch.log(pi), nll)
-            new = (q * mask).sum(-1) / batches.n
+            new = torch.where(mask.sum() > 0, (q * mask).sum(-1) / mask.sum().clamp_min(1.0), pi)
             done = done | ((new - pi).abs().sum() < self.unseen_tol)
             pi = torch.where(done, pi, new)
         return pi
