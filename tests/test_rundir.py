@@ -336,3 +336,35 @@ def test_config_diff_names_keys_and_reads_a_config_back_from_toml_as_equal():
     now = {"run": {"rounds": 5, "seeds": (1, 2)}, "attack": {"kind": "ipm", "strength": None}}
     assert config_diff(saved, now) == ["run.rounds: 4 -> 5"]  # a tuple is a list, None is unset (TOML has none)
     assert config_diff(now, now) == []
+
+
+def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
+    """SIGTERM or Ctrl-C arriving inside ``checkpoint.save`` takes effect after the file is complete, through the
+    handler installed before (it used to land inside ``torch.save``, whose cleanup turned it into a RuntimeError and
+    the command's exit code into 1)."""
+    import os
+
+    from fedmtl.engine.checkpoint import signals_deferred
+
+    class Stop(BaseException):
+        pass
+
+    def raise_stop(signum, frame):
+        raise Stop()
+
+    previous = signal.signal(signal.SIGTERM, raise_stop)
+    done = []
+    try:
+        with pytest.raises(Stop):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("the block ran on")
+        assert done == ["the block ran on"]
+        assert signal.getsignal(signal.SIGTERM) is raise_stop  # the handler is back
+        with pytest.raises(KeyboardInterrupt):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("again")
+        assert done[-1] == "again"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
