@@ -353,6 +353,7 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
         raise Stop()
 
     previous = signal.signal(signal.SIGTERM, raise_stop)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever an earlier test left there
     done = []
     try:
         with pytest.raises(Stop):
@@ -368,3 +369,4 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
         assert done[-1] == "again"
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
