@@ -739,3 +739,94 @@ def test_qffedavg_fixed_point_minimizes_the_q_ffl_objective():
         assert np.allclose(w.numpy(), ref.x, atol=1e-5), (q, w, ref.x)
         worst.append(float((0.5 * ((w - c) ** 2).sum(1)).max()))
     assert worst[0] > worst[1] > worst[2]  # fairer: the largest client loss falls as q grows
+
+
+# ------------------------------------------------------------------------------------------------ FedLC
+def test_fedlc_with_tau_zero_is_fedavg(small_data):
+    from fedmtl.algorithms import FedLC
+
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data), 3)
+    sb, _ = run_rounds(make_sim(FedLC(tau=0.0), small_data), 3)
+    _same(sa.server.params, sb.server.params, atol=1e-5)
+    sc, _ = run_rounds(make_sim(FedLC(tau=1.0), small_data), 3)  # the calibration changes the training
+    assert max(float((a - b).abs().max()) for a, b in zip(T.leaves(sa.server.params), T.leaves(sc.server.params),
+                                                           strict=True)) > 1e-4
+
+
+def test_fedlc_margins_and_calibrated_loss_by_hand():
+    """Delta_y = tau n_y^{-1/4}; the loss is the softmax cross-entropy of f - Delta ("all") or its normalizer without
+    the true class ("others"); a class the client lacks gets no push-down gradient, unlike plain cross-entropy."""
+    from fedmtl.algorithms.fedlc import calibrated_nll, label_margins
+
+    m = build_model("mlp", 4, 3, hidden=(4,))
+    y = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0])
+    mask = torch.ones(24)
+    mask[-2:] = 0.0  # padding does not count: 16 of class 0, 6 of class 1, none of class 2
+    d = label_margins(m, y, mask, 2.0)
+    assert torch.allclose(d[:2], 2.0 * torch.tensor([16.0, 6.0]) ** -0.25)
+    assert float(d[2]) == pytest.approx(200.0)  # n = 1e-8
+    f = torch.tensor([[1.0, 2.0, 0.5], [0.3, -1.0, 2.0]], requires_grad=True)
+    yy = torch.tensor([0, 1])
+    z = f.detach() - d
+    want_all = torch.logsumexp(z, -1) - z[[0, 1], [0, 1]]
+    want_others = torch.stack([torch.logsumexp(z[0, [1, 2]], 0) - z[0, 0], torch.logsumexp(z[1, [0, 2]], 0) - z[1, 1]])
+    assert torch.allclose(calibrated_nll(m, f.detach(), yy, d, False), want_all)
+    assert torch.allclose(calibrated_nll(m, f.detach(), yy, d, True), want_others)
+    calibrated_nll(m, f, yy, d, False).sum().backward()
+    assert float(f.grad[:, 2].abs().max()) < 1e-30  # the missing class: not pushed down
+    g = torch.autograd.grad(m.nll(f, yy).sum(), f)[0]
+    assert float(g[:, 2].min()) > 1e-3  # plain cross-entropy pushes it down
+    # binary models: one logit z read as (0, z)
+    b = build_model("linear", 4, 2)
+    zb = torch.tensor([0.7, -0.2])
+    db = label_margins(b, torch.tensor([0, 1, 1]), torch.ones(3), 0.0)
+    assert torch.allclose(calibrated_nll(b, zb, torch.tensor([1, 0]), db, False), b.nll(zb, torch.tensor([1, 0])))
+
+
+# ------------------------------------------------------------------------------------------------ FedAMP
+def test_fedamp_attention_and_cloud_models_by_hand():
+    from fedmtl.algorithms import FedAMP
+
+    w = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]])
+    alg = FedAMP(sigma=2.0, alpha=0.5)
+    d = torch.cdist(w.double(), w.double()) ** 2
+    xi = 0.5 * torch.exp(-d / 2.0) / 2.0  # alpha A'(||w_i - w_j||^2), A'(x) = exp(-x / sigma) / sigma
+    xi.fill_diagonal_(0.0)
+    xi += torch.diag(1.0 - xi.sum(1))
+    assert torch.allclose(alg.attention_weights(w), xi)
+    b = torch.tensor([1.0, 2.0, 4.0])
+    u = alg.cloud_models({"w": w.reshape(3, 2, 1), "b": b})  # distances over every parameter: w and b
+    full = torch.cat([w, b[:, None]], 1).double()
+    xi = 0.5 * torch.exp(-torch.cdist(full, full) ** 2 / 2.0) / 2.0
+    xi.fill_diagonal_(0.0)
+    xi += torch.diag(1.0 - xi.sum(1))
+    assert torch.allclose(u["w"].reshape(3, 2), (xi @ w.double()).float(), atol=1e-6)
+    assert torch.allclose(u["b"], (xi @ b.double()).float(), atol=1e-6)
+    # identical models: xi_ij = alpha / sigma, and xi_ii what is left (negative when that exceeds 1, as in eq. 5)
+    same = FedAMP(sigma=2.0, alpha=1.0).attention_weights(torch.ones(4, 5))
+    assert torch.allclose(same, (torch.ones(4, 4) - 2 * torch.eye(4)).double() / 2)
+    # HeurFedAMP: xi_ii = self_weight, the rest a softmax of sigma * cos over the others
+    heur = FedAMP(attention="cosine", sigma=5.0, self_weight=0.3).attention_weights(w + 1.0)
+    unit = torch.nn.functional.normalize((w + 1.0).double(), dim=1)
+    cos = unit @ unit.T
+    for i in range(3):
+        others = [j for j in range(3) if j != i]
+        soft = torch.softmax(5.0 * cos[i, others], 0)
+        assert abs(float(heur[i, i]) - 0.3) < 1e-12
+        assert torch.allclose(heur[i, others], 0.7 * soft)
+
+
+def test_fedamp_without_attention_or_proximal_term_is_local_training(small_data):
+    """sigma far below the clients' squared distances and lambda = 0: every cloud model is the client's own model, the
+    local objective has no proximal term, and FedAMP's personal models are Local's."""
+    from fedmtl.algorithms import FedAMP, Local
+
+    a = make_sim(Local(), small_data, opt=SGD(0.1))
+    sa, _ = run_rounds(a, 3)
+    b = make_sim(FedAMP(lam=0.0, sigma=1e-9, alpha=1e-9), small_data, opt=SGD(0.1))
+    sb, _ = run_rounds(b, 3)
+    _same(all_client_states(a).params, all_client_states(b).params, atol=1e-6)
+    c = make_sim(FedAMP(sigma=10.0), small_data, opt=SGD(0.1))  # with attention, the clients share
+    sc, _ = run_rounds(c, 3)
+    assert max(float((x - y).abs().max()) for x, y in zip(T.leaves(all_client_states(a).params),
+                                                           T.leaves(all_client_states(c).params), strict=True)) > 1e-3

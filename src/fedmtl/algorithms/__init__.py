@@ -12,11 +12,13 @@ from .clustered import ClusteredFL
 from .decentralized import DSGD, DFedEM
 from .ditto import Ditto
 from .fedala import FedALA
+from .fedamp import FedAMP
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedbabu import FedBABU
 from .fedbn import FedBN
 from .feddyn import FedDyn
 from .fedem import FedEM
+from .fedlc import FedLC
 from .fednova import FedNova
 from .fedper import FedPer
 from .fedrep import FedRep
@@ -36,7 +38,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP):
     register_algorithm(_cls, replace=True)
 
 
@@ -48,7 +50,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
-    "FedALA", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedNova", "FedPer", "FedProx", "FedRep",
-    "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL",
-    "Scaffold", "get_algorithm",
+    "FedALA", "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedLC", "FedNova", "FedPer",
+    "FedProx", "FedRep", "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg",
+    "QFFL", "Scaffold", "get_algorithm",
 ]
