@@ -176,6 +176,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("algorithms (fedmtl list --algorithm NAME for their hyperparameters):")
     for name, cls in sorted(ALGORITHMS.items()):
         print(f"  {name:12s} {describe(cls)}")
+    from .engine.async_spec import ASYNC_MODES
+
+    able = ", ".join(n for n, c in sorted(ALGORITHMS.items()) if c.runs_async)
+    print(f"asynchronous modes ([async] mode = NAME; fedmtl list --table async; for {able}):")
+    for name, doc in ASYNC_MODES.items():
+        print(f"  {name:12s} {doc}")
     print("datasets:  " + ", ".join(sorted(DATASETS)))
     print("models:    " + ", ".join(sorted(MODELS)))
     print("configs (bundled; fedmtl run NAME works in any folder):")
@@ -388,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--algorithm", metavar="NAME", help="each hyperparameter of one algorithm: type, valid range, "
                     "default, doc")
     ls.add_argument("--table", metavar="TABLE", help="each key of a config table (run, optim, systems, robust, attack, "
-                    "privacy, log, server_opt): type, valid range, default, doc")
+                    "privacy, log, server_opt, async): type, valid range, default, doc")
     ls.add_argument("--dataset", metavar="NAME", help="each [data] key of a dataset: type, valid range, default")
     ls.add_argument("--model", metavar="NAME", help="each [model] key of a model: type, valid range, default")
     _plugins_arg(ls)

@@ -41,6 +41,7 @@ from typing import Any
 from . import algorithms as _algorithms  # noqa: F401  (registers the built-in algorithms)
 from . import data as _data  # noqa: F401  (registers the built-in datasets)
 from . import models as _models  # noqa: F401  (registers the built-in models)
+from .engine.async_spec import AsyncConfig
 from .engine.server_opt import ServerOptConfig
 from .engine.spec import RunConfig
 from .engine.systems import SystemsModel
@@ -54,14 +55,14 @@ from .schema import Range, check_number, range_of, strip, type_hints
 from .tblog import LogConfig
 
 TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
-          "server_opt")
+          "server_opt", "async")
 
 
 def table_targets() -> dict[str, Any]:
     """The constructor behind each fixed config table (``[algorithm]``, ``[data]`` and ``[model]`` depend on the
     name they hold)."""
     return {"optim": SGD, "run": RunConfig, "systems": SystemsModel, "robust": RobustConfig, "attack": AttackConfig,
-            "privacy": PrivacyConfig, "log": LogConfig, "server_opt": ServerOptConfig}
+            "privacy": PrivacyConfig, "log": LogConfig, "server_opt": ServerOptConfig, "async": AsyncConfig}
 
 
 class ConfigError(ValueError):
@@ -177,6 +178,7 @@ class ExperimentConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     log: LogConfig = field(default_factory=LogConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
 
     def with_seed(self, seed: int) -> ExperimentConfig:
         """This config as the single-seed run ``seed`` (``run.seed = seed``, no ``run.seeds``): one replica of
@@ -291,6 +293,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         privacy = PrivacyConfig(**_check_table(tables["privacy"], PrivacyConfig, f"{source}: [privacy]"))
         logc = LogConfig(**_check_table(tables["log"], LogConfig, f"{source}: [log]"))
         sopt = ServerOptConfig(**_check_table(tables["server_opt"], ServerOptConfig, f"{source}: [server_opt]"))
+        asyn = AsyncConfig(**_check_table(tables["async"], AsyncConfig, f"{source}: [async]"))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -312,6 +315,8 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["log"] = dataclasses.asdict(logc)
     if tables["server_opt"]:
         resolved["server_opt"] = dataclasses.asdict(sopt)
+    if tables["async"]:
+        resolved["async"] = dataclasses.asdict(asyn)
     # recorded only when given (as [robust]): configs without them keep their resolved form (and checkpoints match)
     if not run.seeds:
         resolved["run"].pop("seeds")
@@ -322,7 +327,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
     if "privacy" in resolved and not privacy.reproducible_noise:
         resolved["privacy"].pop("reproducible_noise")
     return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc,
-                            sopt)
+                            sopt, asyn)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

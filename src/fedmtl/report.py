@@ -150,15 +150,16 @@ def plot_bands(path: Path, bands: Mapping[str, tuple[Sequence[float], Sequence[f
     save_figure(fig, path)
 
 
-def plot_history(path: Path, history: list[dict[str, Any]], title: str) -> None:
+def plot_history(path: Path, history: list[dict[str, Any]], title: str, x: str = "round") -> None:
+    """Accuracy curves of a run against ``x``: ``round``, or ``est_time_s`` (the simulated clock, in seconds)."""
     curves = {}
     for key, label in ((SEEN_TEST_ACC_MEAN, "test (seen, mean)"), (SEEN_TEST_ACC_P10, "test (seen, 10th pct)"),
                        (SEEN_TRAIN_ACC_MEAN, "train (seen, mean)"), (UNSEEN_TEST_ACC_MEAN, "test (unseen, mean)")):
         rows = [r for r in history if isinstance(r.get(key), float)]
         if rows:
-            curves[label] = ([r["round"] for r in rows], [100 * r[key] for r in rows])
+            curves[label] = ([r[x] for r in rows], [100 * r[key] for r in rows])
     if curves:
-        plot_curves(path, curves, "accuracy (%)", title)
+        plot_curves(path, curves, "accuracy (%)", title, "simulated time (s)" if x == "est_time_s" else x)
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -124,8 +124,9 @@ def simulator(alg: Algorithm, data: FederatedData, model: Model | None = None, o
     model = model or build_model("linear", data.feature_shape, data.num_classes, data.meta)
     opt = opt or SGD(lr=0.1, momentum=0.9, weight_decay=5e-4, lr_milestones=(0.5, 0.75))
     cfg = {"rounds": 6, "batch_size": 32, "seed": 7, **run}
-    tables = {k: cfg.pop(k) for k in ("systems", "robust", "attack", "privacy", "server_opt") if cfg.get(k) is not None}
-    for k in ("systems", "robust", "attack", "privacy", "server_opt"):
+    names = ("systems", "robust", "attack", "privacy", "server_opt", "asynchronous")
+    tables = {k: cfg.pop(k) for k in names if cfg.get(k) is not None}
+    for k in names:
         cfg.pop(k, None)
     return make_engine(alg, model, data, RunSpec(RunConfig(**cfg), opt, **tables))
 

@@ -129,6 +129,11 @@ class Algorithm(Generic[ServerT, ClientT]):
     #: ``private_release`` check accepts exactly these as equal with and without noise)
     public_server_state: ClassVar[dict[str, str]] = {}
 
+    #: clients send models in the coordinates of the payload and ``aggregate`` combines them (a weighted mean, possibly
+    #: with the method's own server rule): the asynchronous modes (``[async]``, ``fedmtl.engine.asynchronous``) can
+    #: rebase a stale update on the current payload and mix the method's aggregate into the server
+    runs_async: ClassVar[bool] = False
+
     #: how the contract suite runs it on the toy task (``Toy``)
     toy: ClassVar[Toy] = Toy()
 

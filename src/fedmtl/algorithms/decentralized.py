@@ -103,6 +103,7 @@ class _Gossip:
 class DFedEM(_Gossip, FedEM):  # type: ignore[misc]
     """D-FedEM: FedEM's local EM steps, then gossip averaging of the M components with the neighbours."""
     name: ClassVar[str] = "dfedem"
+    runs_async: ClassVar[bool] = False  # gossip: no server to run asynchronously
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> Gossip:  # type: ignore[override]
         return self.gossip_server(ctx, FedEM.init_server(self, ctx, params, seed).components)
@@ -135,6 +136,7 @@ class DSGD(_Gossip, FedAvg):  # type: ignore[misc]
     """Decentralized local SGD: local epochs, then gossip averaging with the neighbours."""
 
     name: ClassVar[str] = "dsgd"
+    runs_async: ClassVar[bool] = False  # gossip: no server to run asynchronously
 
     def init_server(self, ctx: Context, params: Params, seed: int) -> Gossip:  # type: ignore[override]
         return self.gossip_server(ctx, params)

@@ -28,6 +28,7 @@ class FedAvg(Algorithm[GlobalModel, tuple[()]]):
     """FedAvg: local SGD from the global model, the server averages the returned models weighted by samples."""
 
     name: ClassVar[str] = "fedavg"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     stacked_clients: ClassVar[bool] = True  # local SGD only: runs on K stacked clients as written
     supports_batch_norm: ClassVar[bool] = True
 

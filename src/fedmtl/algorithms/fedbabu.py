@@ -31,6 +31,7 @@ class FedBABU(Algorithm[SplitModel, tuple[()]]):
     """FedBABU: train and average only the body under a frozen random head; fine-tune before evaluation."""
 
     name: ClassVar[str] = "fedbabu"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     # the toy task: a frozen random head needs more rounds
     toy: ClassVar[Toy] = Toy({"finetune_epochs": 1, "personal_lr": 0.05}, model="mlp", rounds=45)
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC

@@ -66,6 +66,7 @@ MAX_COMPONENTS = 256
 @dataclass(frozen=True)
 class FedEM(Algorithm[Mixture, MixtureWeights]):
     name: ClassVar[str] = "fedem"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
     keeps_client_state: ClassVar[bool] = True

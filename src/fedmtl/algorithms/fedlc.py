@@ -60,6 +60,7 @@ class FedLC(Algorithm[GlobalModel, tuple[()]]):
     """FedLC: FedAvg whose clients train on logits calibrated by their class counts (tau n_{c,y}^{-1/4})."""
 
     name: ClassVar[str] = "fedlc"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     toy: ClassVar[Toy] = Toy(model="mlp")
     #: the calibration strength tau of the margins tau * n_{c,y}^{-1/4} (0 = FedAvg)
     tau: Annotated[float, Range(0, 1e3)] = 1.0

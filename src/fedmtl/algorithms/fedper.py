@@ -37,6 +37,7 @@ class FedPer(Algorithm[SplitModel, PersonalHead]):
     """FedPer: a shared body averaged by the server, a personal head trained with it and kept by each client."""
 
     name: ClassVar[str] = "fedper"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     toy: ClassVar[Toy] = Toy(model="mlp")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True

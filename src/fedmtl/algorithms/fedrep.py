@@ -32,6 +32,7 @@ class FedRep(Algorithm[SplitModel, PersonalHead]):
     """FedRep: each round a client fits its own head on the shared body, then updates the body under that head."""
 
     name: ClassVar[str] = "fedrep"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     toy: ClassVar[Toy] = Toy({"head_epochs": 1}, model="mlp")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True

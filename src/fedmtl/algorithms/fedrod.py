@@ -57,6 +57,7 @@ class FedRoD(Algorithm[GlobalModel, PersonalHead]):
     """FedRoD: a generic model trained with the balanced softmax, plus a personal head on its representation."""
 
     name: ClassVar[str] = "fedrod"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     toy: ClassVar[Toy] = Toy(model="mlp")
     keeps_client_state: ClassVar[bool] = True
 

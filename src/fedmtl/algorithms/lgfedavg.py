@@ -38,6 +38,7 @@ class LGFedAvg(Algorithm[SplitModel, PersonalBody]):
     """LG-FedAvg: personal bodies, a shared head averaged by the server."""
 
     name: ClassVar[str] = "lgfedavg"
+    runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     toy: ClassVar[Toy] = Toy(model="mlp")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC
     supports_batch_norm: ClassVar[bool] = True

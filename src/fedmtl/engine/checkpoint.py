@@ -68,6 +68,8 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
         "server": {k: v.detach().cpu() for k, v in T.to_named(state.server).items()},
         "clients": clients, "history": state.history, "counters": state.counters, "config": config,
     }
+    if state.aux is not None:
+        payload["async"] = state.aux.named()
     if T.leaves(state.server_opt):
         payload["server_opt"] = {k: v.detach().cpu() for k, v in T.to_named(state.server_opt).items()}
     with signals_deferred():
@@ -120,6 +122,9 @@ def load(path: str | Path) -> dict[str, Any]:
         for name, v in named.items():
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 raise CheckpointError(f"{path}: {key.replace('_', ' ')} state {name} holds NaN or Inf")
+    named = payload.get("async", {})  # clients in flight: their losses and excluded updates may be NaN
+    if not isinstance(named, dict) or not all(isinstance(v, torch.Tensor) for v in named.values()):
+        raise CheckpointError(f"{path}: the asynchronous state must be named tensors")
     if not isinstance(payload["history"], list) or not isinstance(payload["counters"], dict):
         raise CheckpointError(f"{path}: malformed history or counters")
     clients = payload["clients"]

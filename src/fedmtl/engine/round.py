@@ -28,6 +28,7 @@ from ..data.federated import FederatedData, Orders, epoch_orders, usable_counts
 from ..model import Model, ModelError
 from ..registry import ALGORITHMS
 from ..tree import Tree
+from . import asynchronous
 from .clients import Clients, TrainOut
 from .sampling import (
     clients_per_round,
@@ -105,6 +106,7 @@ class EngineState:
     history: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=lambda: {"excluded_updates": 0})
     server_opt: Tree = field(default_factory=NoState)  # the [server_opt] optimizer's state (its moments), if any
+    aux: Any = None  # the asynchronous modes' clients in flight and clock (``asynchronous.AsyncState``), if any
 
 
 class Engine:
@@ -141,6 +143,10 @@ class Engine:
         self.ctx = Context(model, self.opt, federation.num_clients, float(federation.train_counts.sum()),
                            cfg.local_epochs, cfg.rounds, int(federation.train_counts.max()))
         self.eval_ids = {g: self._eval_sample(g) for g in clients.groups}
+        self.step_flops = 6.0 * self._n_params * cfg.batch_size  # one local step, forward and backward
+        self.payload_bytes = 0.0  # of the broadcast (set by init_state)
+        if spec.asynchronous.enabled:
+            asynchronous.check(self)
 
     @property
     def privacy(self) -> DPNoise | None:
@@ -174,14 +180,19 @@ class Engine:
         # the run's device from here on
         server0 = T.to(self.alg.init_server(self.ctx, params, self.cfg.seed), self.device)
         opt0 = self.pipeline.server.init(server0) if self.pipeline.server is not None else NoState()
+        self.payload_bytes = float(sum(int(x.numel()) * x.element_size() for x in T.leaves(self.alg.payload(server0))))
+        aux = None
+        if self.spec.asynchronous.enabled:
+            aux = asynchronous.AsyncState.empty() if resume is None else asynchronous.AsyncState.of(
+                resume.get("async", {}), self.alg.update_like(self.ctx, self.alg.payload(server0)), self.device)
         if resume is None:
             self.clients.start(self.ctx, server0)
-            return EngineState(round=0, server=server0, server_opt=opt0)
+            return EngineState(round=0, server=server0, server_opt=opt0, aux=aux)
         server = T.from_named(resume["server"], server0, self.device)
         opt = T.from_named(legacy_state_names(resume.get("server_opt", {})), opt0, self.device) \
             if T.leaves(opt0) else opt0
         self.clients.start(self.ctx, server0, resume["clients"], int(resume["round"]))
-        return EngineState(int(resume["round"]), server, list(resume["history"]), dict(resume["counters"]), opt)
+        return EngineState(int(resume["round"]), server, list(resume["history"]), dict(resume["counters"]), opt, aux)
 
     def _eval_sample(self, group: str) -> Tensor:
         n = int(self.fed.counts(group).numel())
@@ -198,7 +209,10 @@ class Engine:
         return sample_clients(self.cfg, self.fed.num_clients, r)
 
     def round(self, state: EngineState) -> dict[str, Any]:
-        """One round: ``plan`` it, train its clients, ``finish`` it."""
+        """One round: ``plan`` it, train its clients, ``finish`` it (under ``[async]``: one server step of the
+        event-ordered simulation, ``asynchronous.step``)."""
+        if state.aux is not None:
+            return asynchronous.step(self, state)
         plan = self.plan(state)
         out = None
         if plan.ids.numel() > 0:
@@ -250,7 +264,7 @@ class Engine:
             excluded, loss = u.excluded, float(ok.float().mean()) if ok.numel() else float("nan")
         if self.alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not
             state.server = self.clients.gossip(lambda s, c: self.alg.sync(self.ctx, s, c), state.server, r)
-        self._check_diverged(state, r, excluded > 0 and row["clients"] - excluded <= 0)
+        self.check_diverged(state, r, excluded > 0 and row["clients"] - excluded <= 0)
         if self.privacy is not None:
             row["epsilon"] = self.privacy.accountant.epsilon_after(r + 1)
         state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded
@@ -278,7 +292,7 @@ class Engine:
         ctx = self.ctx if out.combine is None else self.ctx._replace(combine=out.combine)  # combined across ranks
         return Updates(ids, out.updates, plan.counts, valid, weights, int(bad.sum()), ctx)
 
-    def _check_diverged(self, state: EngineState, r: int, nothing_usable: bool) -> None:
+    def check_diverged(self, state: EngineState, r: int, nothing_usable: bool) -> None:
         """Stop a run whose every update was non-finite for ``DIVERGED_AFTER`` rounds in a row."""
         streak = int(state.counters.get("all_excluded_streak", 0)) + 1 if nothing_usable else 0
         state.counters["all_excluded_streak"] = streak
@@ -297,10 +311,9 @@ class Engine:
         """Estimated wall-clock seconds of this round on the systems model's device network: the compute of
         the round's clock cycle (or of its slowest node, in ``wait`` mode) at 6 FLOPs per parameter per
         example (forward and backward), plus the payload down and an update as large up."""
-        step_flops = 6.0 * self._n_params * self.cfg.batch_size
         nbytes = float(sum(int(x.numel()) * x.element_size() for x in T.leaves(payload)))
         steps = self.systems.compute_time_steps(draw, budget, done)
-        return self.systems.time_model.round_seconds(steps * step_flops, nbytes, nbytes)
+        return self.systems.time_model.round_seconds(steps * self.step_flops, nbytes, nbytes)
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self, state: EngineState, groups: tuple[str, ...] = ("seen", "unseen")) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from ..privacy import PrivacyConfig
 from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig
 from ..schema import Annotated, Range, check_fields
+from .async_spec import AsyncConfig
 from .executors import ExecutorName
 from .server_opt import ServerOptConfig
 from .systems import SystemsModel
@@ -89,8 +90,10 @@ class RunSpec:
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
 
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> RunSpec:
         """The spec of a validated experiment config."""
-        return cls(cfg.run, cfg.optim, cfg.systems, cfg.robust, cfg.attack, cfg.privacy, cfg.server_opt)
+        return cls(cfg.run, cfg.optim, cfg.systems, cfg.robust, cfg.attack, cfg.privacy, cfg.server_opt,
+                   cfg.asynchronous)
