@@ -21,6 +21,7 @@ from .fedem import FedEM
 from .fedlc import FedLC
 from .fednova import FedNova
 from .fedper import FedPer
+from .fedproto import FedProto
 from .fedrep import FedRep
 from .fedrod import FedRoD
 from .ifca import IFCA
@@ -38,7 +39,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto):
     register_algorithm(_cls, replace=True)
 
 
@@ -51,6 +52,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
     "FedALA", "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedLC", "FedNova", "FedPer",
-    "FedProx", "FedRep", "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg",
-    "QFFL", "Scaffold", "get_algorithm",
+    "FedProto", "FedProx", "FedRep", "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe",
+    "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
 ]
