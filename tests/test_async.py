@@ -32,6 +32,11 @@ def test_staleness_functions_are_the_papers():
     assert np.allclose(hinge, [1, 1, 1, 1, 1 / 11, 1 / 51])
 
 
+@pytest.mark.correctness(
+    ("fedbuff",), "a buffer of every client, all dispatched together, no staleness: the synchronous method (FedAvg, "
+    "Ditto, FedEM)",
+    guards="changes measured from the current model instead of the one the client was sent",
+)
 @pytest.mark.parametrize("alg", [FedAvg(), Ditto(lam=0.1), FedEM(num_components=2)], ids=["fedavg", "ditto", "fedem"])
 def test_fedbuff_with_a_buffer_of_every_client_is_the_synchronous_method(small_data, alg):
     """Every client dispatched together, a buffer of all of them, s = 1, eta_g = 1: each server step is one
@@ -47,6 +52,11 @@ def test_fedbuff_with_a_buffer_of_every_client_is_the_synchronous_method(small_d
     assert [r["staleness_max"] for r in rows] == [0, 0, 0] and [r["clients"] for r in rows] == [n, n, n]
 
 
+@pytest.mark.correctness(
+    ("fedasync",), "each arrival mixed with weight alpha s(staleness): alpha times FedBuff's step with a buffer of "
+    "one",
+    guards="staleness counted in wall-clock time instead of server versions",
+)
 def test_fedasync_mixes_each_arrival_into_the_server_with_the_staleness_weight(small_data):
     """x <- (1 - alpha s) x + alpha s x_new, x_new the arriving client's model trained from the version it was sent.
     One client at a time (no staleness): FedAsync's step is alpha times the step of FedBuff with a buffer of one
@@ -101,6 +111,10 @@ def test_fedbuff_learns_with_a_personalized_method(small_data):
     assert acc > acc0 + 0.1, (acc0, acc)
 
 
+@pytest.mark.correctness(
+    ("fedasync", "fedbuff"), "a run resumed with clients in flight repeats the uninterrupted one",
+    guards="in-flight updates lost at a restart",
+)
 def test_resumed_asynchronous_run_repeats_an_uninterrupted_one(small_data, tmp_path):
     cfg = AsyncConfig(mode="fedbuff", concurrency=8, buffer_size=3)
     sys = SystemsModel(variability="high")

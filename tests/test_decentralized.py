@@ -59,6 +59,10 @@ def equal_data():
     return fedem_synthetic(num_clients=8, dim=6, n_test=30, min_samples=64, max_samples=64, seed=4)
 
 
+@pytest.mark.correctness(
+    ("dfedem",), "complete graph with uniform mixing is FedEM",
+    guards="mixing matrices that are not doubly stochastic",
+)
 def test_dfedem_complete_uniform_is_fedem(equal_data):
     ea, eb = make_sim(FedEM(num_components=2), equal_data), make_sim(DFedEM(num_components=2, topology="complete"),
                                                                      equal_data)
@@ -71,6 +75,10 @@ def test_dfedem_complete_uniform_is_fedem(equal_data):
     assert torch.allclose(ca.pi, cb.pi, atol=1e-5)
 
 
+@pytest.mark.correctness(
+    ("dsgd",), "complete graph with uniform mixing is FedAvg",
+    guards="gossip that is not an average",
+)
 def test_dsgd_complete_is_fedavg(equal_data):
     sa, _ = run_rounds(make_sim(FedAvg(), equal_data), 3)
     sb, _ = run_rounds(make_sim(DSGD(topology="complete"), equal_data), 3)

@@ -108,3 +108,18 @@ def test_the_readme_main_job_table_is_the_handbook_s():
     readme = rows((ROOT / "README.md").read_text())
     page = rows((ROOT / "docs" / "results" / "main-job.md").read_text())
     assert len(readme) == 11 and readme == page
+
+
+def test_the_correctness_record_is_generated_from_the_tests_and_covers_every_method():
+    """docs/guide/correctness.md is what ``python -m tests.correctness_page`` writes from the tests marked
+    ``@pytest.mark.correctness``, and every registered method and asynchronous mode has at least one check."""
+    from fedmtl.algorithms import ALGORITHMS
+    from fedmtl.engine.async_spec import ASYNC_MODES
+
+    from .correctness_page import PAGE, collect, render
+
+    assert PAGE.read_text() == render(), "run: python -m tests.correctness_page"
+    record = collect()
+    missing = sorted((set(ALGORITHMS) | set(ASYNC_MODES)) - set(record))
+    assert not missing, f"methods without a correctness check: {missing}"
+    assert set(record) <= set(ALGORITHMS) | set(ASYNC_MODES), sorted(set(record) - set(ALGORITHMS) - set(ASYNC_MODES))

@@ -147,6 +147,10 @@ def test_methods_that_cannot_train_batchnorm_refuse_it_and_fedbn_needs_it(small_
         make_sim(FedBN(), small_data, model=build_model("mlp", 10, 2, hidden=(8,)))
 
 
+@pytest.mark.correctness(
+    ("fedbn",), "batch-norm layers stay per client, the rest is averaged",
+    guards="running statistics stepped by SGD",
+)
 def test_fedbn_keeps_batchnorm_per_client_and_averages_the_rest(small_data):
     m = _bn_mlp()
     sim = make_sim(FedBN(), small_data, model=m)
@@ -159,6 +163,10 @@ def test_fedbn_keeps_batchnorm_per_client_and_averages_the_rest(small_data):
         assert float((seen - seen[0]).abs().max()) > 1e-4, k
 
 
+@pytest.mark.correctness(
+    ("fedbn",), "one client: FedAvg",
+    guards="batch-norm statistics averaged by the server",
+)
 def test_fedbn_with_one_client_is_fedavg():
     data = _feature_shift(num_clients=1, seed=2)
     m = _bn_mlp(d=6, classes=3)

@@ -23,6 +23,10 @@ def _ctx(model):
     return Context(model, SGD(lr=0.1), 1, 10.0, 1)
 
 
+@pytest.mark.correctness(
+    ("fedem",), "the E-step equals the exact posterior over components",
+    guards="responsibilities computed from logits instead of likelihoods",
+)
 def test_e_step_is_the_exact_posterior():
     model = build_model("linear", 2, 2)
     comps = {"weight": torch.tensor([[[1.0, -1.0]], [[-2.0, 0.5]]]), "bias": torch.tensor([[0.3], [-0.1]])}
@@ -50,6 +54,10 @@ def test_e_step_is_the_exact_posterior():
     assert np.allclose(state.pi.numpy(), (joint / joint.sum(0)).mean(1), atol=1e-6)
 
 
+@pytest.mark.correctness(
+    ("fedem",), "prediction mixes the components' probabilities, weighted by pi",
+    guards="mixing logits (a different model from the paper's mixture)",
+)
 def test_prediction_mixes_probabilities_not_logits():
     model = build_model("linear", 1, 2)
     comps = {"weight": torch.tensor([[[10.0]], [[-1.0]]]), "bias": torch.zeros(2, 1)}
@@ -120,6 +128,10 @@ def test_fedem_beats_fedavg_and_local_on_mixture_data():
     assert acc["fedem"] > acc["local"] + 0.025
 
 
+@pytest.mark.correctness(
+    ("fedem",), "the reference code's all-clients server average is available and differs as it should",
+    guards="silently mixing the two server averages",
+)
 def test_all_clients_server_average_is_the_reference_variant(small_data):
     """With partial participation the reference average shrinks the step by n_participants / n."""
     res = {}

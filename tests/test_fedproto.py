@@ -50,6 +50,10 @@ def test_refuses_a_model_without_a_head(small_model):
         FedProto().check_privacy()
 
 
+@pytest.mark.correctness(
+    ("fedproto",), "lambda = 0 is Local bit for bit",
+    guards="a regularizer that stays on",
+)
 def test_lambda_zero_is_local_training(small_data, mlp):
     """lambda = 0: every client trains its own model from the common initial model on the plain loss, exactly as
     Local does (same personal models, losses and seen clients' evaluation)."""
@@ -116,6 +120,10 @@ def test_local_prototypes_are_per_class_feature_means():
         assert torch.allclose(got.protos[j], want, atol=1e-6), j
 
 
+@pytest.mark.correctness(
+    ("fedproto",), "the prototypes sent come from the trained model",
+    guards="prototypes from the model before training",
+)
 def test_client_update_sends_the_trained_models_prototypes(mlp):
     """The update: prototypes of the model after the round's training, over the client's training examples (its
     first epoch; two epochs here), and the new state is that model."""
@@ -131,6 +139,10 @@ def test_client_update_sends_the_trained_models_prototypes(mlp):
     assert bool(torch.isfinite(loss))
 
 
+@pytest.mark.correctness(
+    ("fedproto",), "prototypes averaged per class by counts; missing classes kept; NaN rows ignored",
+    guards="an extra 1/|N_j| factor (as eq. 6 is printed) shrinking the prototypes",
+)
 def test_server_aggregates_prototypes_by_class_counts(mlp):
     """Eq. 6 by hand: class 0 from clients 0 and 1 weighted 2 : 1; class 1 from client 1 only (client 0 sends a zero
     count whatever its row holds); class 2 from nobody keeps its previous prototype and count; client 2's NaN update

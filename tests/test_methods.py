@@ -75,6 +75,10 @@ def test_a_model_without_a_head_is_a_clear_error(cls, small_data):
         make_sim(cls(), small_data)
 
 
+@pytest.mark.correctness(
+    ("fedper",), "an empty head is FedAvg",
+    guards="a body/head split that changes the model",
+)
 def test_fedper_with_an_empty_head_is_fedavg(small_data, mlp):
     no_head = dataclasses.replace(mlp, head=())
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, model=mlp, sampling_rate=0.5), 3)
@@ -82,6 +86,10 @@ def test_fedper_with_an_empty_head_is_fedavg(small_data, mlp):
     _same(sa.server.params, sb.server.params, atol=1e-6)
 
 
+@pytest.mark.correctness(
+    ("fedrep", "fedbabu"), "no head epochs: the body trains under the initial heads, which is FedBABU's training",
+    guards="a frozen head that moves",
+)
 def test_fedrep_without_head_epochs_trains_the_body_under_the_initial_heads(small_data, mlp):
     # head_epochs = 0: no head ever moves, so every client trains the body under the initial head -- FedBABU's
     # training exactly
@@ -94,6 +102,10 @@ def test_fedrep_without_head_epochs_trains_the_body_under_the_initial_heads(smal
         assert torch.equal(v, sr.server.fixed[k].expand_as(v))
 
 
+@pytest.mark.correctness(
+    ("fedrep",), "the head trains first (head_epochs), then the body under it",
+    guards="head and body trained together (FedPer) under FedRep's name",
+)
 def test_fedrep_trains_the_head_first_then_the_body(small_data, mlp):
     sim = make_sim(FedRep(head_epochs=2), small_data, model=mlp)
     st, _ = run_rounds(sim, 2)
@@ -118,6 +130,10 @@ def test_body_head_methods_personalize_label_permuted_groups(alg, permuted):
     assert summarize(sim.evaluate(st))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.2
 
 
+@pytest.mark.correctness(
+    ("fedala",), "no adapted layers is FedAvg",
+    guards="element-wise weights applied outside the adapted layers",
+)
 def test_fedala_without_adapted_layers_is_fedavg(small_data, mlp):
     # an empty head: no layer is mixed element-wise, every client starts from the global model -- FedAvg
     no_head = dataclasses.replace(mlp, head=())
@@ -126,6 +142,10 @@ def test_fedala_without_adapted_layers_is_fedavg(small_data, mlp):
     _same(sa.server.params, sb.server.params, atol=1e-6)
 
 
+@pytest.mark.correctness(
+    ("fedala",), "the weights stay in [0, 1] and are learned from the second round",
+    guards="unclipped weights",
+)
 def test_fedala_learns_weights_in_the_unit_box_from_the_second_round(small_data, mlp):
     sim = make_sim(FedALA(), small_data, model=mlp)
     st = sim.init_state()
@@ -140,6 +160,10 @@ def test_fedala_learns_weights_in_the_unit_box_from_the_second_round(small_data,
     assert bool((st2.rounds == 2).all())
 
 
+@pytest.mark.correctness(
+    ("pfedhn",), "the server step is the vector-Jacobian product of the clients' changes",
+    guards="the hypernetwork stepped on the wrong sign of Delta",
+)
 def test_pfedhn_server_step_is_the_vector_jacobian_product(small_data):
     # one client per round: phi <- phi - hn_lr (d theta / d phi)^T Delta, checked against autograd on the whole map
     from fedmtl.algorithms.pfedhn import HyperServer
@@ -177,6 +201,10 @@ def test_pfedhn_personalizes_label_permuted_groups(permuted):
     assert summarize(hn.evaluate(sh))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.1
 
 
+@pytest.mark.correctness(
+    ("fedrod",), "class-balanced clients: the generic model is FedAvg's",
+    guards="a balanced softmax that is not a shift by log class frequencies",
+)
 def test_fedrod_generic_model_is_fedavg_on_class_balanced_clients(mlp):
     # balanced labels: log pi is the same for every class, the balanced softmax is plain cross-entropy, so the
     # shared model's local update is FedAvg's (the personal head trains beside it without touching it)
@@ -204,6 +232,10 @@ def test_fedrod_balanced_softmax_shifts_logits_by_log_class_frequencies():
 
 
 # ------------------------------------------------------------------------------------------------ kNN-Per, MOON
+@pytest.mark.correctness(
+    ("knnper",), "interpolation 0 is the global model",
+    guards="the kNN memory used when it should not be",
+)
 def test_knnper_with_interpolation_zero_is_the_global_model(small_data, mlp):
     a = make_sim(FedAvg(), small_data, model=mlp)
     sa, _ = run_rounds(a, 3)
@@ -217,6 +249,10 @@ def test_knnper_with_interpolation_zero_is_the_global_model(small_data, mlp):
             assert abs(ea[group][split]["loss"] - eb[group][split]["loss"]).max() < 1e-5
 
 
+@pytest.mark.correctness(
+    ("knnper",), "the kNN prediction by hand",
+    guards="neighbours weighted without the temperature",
+)
 def test_knnper_predicts_by_its_neighbours_by_hand():
     # two stored points; a query next to the first gets its label with weight exp(-d/T) normalized
     m = build_model("mlp", 2, 3, hidden=(2,))
@@ -244,12 +280,20 @@ def test_knnper_memorizes_label_permuted_groups(permuted):
     assert summarize(knn.evaluate(sk))["seen_test_acc_mean"] > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.1
 
 
+@pytest.mark.correctness(
+    ("moon",), "mu = 0 is FedAvg",
+    guards="a contrastive term that stays on",
+)
 def test_moon_with_mu_zero_is_fedavg(small_data, mlp):
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, model=mlp, sampling_rate=0.5), 3)
     sb, _ = run_rounds(make_sim(Moon(mu=0.0), small_data, model=mlp, sampling_rate=0.5), 3)
     _same(sa.server.params, sb.server.params, atol=1e-6)
 
 
+@pytest.mark.correctness(
+    ("moon",), "the contrastive loss is log 2 while the three models coincide",
+    guards="positive and negative pairs swapped",
+)
 def test_moon_contrastive_loss_is_log_two_before_the_models_differ(mlp):
     # first step of a first round: the local, global and previous models coincide, so sim(z, z_glob) =
     # sim(z, z_prev) and l_con = log 2 exactly; the step's loss is CE + mu log 2
@@ -266,6 +310,10 @@ def test_moon_contrastive_loss_is_log_two_before_the_models_differ(mlp):
 
 
 # ------------------------------------------------------------------------------------------------ SCAFFOLD, FedDyn
+@pytest.mark.correctness(
+    ("scaffold",), "zero control variates: FedAvg for one round",
+    guards="a correction applied before the variates exist",
+)
 def test_scaffold_with_zero_control_variates_is_fedavg_for_one_round(small_data):
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, opt=SGD(0.1)), 1)
     sb, _ = run_rounds(make_sim(Scaffold(weighted=True), small_data, opt=SGD(0.1)), 1)
@@ -284,6 +332,10 @@ def test_scaffold_server_variate_is_the_mean_of_the_clients(small_data):
     assert float(T.leaves(st.server.c)[0].abs().max()) > 1e-4
 
 
+@pytest.mark.correctness(
+    ("scaffold",), "option II's control variate is the mean local gradient",
+    guards="option II's variate without the 1 / (K lr) scale",
+)
 def test_scaffold_control_variate_is_the_mean_local_gradient_in_one_step(small_data, small_model):
     # one local step: (x - y) / (K lr) is exactly the corrected gradient, so c_i+ = grad f_i(x) at round 1
     ctx = Context(small_model, SGD(0.1), 16, 1.0)
@@ -300,12 +352,20 @@ def test_scaffold_control_variate_is_the_mean_local_gradient_in_one_step(small_d
     _same(st.c, ref, atol=1e-5)
 
 
+@pytest.mark.correctness(
+    ("feddyn",), "alpha = 0 is FedAvg",
+    guards="the linear term left on",
+)
 def test_feddyn_with_alpha_zero_is_fedavg(small_data):
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
     sb, _ = run_rounds(make_sim(FedDyn(alpha=0.0, weighted=True), small_data, sampling_rate=0.5), 3)
     _same(sa.server.params, sb.server.params, atol=1e-6)
 
 
+@pytest.mark.correctness(
+    ("feddyn",), "the server's h tracks the clients' gradient states",
+    guards="h updated with the participants' mean instead of the population's",
+)
 def test_feddyn_server_state_tracks_the_clients_gradient_states(small_data):
     # full participation: h = (1/m) sum_k h_k after every round (both start at 0 and take the same steps)
     sim = make_sim(FedDyn(alpha=0.1), small_data, opt=SGD(0.1))
@@ -316,6 +376,10 @@ def test_feddyn_server_state_tracks_the_clients_gradient_states(small_data):
 
 
 # ------------------------------------------------------------------------------------------------ IFCA
+@pytest.mark.correctness(
+    ("ifca",), "k = 1 is FedAvg",
+    guards="cluster choices by accuracy instead of loss",
+)
 def test_ifca_with_one_cluster_is_fedavg(small_data):
     """k = 1 with sample-count weights is FedAvg; by client (the paper's model averaging, the default) it is the
     uniform mean of the clients' models, which differs where the clients' sizes do."""
@@ -331,6 +395,10 @@ def test_ifca_with_one_cluster_is_fedavg(small_data):
     assert len(set(plan.counts.tolist())) > 1  # the sizes differ: the two means are not the same
 
 
+@pytest.mark.correctness(
+    ("ifca",), "the clusters recover the groups",
+    guards="ties between identical initial models",
+)
 def test_ifca_finds_the_groups(permuted):
     # (with a linear model both initial models fit every client about equally and all clients pick model 0 in the
     # first round: IFCA needs initializations that differ, the paper's random restarts)
@@ -394,6 +462,10 @@ def test_server_opt_table_is_validated(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ Omni-Fedge
+@pytest.mark.correctness(
+    ("omnifedge",), "the shared step is the mean of the nodes' steps",
+    guards="the Bayesian weights applied twice",
+)
 def test_omnifedge_shared_step_is_the_mean_of_the_nodes_steps(permuted):
     # the poster's Algorithm 1: (1/N) sum_j sum_i omega_ij grad L_ij -- N = 12 nodes all report each round
     mlp4 = build_model("mlp", 10, 4, hidden=(8,))
@@ -436,6 +508,10 @@ def test_omnifedge_learns_personal_heads(permuted):
 
 
 # ------------------------------------------------------------------------------------------------ Per-FedAvg
+@pytest.mark.correctness(
+    ("perfedavg",), "D, D' and D'' are independent batches",
+    guards="one batch reused for all three (a biased meta-gradient)",
+)
 def test_perfedavg_batches_are_independent_draws():
     alg = PerFedAvg()
     counts = torch.tensor([20, 300])
@@ -472,6 +548,10 @@ def test_perfedavg_meta_step_t_takes_batch_t_of_each_role():
     assert all(torch.equal(xs[r, t], one.x[r]) for r in range(3) for t in range(4))
 
 
+@pytest.mark.correctness(
+    ("perfedavg",), "the Hessian-free step approaches the exact Hessian-vector step",
+    guards="a finite-difference Hessian product with the wrong sign or scale",
+)
 def test_perfedavg_hf_step_approximates_the_exact_hessian_step():
     m = build_model("mlp", 5, 2, hidden=(7,))
     ctx = Context(m, SGD(0.1), 1, 1.0)
@@ -563,6 +643,11 @@ def test_feddyn_warns_about_momentum_and_its_config_runs_plain_sgd(small_data, c
     assert "feddyn with optim.momentum = 0.9" in caplog.text
 
 
+@pytest.mark.correctness(
+    ("fedavg+",), "fine-tuning before evaluation runs at the initial rate; the reference code's decayed rate is an "
+    "option",
+    guards="fine-tuning at a decayed rate that makes FedAvg+ equal FedAvg",
+)
 def test_personalization_steps_at_the_initial_rate_after_a_decayed_schedule(small_data):
     """At the end of a decayed schedule the round's rate is 1e-3 of the initial one; personalization (FedAvg+'s
     fine-tuning, unseen clients' adaptation) steps at optim.lr, so FedAvg+ still moves away from FedAvg; its
@@ -580,6 +665,10 @@ def test_personalization_steps_at_the_initial_rate_after_a_decayed_schedule(smal
     assert abs(res["reference"] - res["fedavg"]) < 1e-3 < abs(res["fedavg+"] - res["fedavg"])
 
 
+@pytest.mark.correctness(
+    ("omnifedge",), "the exact head step equals scikit-learn's logistic regression",
+    guards="a head sub-problem that is not solved",
+)
 def test_omnifedge_exact_head_step_is_scikit_learns_logistic_regression(permuted):
     """``head_step = "exact"`` solves a node's head sub-problem (its loss with the shared layers fixed, plus
     head_l2 / 2 ||W||^2): on a linear softmax head that is multinomial logistic regression on the representation,
@@ -608,6 +697,10 @@ def test_omnifedge_exact_head_step_is_scikit_learns_logistic_regression(permuted
 
 
 # ------------------------------------------------------------------------------------------------ FedNova
+@pytest.mark.correctness(
+    ("fednova",), "equal local steps: FedAvg (the paper's remark)",
+    guards="normalization by the number of steps with momentum ignored",
+)
 def test_fednova_with_equal_local_steps_is_fedavg(small_data):
     """Batch 1000 > every client's data: one step each, tau_i = 1 for all, and FedNova's step is FedAvg's."""
     from fedmtl.algorithms import FedNova
@@ -644,6 +737,10 @@ def test_fednova_client_sends_the_step_normalized_change(small_model):
         _same(upd.d, T.tmap(lambda p, q, a=a: (p - q) / a, x, y), atol=1e-6)
 
 
+@pytest.mark.correctness(
+    ("fednova",), "on the quadratic example FedNova reaches the true optimum where FedAvg does not (closed forms)",
+    guards="tau_eff computed from the planned rather than the executed steps",
+)
 def test_fednova_removes_the_objective_inconsistency_of_fedavg():
     """The paper's Section 3 example: client i minimizes (1/2)||w - c_i||^2 with tau_i local GD steps of rate eta,
     so y_i = c_i + (1 - eta)^tau_i (x - c_i).  FedAvg's fixed point weights c_i by p_i (1 - (1 - eta)^tau_i)
@@ -673,6 +770,10 @@ def test_fednova_removes_the_objective_inconsistency_of_fedavg():
 
 
 # ------------------------------------------------------------------------------------------------ q-FFL
+@pytest.mark.correctness(
+    ("qffl",), "q = 0 is FedAvg",
+    guards="h_k without the Lipschitz constant",
+)
 def test_qffl_with_q_zero_is_fedavg(small_data):
     from fedmtl.algorithms import QFFL
 
@@ -705,6 +806,10 @@ def test_qffl_client_message_is_algorithm_2s(small_model):
     assert abs(float(upd.h) - (q * f ** (q - 1) * sq + f**q / lr)) < 1e-4 * float(upd.h)
 
 
+@pytest.mark.correctness(
+    ("qffl",), "the fixed point minimizes f_q (scipy)",
+    guards="F_k^q taken at the local instead of the global model",
+)
 def test_qffedavg_fixed_point_minimizes_the_q_ffl_objective():
     """One local GD step on F_k(w) = ||w - c_k||^2 / 2 + 1/2 makes L (w - w_k) = grad F_k(w), so q-FedAvg's fixed point
     is where sum_k p_k F_k^q grad F_k = 0: the minimizer of f_q = sum_k p_k F_k^(q+1) / (q+1) (scipy's, independent).
@@ -742,6 +847,10 @@ def test_qffedavg_fixed_point_minimizes_the_q_ffl_objective():
 
 
 # ------------------------------------------------------------------------------------------------ FedLC
+@pytest.mark.correctness(
+    ("fedlc",), "tau = 0 is FedAvg",
+    guards="margins from global instead of local class counts",
+)
 def test_fedlc_with_tau_zero_is_fedavg(small_data):
     from fedmtl.algorithms import FedLC
 
@@ -753,6 +862,10 @@ def test_fedlc_with_tau_zero_is_fedavg(small_data):
                                                            strict=True)) > 1e-4
 
 
+@pytest.mark.correctness(
+    ("fedlc",), "margins tau n_y^(-1/4) and the calibrated loss by hand; a missing class is not pushed down",
+    guards="n^(+1/4) instead of n^(-1/4); padding counted as examples",
+)
 def test_fedlc_margins_and_calibrated_loss_by_hand():
     """Delta_y = tau n_y^{-1/4}; the loss is the softmax cross-entropy of f - Delta ("all") or its normalizer without
     the true class ("others"); a class the client lacks gets no push-down gradient, unlike plain cross-entropy."""
@@ -784,6 +897,10 @@ def test_fedlc_margins_and_calibrated_loss_by_hand():
 
 
 # ------------------------------------------------------------------------------------------------ FedAMP
+@pytest.mark.correctness(
+    ("fedamp",), "attention weights and cloud models by hand (exp and cosine)",
+    guards="self-weights that do not make the rows sum to one",
+)
 def test_fedamp_attention_and_cloud_models_by_hand():
     from fedmtl.algorithms import FedAMP
 
@@ -816,6 +933,10 @@ def test_fedamp_attention_and_cloud_models_by_hand():
         assert torch.allclose(heur[i, others], 0.7 * soft)
 
 
+@pytest.mark.correctness(
+    ("fedamp",), "no attention and lambda = 0 is Local",
+    guards="defaults (sigma far below the models' distances) that silently make FedAMP local training",
+)
 def test_fedamp_without_attention_or_proximal_term_is_local_training(small_data):
     """sigma far below the clients' squared distances and lambda = 0: every cloud model is the client's own model, the
     local objective has no proximal term, and FedAMP's personal models are Local's."""
@@ -830,3 +951,25 @@ def test_fedamp_without_attention_or_proximal_term_is_local_training(small_data)
     sc, _ = run_rounds(c, 3)
     assert max(float((x - y).abs().max()) for x, y in zip(T.leaves(all_client_states(a).params),
                                                            T.leaves(all_client_states(c).params), strict=True)) > 1e-3
+
+
+@pytest.mark.correctness(
+    ("lgfedavg",), "only the head travels; the server's head is the weighted mean of the clients' heads; bodies stay "
+    "per client",
+    guards="bodies averaged (FedAvg under another name)",
+)
+def test_lgfedavg_shares_the_head_and_keeps_the_bodies(small_data, mlp):
+    """Only the head travels: the server's head is the sample-weighted mean of the clients' trained heads, and each
+    client keeps its own body."""
+    e = make_sim(LGFedAvg(), small_data, model=mlp, opt=SGD(0.1))
+    st = e.init_state()
+    plan = e.plan(st)
+    out = e.clients.train(plan.payload, plan.ids, plan.orders, plan.lr, plan.round)
+    e.finish(st, plan, out)
+    body, head = mlp.split(mlp.init(0))
+    assert set(st.server.params) == set(head) and set(out.updates) == set(head)
+    _same(st.server.params, T.weighted_mean(out.updates, plan.counts.to(torch.float64)), atol=1e-6)
+    bodies = all_client_states(e).body
+    assert set(bodies) == set(body)
+    w = next(iter(bodies.values()))
+    assert float((w[plan.ids[0]] - w[plan.ids[1]]).abs().max()) > 1e-4

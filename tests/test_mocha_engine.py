@@ -42,6 +42,10 @@ def _engine(fed, rounds, **kw):
     return simulator(alg, fed, model, SGD(1.0), rounds=rounds, batch_size=1000, seed=0)
 
 
+@pytest.mark.correctness(
+    ("mocha",), "the engine's MOCHA reaches the float64 reference solver's objective",
+    guards="a W-step or dual update that does not solve the MTL problem",
+)
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["hinge", "squared_hinge"])
 def test_engine_mocha_reaches_the_reference_objective_fixed_omega(tasks, loss):
@@ -61,6 +65,10 @@ def test_engine_mocha_reaches_the_reference_objective_fixed_omega(tasks, loss):
     assert abs(p_eng - dual(data, beta, np.linalg.inv(omega), lam, LOSSES[loss])) < 1e-7 * abs(p_ref)
 
 
+@pytest.mark.correctness(
+    ("mocha",), "with a learned Omega, the engine equals the reference",
+    guards="an Omega-step that is not the closed form",
+)
 @pytest.mark.slow
 @pytest.mark.parametrize("regularizer", ["task_covariance", "graphical"])
 def test_engine_mocha_with_learned_omega_matches_the_reference(tasks, regularizer):

@@ -45,6 +45,10 @@ def test_finite_difference_hvp_matches_autograd():
     assert num / den < 1e-4
 
 
+@pytest.mark.correctness(
+    ("perfedavg",), "alpha = 0 is SGD on the outer batches",
+    guards="the inner step applied when alpha is zero; batches reused between the inner and outer step",
+)
 def test_perfedavg_alpha_zero_is_sgd_on_the_outer_batches():
     m = build_model("linear", 5, 2)
     ctx = Context(m, SGD(0.1), 1, 1.0)
@@ -63,6 +67,10 @@ def test_perfedavg_alpha_zero_is_sgd_on_the_outer_batches():
     assert not torch.allclose(hf2["weight"], fo2["weight"])  # the Hessian term matters when alpha > 0
 
 
+@pytest.mark.correctness(
+    ("pfedme",), "evaluation uses each client's personalized theta",
+    guards="reporting the global model's accuracy as pFedMe's",
+)
 def test_pfedme_is_evaluated_with_theta(small_data):
     sim = make_sim(PFedMe(personal_lr=0.05), small_data)
     st, _ = run_rounds(sim, 2)
@@ -77,6 +85,10 @@ def test_pfedme_is_evaluated_with_theta(small_data):
     assert abs(after - (1 - before)) < 1e-6 and abs(after - before) > 0.05
 
 
+@pytest.mark.correctness(
+    ("pfedme",), "a large lambda approaches FedAvg",
+    guards="the Moreau-envelope step scaled wrongly",
+)
 def test_pfedme_large_lambda_approaches_fedavg(small_data):
     opt = SGD(lr=0.05)
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, opt=opt), 3)
@@ -87,6 +99,10 @@ def test_pfedme_large_lambda_approaches_fedavg(small_data):
     assert diff < 0.05 * moved
 
 
+@pytest.mark.correctness(
+    ("pfedme",), "the variant FedEM's Table 1 calls pFedMe is available, and differs",
+    guards="comparing against a method that is not pFedMe under its name",
+)
 def test_pfedme_fedem_reference_variant(small_data):
     """The FedEM code's "pFedMe": its first round is FedProx with mu = lam (every client starts from the global
     model); with lam = 0 the clients' models are Local's, whatever the server averages; seen clients predict with
@@ -111,6 +127,10 @@ def test_pfedme_fedem_reference_variant(small_data):
     assert all(torch.equal(a, b) for a, b in zip(T.leaves(unseen), T.leaves(payload), strict=True))
 
 
+@pytest.mark.correctness(
+    ("ditto",), "lambda = 0: the personal models are Local's",
+    guards="the personal model pulled towards the global one when lambda is zero",
+)
 def test_ditto_lambda_zero_is_local(small_data):
     ea, eb = make_sim(Local(), small_data), make_sim(Ditto(lam=0.0), small_data)
     run_rounds(ea, 3)
@@ -119,6 +139,10 @@ def test_ditto_lambda_zero_is_local(small_data):
         assert torch.allclose(x, y, atol=1e-6)
 
 
+@pytest.mark.correctness(
+    ("apfl",), "alpha = 0 (fixed) is FedAvg",
+    guards="the mixture weight applied to the wrong model",
+)
 def test_apfl_with_alpha_zero_fixed_is_fedavg(small_data):
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, opt=SGD(0.1)), 2)
     sb, _ = run_rounds(make_sim(APFL(alpha=0.0, adapt_alpha=False), small_data, opt=SGD(0.1)), 2)
@@ -131,6 +155,10 @@ def permuted():
     return permuted_groups(num_clients=12, num_groups=2, dim=10, num_classes=4, n_train=120, n_test=100, seed=1)
 
 
+@pytest.mark.correctness(
+    ("clustered",), "label-permuted groups are separated",
+    guards="a bipartition that ignores the cosine similarities",
+)
 @pytest.mark.slow
 def test_clustered_fl_separates_permuted_groups(permuted):
     alg = ClusteredFL(eps1=0.1, eps2=0.3, warmup_rounds=5)
@@ -148,6 +176,10 @@ def test_clustered_fl_separates_permuted_groups(permuted):
     assert acc > summarize(fed.evaluate(sf))["seen_test_acc_mean"] + 0.15
 
 
+@pytest.mark.correctness(
+    ("clustered",), "a homogeneous population is never split",
+    guards="split criteria (eps1, eps2) compared on the wrong norms",
+)
 @pytest.mark.slow
 def test_clustered_fl_does_not_split_a_homogeneous_population():
     same = permuted_groups(num_clients=10, num_groups=1, dim=10, num_classes=4, n_train=120, n_test=50, seed=2)

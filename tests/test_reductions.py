@@ -19,12 +19,21 @@ def _same(a, b, atol=1e-6):
         assert torch.allclose(x, y, atol=atol), (x - y).abs().max()
 
 
+@pytest.mark.correctness(
+    ("fedprox",), "mu = 0 is FedAvg",
+    guards="a proximal term that stays on when disabled",
+)
 def test_fedprox_mu0_is_fedavg(small_data):
     sa, _ = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
     sb, _ = run_rounds(make_sim(FedProx(mu=0.0), small_data, sampling_rate=0.5), 3)
     _same(sa.server, sb.server, atol=0)
 
 
+@pytest.mark.correctness(
+    ("fedprox",), "mu > 0 pulls the local models towards the global one",
+    guards="a proximal term with the wrong sign or centre (the current local model instead of the round's global "
+           "model)",
+)
 def test_fedprox_mu_pulls_towards_global(small_data):
     far = []
     for mu in (0.0, 10.0):
@@ -36,6 +45,10 @@ def test_fedprox_mu_pulls_towards_global(small_data):
     assert far[1] < 0.5 * far[0]
 
 
+@pytest.mark.correctness(
+    ("fedem",), "M = 1 is FedAvg",
+    guards="responsibilities that do not sum to one; component averaging weighted wrongly",
+)
 def test_fedem_single_component_is_fedavg(small_data):
     sa, ra = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5), 3)
     sb, rb = run_rounds(make_sim(FedEM(num_components=1), small_data, sampling_rate=0.5), 3)
@@ -64,6 +77,10 @@ def _torch_sgd_client(data, k, params0, opt, orders_fn, rounds, batch_size):
     return {"weight": lin.weight.detach(), "bias": lin.bias.detach()}
 
 
+@pytest.mark.correctness(
+    ("local",), "each client's model equals an independent torch training loop on its data",
+    guards="clients leaking into each other's models through shared optimizer state",
+)
 def test_local_equals_independent_torch_training_per_client(small_data):
     opt = SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
     sim = make_sim(Local(), small_data, opt=opt, batch_size=16)
@@ -81,6 +98,10 @@ def test_local_equals_independent_torch_training_per_client(small_data):
         _same(T.take(clients, k).params, ref, atol=1e-5)
 
 
+@pytest.mark.correctness(
+    ("fedavg",), "one client, one step: FedAvg is one SGD step",
+    guards="aggregation weights or learning rates applied twice; momentum carried across rounds",
+)
 def test_fedavg_one_client_one_step_is_plain_sgd(small_data):
     opt = SGD(lr=0.2, momentum=0.9, weight_decay=5e-4)
     n0 = int(small_data.seen.train.counts[0])
