@@ -21,6 +21,7 @@ REPRODUCTIONS: dict[str, str] = {
     "fedem-synthetic": "fedem:fedem_synthetic",
     "fedem-vs-ifca": "fedem_ifca:run",
     "personalization": "personalization:personalization",
+    "personalization-comparison": "personalization:comparison",
     "perfedavg": "perfedavg:run",
     "peer-fedper": "peer_fedper:run",
     "omnifedge-fmnist": "omnifedge:omnifedge_fmnist",

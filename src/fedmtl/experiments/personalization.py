@@ -22,6 +22,11 @@ PERSONALIZATION_SEEDS: list[int] = list(_TABLES["personalization"]["seeds"])
 FMNIST_CNN_METHODS: dict[str, list[str]] = method_overrides(_TABLES["fmnist_cnn"]["methods"])
 FMNIST_CNN_ROUNDS: int = _TABLES["fmnist_cnn"]["rounds"]
 FMNIST_CNN_FRACTION: float = _TABLES["fmnist_cnn"]["fraction"]
+#: label -> ``--set`` overrides of every method of the comparison on the two federations below
+COMPARISON_METHODS: dict[str, list[str]] = method_overrides(_TABLES["comparison"]["methods"])
+COMPARISON_SEEDS: list[int] = list(_TABLES["comparison"]["seeds"])
+#: the federations of the comparison: bundled config names
+COMPARISON_FEDERATIONS: list[str] = list(_TABLES["comparison"]["federations"])
 
 
 def _personalization_model(overrides: list[str]) -> str:
@@ -33,7 +38,16 @@ def _personalization_model(overrides: list[str]) -> str:
 
 def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
     """Every method against FedAvg on data that needs personalization (4 client groups with permuted labels), each
-    with 3 seeds; writes ``DIR/personalization.md``, ``.json`` and ``summary.json``."""
+    with 3 seeds; writes ``DIR/personalization.md``, ``.json`` and ``summary.json``; then the comparison of every
+    personalized method on Fashion-MNIST Dirichlet(0.1) and the synthetic mixture (``comparison``, in
+    ``DIR/comparison``)."""
+    rows = permuted(out, quick)
+    comparison(out / "comparison", quick)
+    return rows
+
+
+def permuted(out: Path, quick: bool = False) -> dict[str, Any]:
+    """The label-permuted groups table of ``personalization``."""
     out.mkdir(parents=True, exist_ok=True)
     ov = ["run.rounds=10", "run.eval_every=5"] if quick else []
     res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov,
@@ -63,6 +77,66 @@ def personalization_markdown(results: Path) -> str:
                              [[n, r["model"], f"{r['avg']:.1f} ± {r['avg_std']:.1f}",
                                f"{r['bottom_decile']:.1f} ± {r['bottom_decile_std']:.1f}",
                                f"{r['vs_fedavg_same_model']:+.1f}"] for n, r in rows.items()]))
+
+
+def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
+    """Every personalized method, each with the same MLP, on each federation of ``COMPARISON_FEDERATIONS``, with the
+    seeds ``COMPARISON_SEEDS``: the final round's mean and bottom decile over clients, mean ± std over seeds; writes
+    ``DIR/comparison.md`` and ``summary.json`` (runs in ``DIR/<federation>/runs``)."""
+    from ..data.federated import DataError
+
+    out.mkdir(parents=True, exist_ok=True)
+    ov = ["run.rounds=4", "run.eval_every=2", "run.checkpoint_every=2"] if quick else []
+    table: dict[str, Any] = {}
+    for fed in COMPARISON_FEDERATIONS:
+        base = config_path(fed)
+        extra = ["data.download=false", "data.fraction=0.02"] if quick and "fmnist" in fed else []
+        extra += ["data.num_clients=10"] if quick else []
+        try:
+            res = run_methods(out / fed.split("/")[-1], base, COMPARISON_METHODS, [*ov, *extra],
+                              seeds=COMPARISON_SEEDS)
+        except DataError as e:
+            print(f"{fed} skipped: {e}")
+            continue
+        cfg = load(base, [*ov, *extra])
+        table[fed.split("/")[-1]] = {
+            "config": fed, "rounds": cfg.run.rounds, "clients": int(cfg.data.get("num_clients", 0)),
+            "methods": {n: {"avg": 100 * r["final"][SEEN_TEST_ACC_MEAN],
+                            "avg_std": 100 * r["final_std"][SEEN_TEST_ACC_MEAN],
+                            "bottom_decile": 100 * r["final"][SEEN_TEST_ACC_P10],
+                            "bottom_decile_std": 100 * r["final_std"][SEEN_TEST_ACC_P10],
+                            "overrides": COMPARISON_METHODS[n]} for n, r in res.items()}}
+    publish(out, "comparison.md", {"federations": table, "seeds": COMPARISON_SEEDS, "quick": quick},
+            comparison_markdown)
+    return table
+
+
+def comparison_markdown(results: Path) -> str:
+    """``comparison.md`` from the run's stored ``summary.json`` (``fedmtl tables`` regenerates it)."""
+    stored = json.loads((results / "summary.json").read_text())
+    feds: dict[str, Any] = stored["federations"]
+    names = list(feds)
+    methods: list[str] = []
+    for f in feds.values():
+        methods += [m for m in f["methods"] if m not in methods]
+    titles = {"fmnist_dirichlet": "Fashion-MNIST, Dirichlet(0.1)", "synthetic_mixture": "synthetic mixture"}
+    header = ["method"]
+    for n in names:
+        t = titles.get(n, n)
+        header += [f"{t}: avg", f"{t}: p10"]
+    rows = []
+    for m in methods:
+        row: list[Any] = [m]
+        for n in names:
+            r = feds[n]["methods"].get(m)
+            row += (["—", "—"] if r is None else [f"{r['avg']:.1f} ± {r['avg_std']:.1f}",
+                                                  f"{r['bottom_decile']:.1f} ± {r['bottom_decile_std']:.1f}"])
+        rows.append(row)
+    detail = "; ".join(f"{titles.get(n, n)}: {feds[n]['clients']} clients, {feds[n]['rounds']} rounds" for n in names)
+    return (f"# Personalized methods: test accuracy (%) of the final round, mean over clients (avg) and 10th "
+            f"percentile (p10), mean ± std over seeds {stored['seeds']}\n\n{detail}; every method with the same MLP."
+            "\n\n"
+            + markdown_table(header, rows))
 
 
 def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
@@ -106,5 +180,6 @@ def fmnist_cnn_markdown(results: Path) -> str:
                                f"{r['seconds_per_round']:.1f} s"] for n, r in rows.items()]))
 
 
-__all__ = ["FMNIST_CNN_FRACTION", "FMNIST_CNN_METHODS", "FMNIST_CNN_ROUNDS", "PERSONALIZATION_METHODS",
-           "PERSONALIZATION_SEEDS", "fmnist_cnn", "personalization"]
+__all__ = ["COMPARISON_FEDERATIONS", "COMPARISON_METHODS", "COMPARISON_SEEDS", "FMNIST_CNN_FRACTION",
+           "FMNIST_CNN_METHODS", "FMNIST_CNN_ROUNDS", "PERSONALIZATION_METHODS", "PERSONALIZATION_SEEDS", "comparison",
+           "fmnist_cnn", "permuted", "personalization"]

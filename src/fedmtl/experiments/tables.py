@@ -15,7 +15,7 @@ from .mocha import table1_markdown
 from .mocha_skewed import table4_markdown
 from .peer_fedper import peer_fedper_markdown
 from .perfedavg import perfedavg_markdown
-from .personalization import fmnist_cnn_markdown, personalization_markdown
+from .personalization import comparison_markdown, fmnist_cnn_markdown, personalization_markdown
 from .robustness import robustness_markdown
 
 #: stored table (relative to the results directory) -> the function that makes it from its directory's JSON
@@ -24,6 +24,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "mocha/table4.md": table4_markdown,
     "peer_fedper/peer_fedper.md": peer_fedper_markdown,
     "personalization/personalization.md": personalization_markdown,
+    "comparison/comparison.md": comparison_markdown,
     "fmnist_cnn/fmnist_cnn.md": fmnist_cnn_markdown,
     "perfedavg/perfedavg.md": perfedavg_markdown,
     "robustness/robustness.md": robustness_markdown,
