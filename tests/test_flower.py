@@ -466,3 +466,24 @@ def test_warm_nodes_are_kept_per_run():
     assert b is not a and runs.of(1) is a
     runs.of(3)  # the least recently used run (2) goes
     assert list(runs.runs) == [1, 3] and runs.of(2) is not b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alg,extra", [("fednova", ""), ("qffl", ""), ("fedlc", ""), ("fedamp", "sigma = 10.0"),
+                                       ("fedproto", "")])
+def test_the_field_s_shared_baselines_over_flower_equal_the_simulator(alg, extra, tmp_path):
+    """The methods every peer library ships run over Flower as in-process: the same server state and metrics (an MLP,
+    so that the body/head methods have a head)."""
+    import tomllib
+
+    from fedmtl.flower.simulation import simulate
+
+    raw = CONFIG.format(alg=alg, extra=extra, k=0).replace('[model]\nname = "linear"',
+                                                            '[model]\nname = "mlp"\nhidden = [8]')
+    text = dumps(validate(tomllib.loads(raw)).raw)
+    res = simulate(text, out=tmp_path / "run")
+    st, final = _in_process(text)
+    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
+        assert torch.allclose(a.double(), b.double(), atol=1e-5)
+    for key, v in final.items():
+        assert abs(res.final[key] - v) < 1e-5, key

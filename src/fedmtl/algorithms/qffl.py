@@ -55,7 +55,8 @@ class QFFL(Algorithm[GlobalModel, tuple[()]]):
         x, y, mask = first_epoch(batches, ctx.local_epochs)
         f = ctx.model.loss(payload, x, y, mask).detach().clamp_min(1e-10)  # F_k(w) on the client's data
         new, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt)
-        big_l = self.lipschitz or 1.0 / lr
+        # lr = 0 only when the update's structure is probed (no step is taken): any finite L will do there
+        big_l = self.lipschitz or (1.0 / lr if lr > 0 else 1.0)
         dw = T.tmap(lambda w, wk: big_l * (w - wk), payload, new)  # L (w - w_k)
         sq = sum((v.to(torch.float64) ** 2).sum() for v in T.leaves(dw))
         fq = f.to(torch.float64) ** self.q
