@@ -149,7 +149,8 @@ def summarize_seeds(cfg: ExperimentConfig, seeds: list[int], runs: list[RunResul
 
 
 def history_stats(histories: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per evaluated round: mean and std over the runs of every evaluation metric (``*_mean`` / ``*_std``)."""
+    """Per evaluated round: mean and std over the runs of every evaluation metric and of the simulated clock
+    ``est_time_s`` (``*_mean`` / ``*_std``)."""
     rounds: dict[int, list[dict[str, Any]]] = {}
     for hist in histories:
         for row in hist:
@@ -159,7 +160,7 @@ def history_stats(histories: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
     for rnd in sorted(rounds):
         rows = rounds[rnd]
         entry: dict[str, Any] = {"round": rnd, "runs": len(rows)}
-        keys = [k for k in rows[0] if k.startswith(("seen_", "unseen_", "participation"))]
+        keys = [k for k in rows[0] if k.startswith(("seen_", "unseen_", "participation")) or k == "est_time_s"]
         for k in keys:
             s = stats([float(r[k]) for r in rows if isinstance(r.get(k), int | float)])
             entry[f"{k}_mean"], entry[f"{k}_std"] = s["mean"], s["std"]

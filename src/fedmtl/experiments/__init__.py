@@ -14,6 +14,7 @@ from typing import Any
 #: name -> ``module:function`` of this package; the function takes ``(out: Path, quick: bool = False)``
 REPRODUCTIONS: dict[str, str] = {
     "robustness": "robustness:run",
+    "async": "async_clock:run",
     "mocha": "mocha_skewed:everything",
     "mocha-skewed": "mocha_skewed:run",
     "networked": "networked:run",
