@@ -38,6 +38,9 @@ def _env() -> dict[str, str]:
     ("synthetic/ditto", ("run.runner=loop",)),  # the loop executor
     ("synthetic/fedavg", ("data.unseen_frac=0.25", "systems.drop_prob=0.2")),  # unseen clients, dropped clients
     ("synthetic/fedavg", ("attack.kind=labelflip", "attack.fraction=0.25")),  # per-seed attackers, own data copies
+    # replicas that split into different numbers of clusters (7, 6, 6): their payloads differ in shape
+    ("synthetic/clustered", ("run.runner=vmap", "algorithm.warmup_rounds=1", "algorithm.eps1=10.0",
+                             "algorithm.eps2=0.01")),
 ])
 def test_seeds_equal_separate_runs(name, extra):
     """Each replica of a batched several-seeds run is exactly the run with that seed alone."""

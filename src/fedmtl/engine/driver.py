@@ -25,6 +25,7 @@ from typing import Any, NotRequired, TypedDict
 
 import torch
 
+from .. import tree as T
 from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
@@ -328,7 +329,13 @@ def _rounds(group: list[Replica]) -> list[dict[str, Any]]:
     plans = [rep.engine.plan(rep.state) for rep in group]  # type: ignore[arg-type]
     active = [i for i, p in enumerate(plans) if p.ids.numel()]
     outs: list[Any] = [None] * len(group)
-    if active:
+    # replicas whose payloads differ in shape (Clustered FL after one replica split its clusters) train apart
+    if len({tuple((tuple(x.shape), x.dtype) for x in T.leaves(plans[i].payload)) for i in active}) > 1:
+        for i in active:
+            p = plans[i]
+            assert p.orders is not None
+            outs[i] = group[i].engine.clients.train(p.payload, p.ids, p.orders, p.lr, p.round)
+    elif active:
         trained = train_together([group[i].engine.clients for i in active],  # type: ignore[misc]
                                  [plans[i].payload for i in active], [plans[i].ids for i in active],
                                  [plans[i].orders for i in active],  # type: ignore[misc]
