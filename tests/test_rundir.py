@@ -264,7 +264,7 @@ def test_a_resume_that_does_not_fit_the_directory_touches_nothing(tmp_path, caps
         before = _snapshot(out)
         assert _run(cfg, out, *extra) == EXIT_INPUT, extra
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and named in err and f"--out {out} --resume" in err, (extra, err)
+        assert len(err.splitlines()) == 1 and named in err and f"--resume --out {out}" in err, (extra, err)
         assert _snapshot(out) == before, extra
         command = err.split("with: ")[-1].split(";")[0].split()
         assert command[:2] == ["fedmtl", "run"]
@@ -370,3 +370,24 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+
+
+def test_resume_needs_nothing_but_the_run_directory(tmp_path, capsys):
+    """`fedmtl run --resume --out DIR` reads DIR's own resolved config, --set overrides and seeds included; the same
+    config passed again with the overrides forgotten is refused naming the differing key."""
+    cfg, out = _cfg(tmp_path, rounds=4, every=1), tmp_path / "o"
+    assert _run(cfg, out, "--set", "optim.lr=0.05") == 0
+    ck = out / "checkpoint.pt"
+    before = ck.read_bytes()
+    assert main(["run", "--resume", "--out", str(out), "-q"]) == 0  # a finished run: nothing left to train
+    assert ck.read_bytes() == before
+    assert _run(cfg, out, "--resume") == EXIT_INPUT  # the override forgotten
+    err = capsys.readouterr().err
+    assert "optim.lr" in err and f"fedmtl run --resume --out {out}" in err, err
+    seeds = tmp_path / "s"
+    assert _run(cfg, seeds, "--seeds", "1,2", "--set", "run.batch_size=8") == 0
+    assert main(["run", "--resume", "--out", str(seeds), "-q"]) == 0
+    assert main(["run", "--out", str(tmp_path / "none"), "-q"]) == EXIT_INPUT
+    assert "needs a CONFIG" in capsys.readouterr().err
+    assert main(["run", "--resume", "--out", str(tmp_path / "none"), "-q"]) == EXIT_INPUT
+    assert "no run there to resume" in capsys.readouterr().err

@@ -23,10 +23,30 @@ from .engine.rundir import is_out_of_space
 from .registry import RegistryError, import_plugins, load_plugins
 
 
+def _own_config(args: argparse.Namespace) -> tuple[str, str | None]:
+    """``fedmtl run --resume --out DIR`` without a CONFIG: the run directory's own resolved ``config.toml`` (with
+    the --set overrides it was started with), and the seeds of a several-seeds run directory."""
+    from .engine.rundir import layout
+
+    if not (args.resume and args.out):
+        raise ConfigError("fedmtl run needs a CONFIG (a TOML file or a bundled config name); only --resume --out DIR "
+                          "can leave it out (the run directory holds its config)")
+    out = Path(args.out)
+    lay = layout(out)
+    if (out / "config.toml").is_file():
+        return str(out / "config.toml"), None
+    if lay.kind == "seeds" and lay.seeds:
+        return str(out / f"seed-{lay.seeds[0]}" / "config.toml"), ",".join(map(str, lay.seeds))
+    raise ConfigError(f"--resume --out {out}: no run there to resume (no config.toml); pass the CONFIG to start it")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import load
     from .engine.driver import run_experiment
 
+    if args.config is None:
+        args.config, seeds = _own_config(args)
+        args.seeds = args.seeds or seeds
     overrides = list(args.set)
     if args.device:
         overrides.append(f"run.device={args.device}")
@@ -348,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run one experiment from a TOML config")
-    r.add_argument("config")
+    r.add_argument("config", nargs="?", help="a TOML file or a bundled config name; with --resume --out DIR it may be "
+                   "left out: the run directory's own config.toml")
     r.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a config value")
     r.add_argument("--out", help="run directory (default runs/<config name>)")
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")

@@ -146,8 +146,7 @@ def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, A
         if diff:  # (tuples and lists compare equal there: a config read back from config.toml is the same)
             raise CheckpointError(f"{path}: the checkpoint was written with another configuration "
                                   f"({'; '.join(diff[:8])}{'; ...' if len(diff) > 8 else ''}); resume with the run "
-                                  f"directory's own config: fedmtl run {Path(path).parent / 'config.toml'} --out "
-                                  f"{Path(path).parent} --resume")
+                                  f"directory's own config: fedmtl run --resume --out {Path(path).parent}")
     if payload["round"] > rounds:
         raise CheckpointError(f"{path}: checkpoint of round {payload['round']} but the run has {rounds} rounds")
     if len(payload["history"]) != payload["round"] or not all(isinstance(r, dict) for r in payload["history"]):

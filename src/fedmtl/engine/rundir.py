@@ -177,13 +177,9 @@ def layout(path: str | Path) -> Layout:
 
 
 def resume_command(path: Path, lay: Layout) -> str:
-    """The command that resumes the run ``path`` holds: its own resolved ``config.toml`` (the --set overrides
-    included), so nothing else is needed."""
-    top = path / "config.toml"
-    if lay.kind == "seeds" and not top.exists() and lay.seeds:
-        one = path / f"seed-{lay.seeds[0]}" / "config.toml"
-        return f"fedmtl run {one} --out {path} --seeds {','.join(map(str, lay.seeds))} --resume"
-    return f"fedmtl run {top} --out {path} --resume"
+    """The command that resumes the run ``path`` holds: ``fedmtl run --resume --out DIR`` reads the directory's own
+    resolved ``config.toml`` (the --set overrides included) and its seeds, so nothing else is needed."""
+    return f"fedmtl run --resume --out {path}"
 
 
 def _plain(x: Any) -> Any:

@@ -13,7 +13,7 @@ Run directory::
 
     seed-<S>/       a complete run directory per seed (config.toml with run.seed = S, metrics.csv, clients.csv,
                     summary.json, checkpoint.pt, ...): each can be resumed or inspected alone
-    config.toml     the resolved configuration, run.seeds included: fedmtl run DIR/config.toml --out DIR --resume
+    config.toml     the resolved configuration, run.seeds included: fedmtl run --resume --out DIR
     summary.json    per final metric: mean, std (ddof = 1), the 95% confidence interval of the mean (Student t)
                     and the per-seed values; the seeds; the config
     metrics.csv     per evaluated round: mean and std over seeds of every evaluation metric
