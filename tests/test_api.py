@@ -245,6 +245,14 @@ def test_cli_loads_plugins_with_import_and_entry_points(tmp_path):
     assert r.returncode == 2 and "'blobs' is not one of" in r.stderr
     r = _cli(["run", "c.toml", "--import", "no_such_module_xyz"], tmp_path)
     assert r.returncode == 2 and "cannot import" in r.stderr
+    # a module in the current folder without PYTHONPATH, and a file by its path
+    r = _cli(["run", "c.toml", "--import", "myplug", "--out", "out4", "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = _cli(["run", "c.toml", "--import", "./myplug.py", "--out", "out5", "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "broken.py").write_text("raise TypeError('plugin bug')\n")
+    r = _cli(["run", "c.toml", "--import", "./broken.py"], tmp_path)
+    assert r.returncode == 2 and "raised TypeError: plugin bug" in r.stderr and "Traceback" not in r.stderr
     # the entry-point group fedmtl.plugins: an installed distribution that declares the module
     dist = tmp_path / "fedmtl_demo_plugin-0.1.dist-info"
     dist.mkdir()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -108,12 +109,36 @@ def register_dataset(name: str | Callable[..., Any] | None = None, *, replace: b
 
 
 def import_plugins(modules: list[str]) -> None:
-    """Import modules that register algorithms, models or datasets (``fedmtl run --import MODULE``)."""
+    """Import modules that register algorithms, models or datasets (``fedmtl run --import MODULE``): a module name
+    (found on the current folder first, then PYTHONPATH and the installed packages) or a ``.py`` file's path."""
+    import os
+    import sys
+    from pathlib import Path
+
     for mod in modules:
+        path = Path(mod)
         try:
+            if mod.endswith(".py") or os.sep in mod or "/" in mod:  # a file: ./mymodule.py, plugins/alg.py
+                if not path.is_file():
+                    raise RegistryError(f"--import {mod}: no such file")
+                spec = importlib.util.spec_from_file_location(path.stem, path)
+                if spec is None or spec.loader is None:
+                    raise RegistryError(f"--import {mod}: not a Python module")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[path.stem] = module
+                spec.loader.exec_module(module)
+                continue
+            if "" not in sys.path and os.getcwd() not in sys.path:  # a module in the current folder, as python -m
+                sys.path.insert(0, os.getcwd())
             importlib.import_module(mod)
+        except RegistryError:
+            raise
         except ImportError as e:
-            raise RegistryError(f"--import {mod}: cannot import it ({e}); is it on PYTHONPATH or installed?") from e
+            raise RegistryError(f"--import {mod}: cannot import it ({e}); is it in the current folder, on PYTHONPATH "
+                                "or installed? (a file: --import ./path/to/module.py)") from e
+        except Exception as e:  # the plugin's own code failed: one line naming it, the traceback from Python itself
+            raise RegistryError(f"--import {mod}: importing it raised {type(e).__name__}: {e} (python -c 'import "
+                                f"{path.stem}' shows the traceback)") from e
 
 
 _loaded_entry_points = False

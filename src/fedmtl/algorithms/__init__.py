@@ -18,6 +18,7 @@ from .fedbabu import FedBABU
 from .fedbn import FedBN
 from .feddyn import FedDyn
 from .fedem import FedEM
+from .fedfomo import FedFomo
 from .fedlc import FedLC
 from .fednova import FedNova
 from .fedper import FedPer
@@ -39,7 +40,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo):
     register_algorithm(_cls, replace=True)
 
 
@@ -50,8 +51,8 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
-    "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto",
-    "FedALA", "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedLC", "FedNova", "FedPer",
+    "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedALA",
+    "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova", "FedPer",
     "FedProto", "FedProx", "FedRep", "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe",
     "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
 ]
