@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from torch import nn
 
 import fedmtl
 from fedmtl import DataError, FederatedData, Model, ModelError
+from fedmtl.algorithms import FedAvg
 from fedmtl.config import ConfigError
 from fedmtl.registry import RegistryError
 
@@ -290,3 +293,24 @@ def test_readme_example_runs_as_written(tmp_path):
     section = text.split("## Your own arrays", 1)[1].split("\n## ", 1)[0]
     out = _run_python_blocks(section, tmp_path, "readme_example", 1)
     assert "Ditto" in out and "FedAvg" in out
+
+
+@dataclasses.dataclass(frozen=True)
+class Damped(FedAvg):
+    """A plugin whose field documents itself with metadata."""
+
+    name: ClassVar[str] = "damped_doc_test"
+    damping: float = dataclasses.field(default=0.5, metadata={"doc": "how far the server moves"})
+
+
+def test_plugin_fields_carry_descriptions_and_the_contract_is_in_help():
+    """A plugin's field documents itself with a #: comment or with metadata={"doc": ...}; help(fedmtl.Algorithm)
+    shows the contract."""
+    import pydoc
+
+    from fedmtl.registry import field_table
+
+    rows = {r[0]: r for r in field_table(Damped)}
+    assert rows["damping"][3] == "how far the server moves"
+    text = pydoc.render_doc(fedmtl.Algorithm, renderer=pydoc.plaintext)
+    assert "client_update" in text and "needs_adaptation" in text and "check_algorithm" in text

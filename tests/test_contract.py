@@ -76,6 +76,21 @@ class SaysStateless(fedmtl.Algorithm):
         return payload, (p,), loss
 
 
+@dataclass(frozen=True)
+class FineTunesUndeclared(FedAvg):
+    """Fine-tunes on the client's training batches before evaluation but forgets needs_adaptation = True."""
+
+    name: ClassVar[str] = "forgot_adaptation"
+
+    def personalize(self, ctx, payload, state, batches, lr, seen):
+        return fedmtl.local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt)[0]
+
+
+def test_a_forgotten_needs_adaptation_is_named(small_data):
+    with pytest.raises(ContractError, match="must declare needs_adaptation = True"):
+        check_algorithm(FineTunesUndeclared, data=small_data, checks=("learns",))
+
+
 @pytest.mark.parametrize("cls,check", [(MutatesPayload, "no_input_mutation"), (GlobalRandom, "deterministic"),
                                        (NoLearning, "learns"), (LoopOnly, "loop_equals_vmap"),
                                        (SaysStateless, "capabilities")])

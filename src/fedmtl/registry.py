@@ -180,11 +180,16 @@ def describe(cls: type) -> str:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``#:`` comments written directly above a dataclass's fields (over its MRO; a subclass's doc wins)."""
+    """``#:`` comments written directly above a dataclass's fields (over its MRO; a subclass's doc wins), or a field's
+    ``metadata={"doc": ...}`` (which wins over a comment: a plugin defined where no source can be read has no
+    comments)."""
+    import dataclasses
     import inspect
     import re
 
     docs: dict[str, str] = {}
+    meta = {f.name: str(f.metadata["doc"]) for f in dataclasses.fields(cls) if "doc" in f.metadata} \
+        if dataclasses.is_dataclass(cls) else {}
     for klass in reversed(cls.__mro__):
         try:
             lines = inspect.getsource(klass).splitlines()
@@ -200,7 +205,7 @@ def field_docs(cls: type) -> dict[str, str]:
             if m and pending:
                 docs[m.group(1)] = " ".join(pending)
             pending = []
-    return docs
+    return {**docs, **meta}
 
 
 def field_table(cls: Any) -> list[tuple[str, str, str, str]]:

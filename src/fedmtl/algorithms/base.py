@@ -102,7 +102,27 @@ class Algorithm(Generic[ServerT, ClientT]):
     """Base class, generic over the server state ``ServerT`` and the client state ``ClientT`` (``FedAvg`` is an
     ``Algorithm[GlobalModel, tuple[()]]``, ``FedEM`` an ``Algorithm[Mixture, MixtureWeights]``); subclasses override
     what differs.  The defaults describe a single global model (``GlobalModel``) and clients that keep nothing
-    (``()``): a subclass with other states overrides the methods that build or read them."""
+    (``()``): a subclass with other states overrides the methods that build or read them.
+
+    The contract, per round::
+
+        payload = alg.payload(server)                                               # what the server broadcasts
+        update, state', loss = alg.client_update(ctx, payload, state, batches, lr)  # ONE client
+        server' = alg.aggregate(ctx, server, updates, weights, clients)             # stacked (K, ...) updates
+
+    and per evaluation ``personalize`` (one client's predicting state) then ``predict_log_proba``.
+
+    * A frozen dataclass: its fields are the hyperparameters (``[algorithm]`` keys).  Describe a field with a ``#:``
+      comment above it or ``dataclasses.field(default=..., metadata={"doc": "..."})``; give numbers a range with
+      ``Annotated[float, fedmtl.schema.Range(lo, hi)]``.  ``name`` (a ClassVar) is the registry name.
+    * ``client_update`` is pure and vmap-safe: no ``.item()``, no Python branching on tensor values, no in-place
+      changes of its inputs, a fixed number of steps (``optim.local_sgd`` masks the padded ones).
+    * Capabilities are class attributes: ``needs_adaptation`` (``personalize`` reads the client's training batches:
+      without it, it gets ``batches=None``), ``keeps_client_state`` (clients keep state across rounds),
+      ``syncs_clients`` (gossip after aggregation), ``averages_updates``, ``supports_batch_norm``, ``runs_async``.
+    * ``fedmtl.testing.check_algorithm(YourClass)`` runs the contract suite (loop equals vmap, no input mutation,
+      determinism, learning on a toy task, checkpoint round trip, NaN exclusion, private release, everything on).
+    """
 
     name: ClassVar[str] = "base"
     needs_adaptation: ClassVar[bool] = False

@@ -267,7 +267,14 @@ def evaluate_together(members: list[LocalClients], group: str, payloads: list[Tr
     executor = first.executor
 
     def personalize(p: Tree, s: Tree, b: Any) -> Tree:
-        return alg.personalize(ctx, p, s, b, lr, seen)
+        try:
+            return alg.personalize(ctx, p, s, b, lr, seen)
+        except (AttributeError, TypeError) as e:
+            if b is None and "NoneType" in str(e):  # a personalize that reads the training batches it was not given
+                raise type(e)(f"{alg.name}.personalize: {e} -- it got batches=None; a method whose personalize uses "
+                              "the client's training batches (fine-tuning, EM steps) must declare "
+                              "needs_adaptation = True") from e
+            raise
 
     def predict(_: Any, es: Tree, x: Tensor) -> Tensor:
         return alg.predict_log_proba(ctx, es, x)
