@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmtl.cli import main
+from fedmtl.cli import EXIT_INPUT, main
 from fedmtl.config import ConfigError, load
 
 TINY = """
@@ -177,3 +177,29 @@ def test_every_shipped_config_validates():
     assert len(configs) >= 10
     for c in configs:
         load(c)  # raises ConfigError on any unknown key or wrong type
+
+
+def test_misspellings_get_a_did_you_mean_and_a_renamed_table_names_its_file(capsys):
+    """A misspelled algorithm, key, flag or command gets the nearest valid one; --set algorithm.name on a file whose
+    [algorithm] table was written for another method says where the unknown key comes from."""
+    assert main(["run", "synthetic/fedem", "--set", "algorithm.name=fedavgg"]) == EXIT_INPUT
+    assert "did you mean 'fedavg'?" in capsys.readouterr().err
+    assert main(["run", "synthetic/fedem", "--set", "algorithm.num_component=2"]) == EXIT_INPUT
+    assert "did you mean 'num_components'?" in capsys.readouterr().err
+    assert main(["run", "synthetic/fedem", "--set", "algorithm.name=fedrep"]) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert "unknown key 'num_components'" in err and "written for 'fedem'" in err and "synthetic/fedem" in err
+    for argv, near in ((["run", "synthetic/fedem", "--sedds", "1,2"], "--seeds"), (["reproduc", "x"], "reproduce")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and f"did you mean {near}?" in capsys.readouterr().err
+
+
+def test_from_arrays_blames_the_odd_client_even_when_it_is_the_first():
+    import numpy as np
+
+    from fedmtl import DataError, FederatedData
+
+    odd = [(np.zeros((5, 4)), np.zeros(5, dtype=int))] + [(np.zeros((5, 3)), np.zeros(5, dtype=int))] * 3
+    with pytest.raises(DataError, match=r"train client 0: feature shape \(4,\), most clients have \(3,\)"):
+        FederatedData.from_arrays(odd, odd)

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar, overload
+from typing import Any, NoReturn, TypeVar, overload
 
 from .config import ConfigError
 from .engine.distributed import RankLost
@@ -362,8 +362,31 @@ def _bench_parser(sub: Any) -> None:
                          add_arguments=lambda p, name=name: bm.load(name).add_arguments(p))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for misspelled flags and subcommands."""
+
+    def error(self, message: str) -> NoReturn:
+        import difflib
+        import re
+
+        words = re.findall(r"(?:unrecognized arguments|invalid choice): (.*)", message)
+        if words:
+            known = [s for a in self._actions for s in a.option_strings]
+            for a in self._actions:
+                if isinstance(a, argparse._SubParsersAction):
+                    known += list(a.choices)
+                    for sp in a.choices.values():
+                        known += [s for b in sp._actions for s in b.option_strings]
+            for w in re.findall(r"'?(--?[\w-]+|[a-z][\w-]*)'?", words[0])[:3]:
+                near = difflib.get_close_matches(w, sorted(set(known)), n=1)
+                if near and near[0] != w:
+                    message += f" (did you mean {near[0]}?)"
+                    break
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedmtl", description="Personalized and federated multi-task learning")
+    p = _Parser(prog="fedmtl", description="Personalized and federated multi-task learning")
     _output_args(p, False)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -395,8 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.set_defaults(fn=_cmd_sweep)
 
     d = sub.add_parser("data", help="print a config's dataset statistics, or 'export' it as per-client .npz files "
-                                    "(the node-local format of a Flower SuperNode's data-dir)")
-    d.add_argument("what", nargs="+", metavar="[export] CONFIG")
+                                    "(the node-local format of a Flower SuperNode's data-dir)",
+                       usage="fedmtl data CONFIG [--set TABLE.KEY=VALUE ...]\n"
+                             "       fedmtl data export CONFIG --out DIR [--clients 0-49] [--set TABLE.KEY=VALUE ...]")
+    d.add_argument("what", nargs="+", metavar="CONFIG", help="a config (statistics), or: export CONFIG")
     d.add_argument("--out", help="export: the data directory to write")
     d.add_argument("--clients", help="export: which seen clients, e.g. 0-49 or 0,3,7 (default: all)")
     d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
@@ -432,16 +457,22 @@ def build_parser() -> argparse.ArgumentParser:
     _output_args(m)
     m.set_defaults(fn=_cmd_main)
 
-    rp = sub.add_parser("reproduce", help="reproduce a paper's experiment (tables, plots)")
-    from .experiments import REPRODUCTIONS
+    from .experiments import REPRODUCTIONS, summaries
 
-    rp.add_argument("name", choices=sorted(REPRODUCTIONS))
+    rp = sub.add_parser("reproduce", help="reproduce a paper's experiment (tables, plots)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Reproduce an experiment; its results page in the handbook gives its measured "
+                                    "duration.\n\n" + "\n".join(f"  {n:27s}{d}" for n, d in summaries().items()))
+    rp.add_argument("name", choices=sorted(REPRODUCTIONS), metavar="NAME", help="one of the experiments above")
     rp.add_argument("--out", required=True)
     rp.add_argument("--quick", action="store_true", help="a short smoke version")
     _output_args(rp)
     rp.set_defaults(fn=_cmd_reproduce)
 
-    fl = sub.add_parser("flower", help="run over Flower: 'simulate' (simulation engine) or 'app' (write a project)")
+    fl = sub.add_parser("flower", help="run over Flower: 'simulate' (simulation engine) or 'app' (write a project)",
+                        usage="fedmtl flower simulate CONFIG [--nodes N] [--cpus N] [--out DIR] [options]\n"
+                              "       fedmtl flower app CONFIG [--nodes N] [--out DIR] [options]\n"
+                              "       fedmtl flower worker --socket PATH")
     fl.add_argument("action", choices=["simulate", "app", "worker"])
     fl.add_argument("config", nargs="?", help="simulate, app: the experiment config")
     fl.add_argument("--socket", help="worker: the Unix socket to serve (node config fedmtl-worker of the SuperNode)")

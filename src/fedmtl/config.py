@@ -28,6 +28,7 @@ passes its own model may leave ``[model]`` out.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import tomllib
@@ -156,7 +157,9 @@ def _check_table(
     out = {}
     for key, value in table.items():
         if key not in allowed:
-            raise ConfigError(f"{where}: unknown key {key!r}; allowed: {sorted(allowed)}")
+            near = difflib.get_close_matches(key, list(allowed), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{where}: unknown key {key!r}{hint}; allowed: {sorted(allowed)}")
         out[key] = _coerce(value, allowed[key], f"{where}.{key}")
     return out
 
@@ -219,7 +222,9 @@ def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str
     if name is None:
         raise ConfigError(f"{src}: [{tname}] needs a 'name' (one of {sorted(registry)})")
     if not isinstance(name, str) or name not in registry:
-        raise ConfigError(f"{src}: [{tname}].name = {name!r} is not one of {sorted(registry)}")
+        near = difflib.get_close_matches(name, list(registry), n=1) if isinstance(name, str) else []
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"{src}: [{tname}].name = {name!r} is not one of {sorted(registry)}{hint}")
     return name, registry[name]
 
 
@@ -358,7 +363,24 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def load(path: str | Path, overrides: list[str] | None = None, data_given: bool = False,
          model_given: bool = False) -> ExperimentConfig:
-    return validate(apply_overrides(read_toml(path), overrides or []), str(path), data_given, model_given)
+    raw = read_toml(path)
+    try:
+        return validate(apply_overrides(raw, overrides or []), str(path), data_given, model_given)
+    except ConfigError as e:
+        raise ConfigError(f"{e}{_renamed_hint(str(e), raw, overrides or [], str(path))}") from None
+
+
+def _renamed_hint(message: str, raw: dict[str, Any], overrides: list[str], path: str) -> str:
+    """Where an unknown key comes from the file's table whose name a --set replaced: say so."""
+    for text in overrides:
+        table, key, value = parse_override(text)
+        old = raw.get(table, {}).get("name") if isinstance(raw.get(table), dict) else None
+        if key != "name" or old is None or old == value or f"[{table}]: unknown key" not in message:
+            continue
+        kept = sorted(k for k in raw[table] if k != "name")
+        return (f" (the key comes from {path}'s [{table}] table, written for {old!r}: --set {table}.name={value} keeps "
+                f"its other keys {kept}; start from a config written for {value!r})")
+    return ""
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

@@ -281,7 +281,14 @@ class FederatedData:
         if (unseen_train is None) != (unseen_test is None):
             raise DataError("unseen clients need both unseen_train and unseen_test")
         conv: dict[str, list[tuple[Tensor, Tensor]]] = {}
-        feat: tuple[int, ...] | None = None
+        # the feature shape most clients have: the odd client is blamed, whichever its position (client 0 included)
+        shapes: list[tuple[int, ...]] = []
+        for pairs in groups.values():
+            for item in pairs or ():
+                shape = getattr(item[0], "shape", None) if isinstance(item, tuple | list) and len(item) == 2 else None
+                if shape is not None and len(shape) >= 1:
+                    shapes.append(tuple(int(d) for d in shape[1:]))
+        feat: tuple[int, ...] | None = max(set(shapes), key=shapes.count) if shapes else None
         for gname, pairs in groups.items():
             if pairs is None:
                 continue
@@ -302,7 +309,7 @@ class FederatedData:
                     feat = tuple(x.shape[1:])
                 elif tuple(x.shape[1:]) != feat:
                     raise DataError(f"{gname} client {k}: feature shape {tuple(x.shape[1:])}, "
-                                    f"other clients have {feat}")
+                                    f"most clients have {feat}")
                 if x.is_floating_point():
                     if x.numel() and not bool(torch.isfinite(x).all()):
                         raise DataError(f"{gname} client {k}: features contain NaN or Inf")

@@ -31,6 +31,31 @@ REPRODUCTIONS: dict[str, str] = {
 }
 
 
+#: what each reproduction runs (``fedmtl reproduce --help``); the results pages give their measured durations
+SUMMARIES: dict[str, str] = {
+    "async": "synchronous rounds vs FedBuff and FedAsync on the simulated clock (FedAvg, synthetic, 3 seeds)",
+    "fedem-synthetic": "FedEM's synthetic Table 1 row and Figure 1 (accuracy vs M, vs sampling rate)",
+    "fedem-vs-ifca": "why IFCA scores above FedEM on FedEM's synthetic data: mixture weights, prediction rules",
+    "fmnist": "Local / FedAvg / FedAvg+ / FedEM on Fashion-MNIST (FedEM's label-group split)",
+    "fmnist-cnn": "the body/head methods and FedBN on Fashion-MNIST with a CNN, one seed",
+    "mocha": "MOCHA's Table 1, Figures 1-3 and Tables 3-4 (all of mocha-skewed)",
+    "mocha-skewed": "MOCHA's Tables 3-4: skewed federations, stragglers, drops, shared tasks",
+    "networked": "networked FL by GTV minimization: error vs lambda and connectivity, clustering, robustness",
+    "networked-flow": "networked FL: the error against the labelled nodes, over 5 graphs",
+    "omnifedge-fmnist": "Omni-Fedge vs FedSGD and FedAvg on 5 Fashion-MNIST nodes",
+    "peer-fedper": "FedPer / FedRep against a peer library's protocol (reporting and model differences)",
+    "perfedavg": "Per-FedAvg (FO, HF) against FedAvg with local adaptation, an offline analogue of its paper's",
+    "personalization": "every method on label-permuted groups, then personalization-comparison",
+    "personalization-comparison": "every personalized method on Fashion-MNIST Dirichlet(0.1) and the synthetic mixture",
+    "robustness": "every robust aggregator against every attack, and a privacy-utility curve",
+}
+
+
+def summaries() -> dict[str, str]:
+    """name -> what it runs, for every reproduction."""
+    return {name: SUMMARIES.get(name, "") for name in sorted(REPRODUCTIONS)}
+
+
 def reproduction(name: str) -> Callable[..., Any]:
     """The function that runs reproduction ``name`` (a key of ``REPRODUCTIONS``)."""
     module, _, function = REPRODUCTIONS[name].partition(":")
@@ -38,4 +63,4 @@ def reproduction(name: str) -> Callable[..., Any]:
     return fn
 
 
-__all__ = ["REPRODUCTIONS", "reproduction"]
+__all__ = ["REPRODUCTIONS", "SUMMARIES", "reproduction", "summaries"]
