@@ -166,3 +166,23 @@ def test_deploy_guide_matches_the_code():
     for key in set(re.findall(r"--node-config '([^']*)'", text)[0].split()):
         name = key.split("=")[0]
         assert f'"{name}"' in apps, name
+
+
+def test_npz_folder_runs_own_data_from_the_command_line(tmp_path, capsys):
+    """[data] name = "npz_folder" reads what `fedmtl data export` writes: the same federation trains to the same
+    numbers as the config it was exported from."""
+    import fedmtl
+    from fedmtl.config import read_toml
+
+    sets = ["--set", "data.num_clients=8"]
+    assert main(["data", "export", "synthetic/fedavg", *sets, "--out", str(tmp_path / "d")]) == 0
+    raw = read_toml("synthetic/fedavg")
+    raw["data"]["num_clients"] = 8
+    raw["run"].update(rounds=3, eval_every=3, checkpoint_every=0)
+    built = fedmtl.run(raw)
+    raw["data"] = {"name": "npz_folder", "path": str(tmp_path / "d")}
+    own = fedmtl.run(raw)
+    assert own.final == pytest.approx(built.final, abs=1e-6)
+    raw["data"]["path"] = str(tmp_path / "missing")
+    with pytest.raises(DataError, match="no such directory"):
+        fedmtl.run(raw)

@@ -9,6 +9,7 @@ import functools
 
 from ..registry import DATASETS, register_dataset
 from .federated import ClientGroup, DataError, FederatedData, Split
+from .npz import npz_folder
 from .synthetic import fedem_synthetic, linear_mixture, permuted_groups, related_tasks
 from .tabular import gleam, har, vehicle
 from .text import shakespeare
@@ -30,11 +31,12 @@ for _name, _fn in {
     "har": har,
     "vehicle": vehicle,
     "gleam": gleam,
+    "npz_folder": npz_folder,
 }.items():
     register_dataset(_name, replace=True)(_fn)
 
 __all__ = [
     "DATASETS", "ClientGroup", "DataError", "FederatedData", "Split", "cifar", "digits", "emnist", "fashion_mnist",
-    "fedem_synthetic", "femnist", "fmnist_pairs", "gleam", "har", "linear_mixture", "mnist", "permuted_groups",
-    "related_tasks", "shakespeare", "vehicle",
+    "fedem_synthetic", "femnist", "fmnist_pairs", "gleam", "har", "linear_mixture", "mnist", "npz_folder",
+    "permuted_groups", "related_tasks", "shakespeare", "vehicle",
 ]

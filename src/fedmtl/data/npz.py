@@ -181,4 +181,14 @@ def load_dir(path: str | Path, train_only: bool = False) -> tuple[Tensor, Federa
     return torch.tensor(ids, dtype=torch.long), data
 
 
-__all__ = ["FORMAT", "export", "load_dir", "parse_range"]
+def npz_folder(path: str, train_only: bool = False) -> FederatedData:
+    """``[data] name = "npz_folder"``: your own per-client data from the command line, a folder in the format above
+    (what ``fedmtl data export`` writes: ``dataset.json`` and one ``client_<k>.npz`` per client).  Its clients are
+    the run's seen clients in the order of their ids (ids with gaps are numbered 0..N-1 in that order).
+    ``train_only``: read the training splits only."""
+    if not path:
+        raise DataError("[data] npz_folder needs path = the folder of dataset.json and client_<k>.npz files")
+    return load_dir(Path(path).expanduser(), train_only)[1]
+
+
+__all__ = ["FORMAT", "export", "load_dir", "npz_folder", "parse_range"]
