@@ -314,3 +314,17 @@ def test_plugin_fields_carry_descriptions_and_the_contract_is_in_help():
     assert rows["damping"][3] == "how far the server moves"
     text = pydoc.render_doc(fedmtl.Algorithm, renderer=pydoc.plaintext)
     assert "client_update" in text and "needs_adaptation" in text and "check_algorithm" in text
+
+
+def test_compare_from_python_and_errors_that_speak_python(tmp_path):
+    """fedmtl.compare puts finished runs side by side; a run directory refused from Python names the Python
+    arguments (resume=True, overwrite=True) beside the flags."""
+    cfg = {"data": {"name": "fedem_synthetic", "num_clients": 6, "dim": 5, "n_test": 20, "max_samples": 60},
+           "model": {"name": "linear"}, "algorithm": {"name": "fedavg"}, "optim": {"lr": 0.1},
+           "run": {"rounds": 2, "batch_size": 16, "eval_every": 1, "checkpoint_every": 1}}
+    fedmtl.run(cfg, out=tmp_path / "a")
+    fedmtl.run({**cfg, "algorithm": {"name": "local"}}, out=tmp_path / "b")
+    rows = fedmtl.compare([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
+    assert rows and (tmp_path / "cmp" / "compare.md").exists()
+    with pytest.raises(Exception, match=r"resume=True \(--resume\).*overwrite=True \(--overwrite\)"):
+        fedmtl.run(cfg, out=tmp_path / "a")

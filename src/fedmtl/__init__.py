@@ -9,6 +9,7 @@ The public API (everything else is internal and free to change)::
     result = fedmtl.run({"algorithm": {"name": "fedem"}, "run": {"rounds": 20}}, data=data, model=model)
     result.final["seen_test_acc_mean"]
 
+``fedmtl.compare(run_dirs, out)`` puts finished runs side by side (``fedmtl compare``).
 ``register_algorithm`` / ``register_model`` / ``register_dataset`` add your own (``fedmtl run --import MODULE``
 loads them on the command line), and ``fedmtl.testing.check_algorithm`` runs the contract suite on an
 algorithm of your own.
@@ -17,6 +18,7 @@ algorithm of your own.
 from .algorithms.base import Algorithm, ClientId, Context, GlobalModel
 from .api import run
 from .batchnorm import BatchNorm
+from .comparison import compare
 from .data.federated import DataError, FederatedData
 from .engine.driver import RunResult
 from .engine.seeds import SeedsResult
@@ -28,6 +30,6 @@ __version__ = "0.2.0"
 
 __all__ = [
     "SGD", "Algorithm", "BatchNorm", "Batches", "ClientId", "Context", "DataError", "FederatedData", "GlobalModel",
-    "Model", "ModelError", "RunResult", "SeedsResult", "__version__", "local_sgd", "masked_steps", "register_algorithm",
-    "register_dataset", "register_model", "run",
+    "Model", "ModelError", "RunResult", "SeedsResult", "__version__", "compare", "local_sgd", "masked_steps",
+    "register_algorithm", "register_dataset", "register_model", "run",
 ]

@@ -211,7 +211,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import compare
+    from .comparison import compare
 
     compare(args.runs, args.out, args.metric)
     print(f"written: {args.out}/compare.md, compare.json, curves.png, clients.png")

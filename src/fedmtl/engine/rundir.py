@@ -56,7 +56,7 @@ def alive(pid: int) -> bool:
 class RunDirectory:
     def __init__(self, path: str | Path, resume: bool = False, overwrite: bool = False, *, seeds: bool = False):
         if resume and overwrite:
-            raise RunDirError("--resume and --overwrite exclude each other")
+            raise RunDirError("resume and overwrite (--resume, --overwrite) exclude each other")
         self.path, self.resume, self.overwrite, self.seeds = Path(path), resume, overwrite, seeds
         self.lock = self.path / ".lock"
         self._held = False
@@ -88,8 +88,8 @@ class RunDirectory:
         if self.seeds:
             return self._enter_seeds()
         if self.resume and not (self.path / "checkpoint.pt").exists():
-            raise RunDirError(f"--resume: {self.path / 'checkpoint.pt'} does not exist (nothing to resume; "
-                              "run without --resume to start)")
+            raise RunDirError(f"resume: {self.path / 'checkpoint.pt'} does not exist (nothing to resume; "
+                              "start without resume=True / --resume)")
         self.path.mkdir(parents=True, exist_ok=True)
         self._acquire()
         try:
@@ -98,8 +98,9 @@ class RunDirectory:
             held = [f for f in RESULTS if (self.path / f).exists()]
             if held and not self.resume:
                 if not self.overwrite:
-                    raise RunDirError(f"{self.path} already holds a run ({', '.join(held)}); pass --resume to "
-                                      "continue it, --overwrite to replace it, or choose another --out")
+                    raise RunDirError(f"{self.path} already holds a run ({', '.join(held)}); continue it with "
+                                      "resume=True (--resume), replace it with overwrite=True (--overwrite), or "
+                                      "choose another out directory (--out)")
                 for f in OUTPUTS:
                     (self.path / f).unlink(missing_ok=True)
                 shutil.rmtree(self.path / "client_store", ignore_errors=True)
@@ -243,17 +244,20 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
     command = resume_command(path, lay)
     if seeds is None and lay.kind == "seeds":
         raise RunDirError(f"{path} holds a run with seeds {lay.seeds} (seed-* folders), and this command runs a "
-                          f"single seed; nothing was changed. Resume it with: {command}; or choose another --out")
+                          f"single seed; nothing was changed. Resume it with: {command}; or choose another out "
+                          "directory (--out)")
     if seeds is not None and lay.kind == "single":
         raise RunDirError(f"{path} holds a single-seed run, and this command runs seeds {seeds}; nothing was changed. "
-                          f"Resume it with: {command}; or choose another --out (or --overwrite to replace it)")
+                          f"Resume it with: {command}; or choose another out directory (--out), or replace it with "
+                          "overwrite=True (--overwrite)")
     if seeds is None:
         if resume:
             _differs(path, _saved_config(path), config, command)
         return lay
     if not resume:
-        raise RunDirError(f"{path} already holds a run with seeds {lay.seeds}; resume it with: {command}; or "
-                          "choose another --out, or --overwrite to replace it")
+        raise RunDirError(f"{path} already holds a run with seeds {lay.seeds}; resume it with: {command} "
+                          "(resume=True in Python); or choose another out directory (--out), or replace it with "
+                          "overwrite=True (--overwrite)")
     if sorted(seeds) != lay.seeds:
         raise RunDirError(f"{path} holds seeds {lay.seeds}, and this command asks for seeds {sorted(seeds)}; nothing "
                           f"was changed. Resume it with: {command}")

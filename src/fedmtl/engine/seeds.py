@@ -87,7 +87,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"{cfg.source}: the seeds {seeds} are not distinct")
     if resume and overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
+        raise ConfigError("resume and overwrite (--resume, --overwrite) exclude each other")
     configs = {s: cfg.with_seed(s) for s in seeds}
     if out is not None:  # before anything is built or touched: the directory must fit the command
         check_resumable(Path(out), cfg.raw, seeds, resume, overwrite, lambda s: configs[s].raw)

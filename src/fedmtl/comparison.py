@@ -113,15 +113,18 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST_ACC_MEAN) -> dict[str, Any]:
+    """Finished runs side by side (``fedmtl compare``): writes ``out/compare.md`` (mean ± std over each run's seeds),
+    the curves of ``metric`` per round with seed bands, and the per-client accuracy distributions; returns the
+    table's rows.  ``run_dirs``: run directories of ``fedmtl.run`` / ``fedmtl run`` (with or without seeds)."""
     if not run_dirs:
-        raise ConfigError("fedmtl compare: give at least one RUN_DIR")
+        raise ConfigError("compare: give at least one run directory")
     paths = [Path(p) for p in run_dirs]
     runs = [Run(p) for p in paths]
     labels = _labels(paths)
     keys = [k for k, _ in METRICS if any(r.final(k) is not None for r in runs)]
     if metric not in keys and not any(r.final(metric) for r in runs):
         known = sorted({k for r in runs for k in r.summaries[0]["final"]})
-        raise ConfigError(f"--metric {metric!r}: not in these runs' summaries; one of {known}")
+        raise ConfigError(f"metric {metric!r} (--metric): not in these runs' summaries; one of {known}")
     if metric not in keys:
         keys.insert(0, metric)
     table = {lbl: {k: r.final(k) for k in keys} for lbl, r in zip(labels, runs, strict=True)}
