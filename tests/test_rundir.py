@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -391,3 +392,20 @@ def test_resume_needs_nothing_but_the_run_directory(tmp_path, capsys):
     assert "needs a CONFIG" in capsys.readouterr().err
     assert main(["run", "--resume", "--out", str(tmp_path / "none"), "-q"]) == EXIT_INPUT
     assert "no run there to resume" in capsys.readouterr().err
+
+
+def test_cheap_refusals_come_before_the_data_is_built(tmp_path, monkeypatch, capsys):
+    """--resume with --overwrite, and a directory another live run holds, are refused before any data is built."""
+    from fedmtl.config import ExperimentConfig
+
+    def no_data(self):
+        raise AssertionError("the data was built before a cheap check")
+
+    monkeypatch.setattr(ExperimentConfig, "build_data", no_data)
+    cfg, out = _cfg(tmp_path), tmp_path / "o"
+    assert _run(cfg, out, "--resume", "--overwrite") == EXIT_INPUT
+    assert "exclude each other" in capsys.readouterr().err
+    out.mkdir()
+    (out / ".lock").write_text(f"{socket.gethostname()} {os.getpid()}")  # this live process holds it
+    assert _run(cfg, out) == EXIT_INPUT
+    assert "in use by another run" in capsys.readouterr().err

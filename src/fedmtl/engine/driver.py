@@ -40,7 +40,7 @@ from .distributed import DistributedClients, Group, owned, shard
 from .evaluation import SEEN_TEST_ACC_MEAN, summarize
 from .executors import Executor, StackedExecutor, make_executor
 from .round import Engine, EngineState, Federation
-from .rundir import COMMIT, NEXT, RunDirectory, check_resumable
+from .rundir import COMMIT, NEXT, RunDirectory, RunDirError, check_resumable
 from .spec import RunSpec
 from .store import StoreError
 
@@ -170,7 +170,11 @@ def run_experiment(
                           + ("; a distributed run takes one seed" if group is not None else ""))
     writes = group is None or group.is_writer
     if out is not None:  # before anything is built or touched: the directory must fit the command (every rank checks)
+        if resume and overwrite:
+            raise RunDirError("resume and overwrite (--resume, --overwrite) exclude each other")
         check_resumable(Path(out), cfg.raw, None, resume, overwrite)
+        if writes:
+            RunDirectory(out, resume, overwrite).in_use()
     out_dir, prog, data = prepare(cfg, out, resume, progress if writes else False, data)
     try:
         if out_dir is None:

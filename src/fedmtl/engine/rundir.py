@@ -61,6 +61,20 @@ class RunDirectory:
         self.lock = self.path / ".lock"
         self._held = False
 
+    def in_use(self) -> None:
+        """Refuse, before anything is built, a directory whose lock a live process holds (``_acquire`` takes the lock
+        itself later, when the run starts)."""
+        if not self.lock.exists():
+            return
+        try:
+            host, pid = self.lock.read_text().split()
+        except (OSError, ValueError):
+            return
+        if host != socket.gethostname() or (pid.isdigit() and alive(int(pid))):
+            raise RunDirError(f"{self.path} is in use by another run (process {pid} on {host or '?'}; lock file "
+                              f"{self.lock}); choose another out directory (--out), or delete the lock if that "
+                              "process is gone")
+
     def _acquire(self) -> None:
         me = f"{socket.gethostname()} {os.getpid()}"
         for _ in range(2):
@@ -76,8 +90,8 @@ class RunDirectory:
                     self.lock.unlink(missing_ok=True)
                     continue
                 raise RunDirError(f"{self.path} is in use by another run (process {pid} on {host or '?'}; "
-                                  f"lock file {self.lock}); choose another --out, or delete the lock if that "
-                                  "process is gone") from None
+                                  f"lock file {self.lock}); choose another out directory (--out), or delete the "
+                                  "lock if that process is gone") from None
             with os.fdopen(fd, "w") as f:
                 f.write(me)
             self._held = True
