@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
@@ -243,8 +244,12 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     from .experiments import reproduction
     from .report import quick_mode
 
+    t0 = time.perf_counter()
     with quick_mode(args.quick):
         reproduction(args.name)(Path(args.out), quick=args.quick)
+    written = sorted(p.name for p in Path(args.out).iterdir() if p.suffix in (".md", ".json", ".png", ".csv"))
+    print(f"fedmtl reproduce {args.name}: {time.perf_counter() - t0:.0f} s; results in {args.out}"
+          + (f" ({', '.join(written)})" if written else ""), flush=True)
     return 0
 
 

@@ -108,7 +108,13 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
     e.g. under an attack no aggregator stops) is a result, ``{"diverged": True}`` with NaN accuracies."""
     results: dict[str, Any] = {}
     data, data_key = None, None
-    for label, sets in methods.items():
+    start = time.perf_counter()
+    for k, (label, sets) in enumerate(methods.items()):
+        if k:  # method k/N and the time the others would take at the mean pace so far
+            eta = (time.perf_counter() - start) / k * (len(methods) - k)
+            print(f"[{k + 1}/{len(methods)}] {label} (about {eta / 60:.0f} min left)", flush=True)
+        else:
+            print(f"[1/{len(methods)}] {label}", flush=True)
         cfg = load(base, [*sets, *overrides])
         key = repr(sorted(cfg.data.items()))
         if key != data_key:
