@@ -260,8 +260,9 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
             p.start("k", "fedem", 4)
             for r in range(1, 5):
                 row = {"round": r, "train_loss": 0.5 / r}
-                if r % 2 == 0:
+                if r % 2 == 1 or not expect_bar:
                     row["seen_test_acc_mean"] = 0.6 + r / 100
+                    row["seen_test_acc_p10"] = 0.5
                 p.round("k", "fedem", 4, row, 0.01)
             p.close()
         out = b""
@@ -276,8 +277,9 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
         os.close(master)
         text = out.decode()
         last = [s for s in text.replace("\r", "\n").splitlines() if s.strip()][-1]
-        if expect_bar:
-            assert "4/4" in last and "100%" in last and "acc=64.00" in last, text
+        if expect_bar:  # the last evaluation (accuracy, p10, its round) stays on the bar after it
+            assert "4/4" in last and "100%" in last and "train_loss=" in last, text
+            assert "acc=63.00%" in last and "p10=50.00%" in last and "eval=r3" in last, text
         else:
             assert last.startswith("fedem round 4/4") and "acc 64.00%" in last, text
 

@@ -86,6 +86,7 @@ class Progress:
         self.mode: Mode = mode
         self.verbose = _DEFAULT.get()[1] and mode != "off"
         self._bars: dict[str, Any] = {}
+        self._last_eval: dict[str, dict[str, str]] = {}  # per run: the last evaluation, kept on its bar
         self._since: dict[str, list[float]] = {}  # key -> [seconds, rounds] since its last line
 
     def line(self, text: str) -> None:
@@ -123,9 +124,14 @@ class Progress:
         if self.mode == "bar":
             bar = self._bars.get(key)
             if bar is not None:
-                post = {"loss": f"{row['train_loss']:.4f}"} if isinstance(row.get("train_loss"), float) else {}
-                if isinstance(row.get(SEEN_TEST_ACC_MEAN), float):
-                    post["acc"] = f"{100 * row[SEEN_TEST_ACC_MEAN]:.2f}"
+                post = {"train_loss": f"{row['train_loss']:.4f}"} if isinstance(row.get("train_loss"), float) else {}
+                if isinstance(row.get(SEEN_TEST_ACC_MEAN), float):  # the last evaluation stays on the bar
+                    last = {"acc": f"{100 * row[SEEN_TEST_ACC_MEAN]:.2f}%"}
+                    if isinstance(row.get(SEEN_TEST_ACC_P10), float):
+                        last["p10"] = f"{100 * row[SEEN_TEST_ACC_P10]:.2f}%"
+                    last["eval"] = f"r{row['round']}"
+                    self._last_eval[key] = last
+                post.update(self._last_eval.get(key, {}))
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
             return
