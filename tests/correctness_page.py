@@ -54,7 +54,8 @@ def render() -> str:
     ]
     for method in sorted(record):
         for checks, guards, test in record[method]:
-            lines.append(f"| `{method}` | {checks} | {guards} | `{test}` |")
+            cells = [c.replace("|", "\\|") for c in (checks, guards)]  # a | inside a cell would end it
+            lines.append(f"| `{method}` | {cells[0]} | {cells[1]} | `{test}` |")
     return "\n".join(lines) + "\n"
 
 

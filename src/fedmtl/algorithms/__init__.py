@@ -25,6 +25,7 @@ from .fedper import FedPer
 from .fedproto import FedProto
 from .fedrep import FedRep
 from .fedrod import FedRoD
+from .gpfl import GPFL
 from .ifca import IFCA
 from .knnper import KNNPer
 from .lgfedavg import LGFedAvg
@@ -40,7 +41,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL):
     register_algorithm(_cls, replace=True)
 
 
@@ -53,6 +54,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedALA",
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova", "FedPer",
-    "FedProto", "FedProx", "FedRep", "FedRoD", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe",
-    "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
+    "FedProto", "FedProx", "FedRep", "FedRoD", "GPFL", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN",
+    "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
 ]

@@ -27,7 +27,7 @@ client keeps its own state (Ditto's personal model, FedEM's pi) as it would sync
 client is in flight sees the state it will return with.
 
 Any method whose clients send models in the coordinates of the payload (``Algorithm.runs_async``: FedAvg, FedProx,
-FedAvg+, FedLC, Ditto, FedPer, FedRep, FedBABU, LG-FedAvg, FedRoD, FedEM) runs asynchronously, personalized ones
+FedAvg+, FedLC, Ditto, FedPer, FedRep, FedBABU, LG-FedAvg, FedRoD, FedEM, GPFL) runs asynchronously, personalized ones
 included: FedBuff aggregates, with the method's own ``aggregate``, the buffered updates rebased on the current
 payload, x_now + s_i (y_i - x_{tau_i}); FedAsync mixes the method's aggregate of the one arriving update into the
 server state.  With a buffer of every client, everyone dispatched together and no staleness, FedBuff is the
