@@ -30,7 +30,7 @@ from .engine.evaluation import (
     UNSEEN_TEST_ACC_MEAN,
 )
 from .engine.seeds import history_stats, stats
-from .report import atomic, plot_bands, save_figure, write_json
+from .report import MAX_WIDTH_IN, atomic, plot_bands, save_figure, write_json
 
 METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
            (SEEN_TEST_ACC_BOTTOM10_MEAN, "worst 10% mean"), (UNSEEN_TEST_ACC_MEAN, "unseen avg"),
@@ -87,6 +87,8 @@ class Run:
             self.dirs = [path]
         self.summaries = [top] if self.dirs == [path] else [_read_json(d / "summary.json") for d in self.dirs]
         self.algorithm = str(top.get("algorithm", "?"))
+        data = (self.summaries[0].get("config") or {}).get("data") or {}
+        self.dataset = str(data.get("name", "")) if isinstance(data, dict) else ""
 
     def final(self, key: str) -> dict[str, Any] | None:
         vals = [s["final"].get(key) for s in self.summaries]
@@ -159,7 +161,14 @@ def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST
             bands[lbl] = ([h["round"] for h in pts], [100 * h[f"{metric}_mean"] for h in pts],
                           [100 * (h[f"{metric}_std"] or 0.0) for h in pts])
     if bands:
-        plot_bands(outd / "curves.png", bands, f"{metric} (%)", f"{metric}: mean over seeds, band = +-1 std")
+        readable = {SEEN_TEST_ACC_MEAN: "test accuracy, mean over clients", SEEN_TEST_ACC_P10:
+                    "test accuracy, 10th percentile over clients", SEEN_TEST_ACC_BOTTOM10_MEAN:
+                    "test accuracy, mean of the worst 10% of clients", UNSEEN_TEST_ACC_MEAN:
+                    "test accuracy of unseen clients, mean"}.get(metric, metric)
+        datasets = sorted({r.dataset for r in runs if r.dataset})
+        plot_bands(outd / "curves.png", bands, f"{readable} (%)",
+                   f"{', '.join(datasets) or 'runs'}: {', '.join(sorted(set(algos.values())))[:80]} "
+                   "(mean over seeds, band = ±1 std)", vector=True)
     dists = {lbl: r.clients() for lbl, r in zip(labels, runs, strict=True)}
     _plot_clients(outd / "clients.png", {k: v for k, v in dists.items() if v.size})
     print(md)
@@ -174,14 +183,16 @@ def _plot_clients(path: Path, dists: dict[str, np.ndarray]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(dists) + 2), 4.2))
+    n = len(dists)
+    fig, ax = plt.subplots(figsize=(min(max(4.0, 0.6 * n + 2), MAX_WIDTH_IN), 4.2 + (0.8 if n > 10 else 0.0)))
     ax.boxplot([100 * v for v in dists.values()], showmeans=True)
-    ax.set_xticks(range(1, len(dists) + 1), list(dists), rotation=20 if len(dists) > 4 else 0, fontsize=8)
+    ax.set_xticks(range(1, n + 1), list(dists), rotation=0 if n <= 4 else 30 if n <= 10 else 60,
+                  ha="center" if n <= 4 else "right", fontsize=8 if n <= 10 else 6)
     ax.set_ylabel("final test accuracy of a client (%)")
     ax.set_title("accuracy across clients (box: quartiles, whiskers 1.5 IQR, triangle: mean)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    save_figure(fig, path)
+    save_figure(fig, path, vector=True)
 
 
 __all__ = ["compare"]

@@ -68,8 +68,20 @@ def write_table(path: Path, text: str) -> None:
         f.write(text)
 
 
-def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
-    """Save a matplotlib figure as PNG atomically and close it; in quick mode every axes title starts "QUICK:"."""
+#: a colour-blind-safe palette (Okabe & Ito); beyond its 8 colours the curves change line style
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+LINESTYLES = ("-", "--", ":", "-.")
+MAX_WIDTH_IN = 12.0  # figures never grow wider than this (inches; 1440 px at the PNG's 120 dpi)
+
+
+def style(i: int) -> dict[str, Any]:
+    """Colour and line style of curve ``i``: distinct for 32 curves."""
+    return {"color": PALETTE[i % len(PALETTE)], "linestyle": LINESTYLES[(i // len(PALETTE)) % len(LINESTYLES)]}
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 120, vector: bool = False) -> None:
+    """Save a matplotlib figure as PNG atomically and close it (``vector``: a PDF beside it, for papers); in quick
+    mode every axes title starts "QUICK:"."""
     import matplotlib.pyplot as plt
 
     if _QUICK.get():
@@ -77,7 +89,10 @@ def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
             ax.set_title("QUICK: " + ax.get_title(), fontsize=9)
         fig.tight_layout()
     with atomic(Path(path), "wb") as f:
-        fig.savefig(f, dpi=dpi, format="png")
+        fig.savefig(f, dpi=dpi, format="png", bbox_inches="tight")
+    if vector:
+        with atomic(Path(path).with_suffix(".pdf"), "wb") as f:
+            fig.savefig(f, format="pdf", bbox_inches="tight")
     plt.close(fig)
 
 
@@ -126,28 +141,34 @@ def plot_curves(path: Path, curves: Mapping[str, tuple[Sequence[float], Sequence
 
 
 def plot_bands(path: Path, bands: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
-               ylabel: str, title: str, xlabel: str = "round") -> None:
+               ylabel: str, title: str, xlabel: str = "round", vector: bool = False) -> None:
     """Curves (x, mean, std) each drawn as a line with a shaded mean +- std band (none where std is None),
-    written as PNG."""
+    written as PNG (and PDF with ``vector``).  Colour-blind-safe colours, line styles beyond 8 curves, the legend
+    outside the axes beyond 6, the width capped at ``MAX_WIDTH_IN``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, (x, m, s) in bands.items():
+    outside = len(bands) > 6
+    columns = 1 + len(bands) // 24
+    fig, ax = plt.subplots(figsize=(min(6.4 + (2.2 * columns if outside else 0.0), MAX_WIDTH_IN), 4.2))
+    for i, (label, (x, m, s)) in enumerate(bands.items()):
         xa, ma = np.asarray(x, dtype=np.float64), np.asarray(m, dtype=np.float64)
-        (line,) = ax.plot(xa, ma, marker="o" if len(xa) < 30 else None, ms=3, label=label)
+        (line,) = ax.plot(xa, ma, marker="o" if len(xa) < 30 else None, ms=3, label=label, **style(i))
         if s is not None:
             sa = np.asarray(s, dtype=np.float64)
-            ax.fill_between(xa, ma - sa, ma + sa, color=line.get_color(), alpha=0.2, linewidth=0)
+            ax.fill_between(xa, ma - sa, ma + sa, color=line.get_color(), alpha=0.15, linewidth=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if outside:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=columns, frameon=False)
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path)
+    save_figure(fig, path, vector=vector)
 
 
 def plot_history(path: Path, history: list[dict[str, Any]], title: str, x: str = "round") -> None:
