@@ -21,6 +21,7 @@ from .fedem import FedEM
 from .fedfomo import FedFomo
 from .fedlc import FedLC
 from .fednova import FedNova
+from .fedpac import FedPAC
 from .fedper import FedPer
 from .fedproto import FedProto
 from .fedrep import FedRep
@@ -41,7 +42,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC):
     register_algorithm(_cls, replace=True)
 
 
@@ -53,7 +54,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedALA",
-    "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova", "FedPer",
-    "FedProto", "FedProx", "FedRep", "FedRoD", "GPFL", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge", "PFedHN",
-    "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
+    "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova", "FedPAC",
+    "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "GPFL", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge",
+    "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
 ]
