@@ -77,7 +77,8 @@ def test_a_model_without_a_head_is_a_clear_error(cls, small_data):
 
 @pytest.mark.correctness(
     ("fedper",), "an empty head is FedAvg",
-    guards="a body/head split that changes the model",
+    guards="a body/head split that changes the model (known: a peer library's MLP split keeps a log_softmax "
+           "between body and head, measured on the Personalization results page)",
 )
 def test_fedper_with_an_empty_head_is_fedavg(small_data, mlp):
     no_head = dataclasses.replace(mlp, head=())
@@ -646,7 +647,8 @@ def test_feddyn_warns_about_momentum_and_its_config_runs_plain_sgd(small_data, c
 @pytest.mark.correctness(
     ("fedavg+",), "fine-tuning before evaluation runs at the initial rate; the reference code's decayed rate is an "
     "option",
-    guards="fine-tuning at a decayed rate that makes FedAvg+ equal FedAvg",
+    guards="fine-tuning at a decayed rate that makes FedAvg+ equal FedAvg (known: the FedEM reference code "
+           "fine-tunes at the schedule's decayed rate)",
 )
 def test_personalization_steps_at_the_initial_rate_after_a_decayed_schedule(small_data):
     """At the end of a decayed schedule the round's rate is 1e-3 of the initial one; personalization (FedAvg+'s

@@ -101,7 +101,8 @@ def test_pfedme_large_lambda_approaches_fedavg(small_data):
 
 @pytest.mark.correctness(
     ("pfedme",), "the variant FedEM's Table 1 calls pFedMe is available, and differs",
-    guards="comparing against a method that is not pFedMe under its name",
+    guards="comparing against a method that is not pFedMe under its name (known: FedEM's Table 1 reports its "
+           "reference code's aggregator as pFedMe)",
 )
 def test_pfedme_fedem_reference_variant(small_data):
     """The FedEM code's "pFedMe": its first round is FedProx with mu = lam (every client starts from the global
