@@ -16,6 +16,7 @@ from .fedamp import FedAMP
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedbabu import FedBABU
 from .fedbn import FedBN
+from .fedcp import FedCP
 from .feddyn import FedDyn
 from .fedem import FedEM
 from .fedfomo import FedFomo
@@ -42,7 +43,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP):
     register_algorithm(_cls, replace=True)
 
 
@@ -54,7 +55,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = [
     "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedALA",
-    "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova", "FedPAC",
-    "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "GPFL", "LGFedAvg", "Local", "Mocha", "Moon", "OmniFedge",
-    "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
+    "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
+    "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "GPFL", "LGFedAvg", "Local", "Mocha", "Moon",
+    "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
 ]
