@@ -513,9 +513,10 @@ def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Fede
 
 
 # RunDirectory's hints name fedmtl run's options; a ServerApp's are run config keys
-_SERVER_HINTS = (("pass --resume to continue it, --overwrite to replace it, or choose another --out",
+_SERVER_HINTS = (("continue it with resume=True (--resume), replace it with overwrite=True (--overwrite), or choose "
+                  "another out directory (--out)",
                   "set fedmtl-overwrite = true in the run config to replace it, or choose another fedmtl-out"),
-                 ("choose another --out", "choose another fedmtl-out"))
+                 ("choose another out directory (--out)", "choose another fedmtl-out"))
 
 
 def lock_run_directory(out: Path, overwrite: bool = False) -> tuple[RunDirectory, bool]:
