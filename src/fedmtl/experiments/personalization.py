@@ -136,7 +136,9 @@ def comparison_markdown(results: Path) -> str:
     return (f"# Personalized methods: test accuracy (%) of the final round, mean over clients (avg) and 10th "
             f"percentile (p10), mean ± std over seeds {stored['seeds']}\n\n{detail}; every method with the same MLP."
             "\n\n"
-            + markdown_table(header, rows))
+            + markdown_table(header, rows)
+            + ("\n\n—: not measured in the stored run (" + ", ".join(stored["not_run"]) + ")"
+               if stored.get("not_run") else ""))
 
 
 def fmnist_cnn(out: Path, quick: bool = False) -> dict[str, Any] | None:
