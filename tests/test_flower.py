@@ -88,6 +88,22 @@ seed = 5
 """
 
 
+def _flower_equals_in_process(raw, tmp_path):
+    """A Flower simulation of config ``raw`` gives the in-process run's server state and final metrics."""
+    import tomllib
+
+    from fedmtl.flower.simulation import simulate
+
+    text = dumps(validate(tomllib.loads(raw)).raw)
+    res = simulate(text, out=tmp_path / "run")
+    st, final = _in_process(text)
+    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
+        assert torch.allclose(a.double(), b.double(), atol=1e-5)
+    for key, v in final.items():
+        assert abs(res.final[key] - v) < 1e-5, key
+    return res
+
+
 def _in_process(text):
     import tomllib
 
@@ -138,18 +154,8 @@ def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
     """The Flower executor runs the engine's loop: the same server state and metrics as in-process, for a
     global model, FedEM's mixture, Clustered FL's split clusters, MOCHA with stragglers, and D-FedEM / D-SGD
     as server-relayed gossip (their personalized models live on the nodes: the metrics are the check)."""
-    import tomllib
-
-    from fedmtl.flower.simulation import simulate
-
     raw = MOCHA_CONFIG if alg == "mocha" else CONFIG.format(alg=alg, extra=extra, k=k)
-    text = dumps(validate(tomllib.loads(raw)).raw)
-    res = simulate(text, out=tmp_path / "run")
-    st, final = _in_process(text)
-    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
-        assert torch.allclose(a.double(), b.double(), atol=1e-5)
-    for key, v in final.items():
-        assert abs(res.final[key] - v) < 1e-5, key
+    res = _flower_equals_in_process(raw, tmp_path)
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
     if alg == "clustered":
         assert int(res.server.assign.max()) >= 1  # the split happened, and reached the clients over Flower
@@ -475,16 +481,5 @@ def test_warm_nodes_are_kept_per_run():
 def test_the_field_s_shared_baselines_over_flower_equal_the_simulator(alg, extra, tmp_path):
     """The methods every peer library ships run over Flower as in-process: the same server state and metrics (an MLP,
     so that the body/head methods have a head)."""
-    import tomllib
-
-    from fedmtl.flower.simulation import simulate
-
-    raw = CONFIG.format(alg=alg, extra=extra, k=0).replace('[model]\nname = "linear"',
-                                                            '[model]\nname = "mlp"\nhidden = [8]')
-    text = dumps(validate(tomllib.loads(raw)).raw)
-    res = simulate(text, out=tmp_path / "run")
-    st, final = _in_process(text)
-    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
-        assert torch.allclose(a.double(), b.double(), atol=1e-5)
-    for key, v in final.items():
-        assert abs(res.final[key] - v) < 1e-5, key
+    _flower_equals_in_process(CONFIG.format(alg=alg, extra=extra, k=0).replace(
+        '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]'), tmp_path)
