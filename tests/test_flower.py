@@ -241,8 +241,18 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
     with LocalDeployment(tmp_path / "dep", data_dirs=[tmp_path / "site_a", tmp_path / "site_b"], workers=True) as dep:
         dep.wait_for_nodes(2)
         intruder = dep.start_unregistered_node()
-        dep.run(app, tmp_path / "out")
+        log = dep.run(app, tmp_path / "out")
         intruder.wait(300)
+        # the ServerApp's log (here streamed by flwr run --stream) has fedmtl's lines: nodes, rounds, the end
+        assert "flower server: 2 SuperNodes hold 5 clients" in log, log[-3000:]
+        assert "fedem round 3/3  loss" in log and "fedem finished round 3/3" in log, log[-3000:]
+        assert f"results in {tmp_path / 'out'}" in log
+        # started as DEPLOY.md tells an operator: the SuperLink on every interface with a database, each node on a
+        # port of its own
+        link_cmd = dep.commands["superlink"]
+        assert link_cmd[link_cmd.index("--host") + 1] == "0.0.0.0" and "--database" in link_cmd
+        ports = [dep.commands[f"supernode{i}"][dep.commands[f"supernode{i}"].index("--port") + 1] for i in range(2)]
+        assert len(set(ports)) == 2
         assert dep.online_nodes() == 2  # the unregistered key never joined
         # refused by the SuperLink, for its key: the link logs the intruder's public key as unknown, and the
         # node exits with Flower's exit code 305 (SuperNode activation refused)
@@ -274,6 +284,12 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
         assert torch.allclose(a, b, atol=1e-5)
     for key, v in final.items():
         assert abs(summary["final"][key] - v) < 1e-5, key
+    # metrics.csv has the simulator's columns in the simulator's order
+    import fedmtl
+
+    fedmtl.run(cfg.raw, out=tmp_path / "sim")
+    assert ((tmp_path / "out" / "metrics.csv").read_text().splitlines()[0]
+            == (tmp_path / "sim" / "metrics.csv").read_text().splitlines()[0])
     assert summary["rounds"] == 3 and len((tmp_path / "out" / "metrics.csv").read_text().splitlines()) == 4
 
 

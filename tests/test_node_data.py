@@ -157,7 +157,8 @@ def test_deploy_guide_matches_the_code():
     from fedmtl.cli import build_parser
 
     text = (Path(__file__).resolve().parents[1] / "DEPLOY.md").read_text()
-    commands = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("fedmtl ")]
+    commands = [ln.split("#")[0].strip().removesuffix("&") for ln in text.splitlines()
+                if ln.strip().startswith("fedmtl ")]
     assert len(commands) >= 3
     for c in commands:
         build_parser().parse_args(shlex.split(c)[1:])
@@ -166,6 +167,65 @@ def test_deploy_guide_matches_the_code():
     for key in set(re.findall(r"--node-config '([^']*)'", text)[0].split()):
         name = key.split("=")[0]
         assert f'"{name}"' in apps, name
+
+
+def _flower_commands(text: str, program: str) -> list[list[str]]:
+    """Every ``program ...`` command of a markdown text (continuation lines joined, a trailing ``&`` dropped), as
+    argument lists."""
+    import shlex
+
+    out, lines = [], text.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.strip().startswith(program + " "):
+            cmd = ln.strip()
+            while cmd.endswith("\\"):
+                i += 1
+                cmd = cmd[:-1] + " " + lines[i].strip()
+            args = shlex.split(cmd.removesuffix("&"))[1:]
+            out.append(args)
+    return out
+
+
+def test_deploy_guides_give_the_tested_host_ports_and_database(tmp_path):
+    """DEPLOY.md and the project's generated DEPLOY.md start the SuperLink and SuperNodes with exactly the options the
+    loopback-tested ``LocalDeployment`` uses (parsed by Flower's own parsers): the SuperLink listens on every interface
+    with a database, every SuperNode names its own port, and two SuperNodes on one machine take different ports."""
+    pytest.importorskip("flwr")
+    from pathlib import Path
+
+    from flwr.superlink.cli.flower_superlink import _parse_args_run_superlink
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    from fedmtl.config import load
+    from fedmtl.flower.deploy import superlink_args, supernode_args
+    from fedmtl.flower.project import write_project
+
+    def given(parser, args):  # the options on the command line (which Flower's parser accepts), by destination
+        parser.parse_args(args)
+        return {parser._option_string_actions[a.split("=")[0]].dest for a in args if a.startswith("--")}
+
+    link, node = _parse_args_run_superlink(), _parse_args_run_supernode()
+    tested_link = given(link, superlink_args(tmp_path, 9091, tmp_path / "db"))
+    tested_node = given(node, supernode_args("127.0.0.1:9091", tmp_path / "ca.crt", tmp_path / "k", 'a="1"', 9094))
+    assert {"host", "port", "database", "enable_supernode_auth"} <= tested_link
+    assert {"port", "superlink", "root_certificates", "auth_supernode_private_key"} <= tested_node
+    write_project(load("synthetic/fedem"), tmp_path / "app", 2, home=tmp_path)
+    guides = {"DEPLOY.md": (Path(__file__).resolve().parents[1] / "DEPLOY.md").read_text(),
+              "app/DEPLOY.md": (tmp_path / "app" / "DEPLOY.md").read_text()}
+    for name, text in guides.items():
+        links = _flower_commands(text, "flower-superlink")
+        nodes = _flower_commands(text, "flower-supernode")
+        assert links and nodes, name
+        for args in links:
+            assert given(link, args) == tested_link, (name, args)
+            assert link.parse_args(args).host == "0.0.0.0", name
+        for args in nodes:
+            assert given(node, args) == tested_node, (name, args)
+    sequence = guides["DEPLOY.md"].split("## The whole sequence")[1].split("\n## ")[0]
+    ports = [node.parse_args(a).port for a in _flower_commands(sequence, "flower-supernode")]
+    assert len(ports) == 2 and len(set(ports)) == 2
+    assert str(tmp_path / "certs" / "ca.crt") in (tmp_path / "app" / "flwr-config.toml").read_text()
+    assert f"fedmtl-out='{tmp_path}/runs/exp1'" in guides["app/DEPLOY.md"]
 
 
 def test_npz_folder_runs_own_data_from_the_command_line(tmp_path, capsys):

@@ -219,6 +219,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from .watch import watch
+
+    try:
+        return watch(args.run_dir, interval=args.interval, once=args.once)
+    except KeyboardInterrupt:  # Ctrl-C ends the watching, never the run
+        return 0
+
+
 def _cmd_tables(args: argparse.Namespace) -> int:
     from .experiments.tables import regenerate
 
@@ -232,21 +241,27 @@ def _cmd_tables(args: argparse.Namespace) -> int:
 
 
 def _cmd_main(args: argparse.Namespace) -> int:
+    from .experiments.common import summary_figure
     from .experiments.fedem import main_job
-    from .report import quick_mode
+    from .report import quick_mode, run_figures
 
-    with quick_mode(args.quick):
+    with quick_mode(args.quick), run_figures(False):
         main_job(Path(args.out), quick=args.quick)
+        summary_figure(Path(args.out), "FedEM synthetic data: final test accuracy across clients")
     return 0
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
-    from .experiments import reproduction
-    from .report import quick_mode
+    from .experiments import SUMMARIES, reproduction
+    from .experiments.common import summary_figure
+    from .report import quick_mode, run_figures
 
     t0 = time.perf_counter()
-    with quick_mode(args.quick):
+    # the runs draw no figure of their own: the reproduction's tables and figures, and one summary figure (every
+    # dataset's methods, average and bottom-decile accuracy, mean +- std over seeds)
+    with quick_mode(args.quick), run_figures(False):
         reproduction(args.name)(Path(args.out), quick=args.quick)
+        summary_figure(Path(args.out), f"{args.name}: {SUMMARIES.get(args.name, '')}".rstrip(": "))
     written = sorted(p.name for p in Path(args.out).iterdir() if p.suffix in (".md", ".json", ".png", ".csv"))
     print(f"fedmtl reproduce {args.name}: {time.perf_counter() - t0:.0f} s; results in {args.out}"
           + (f" ({', '.join(written)})" if written else ""), flush=True)
@@ -440,6 +455,17 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--out", required=True)
     _output_args(cp)
     cp.set_defaults(fn=_cmd_compare)
+
+    w = sub.add_parser("watch", help="follow a run while it runs (simulated or over Flower): round, accuracy, p10, "
+                                     "dropped and excluded clients, ETA",
+                       description="fedmtl watch: follow a run directory while its run runs (fedmtl run, a Flower "
+                                   "ServerApp's fedmtl-out); ends when the run finishes (exit 0) or stops unfinished "
+                                   "(exit 1)")
+    w.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (--out of fedmtl run, fedmtl-out of a Flower "
+                   "run); a run with several seeds is followed seed by seed")
+    w.add_argument("--interval", type=float, default=2.0, help="seconds between two reads (default 2)")
+    w.add_argument("--once", action="store_true", help="print the run's state now and exit")
+    w.set_defaults(fn=_cmd_watch)
 
     ls = sub.add_parser("list", help="list algorithms, datasets, models and bundled configs")
     ls.add_argument("--algorithm", metavar="NAME", help="each hyperparameter of one algorithm: type, valid range, "

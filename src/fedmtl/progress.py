@@ -64,7 +64,7 @@ def _sized_terminal(stream: TextIO) -> bool:
         return False
 
 
-def _fmt_row(row: dict[str, Any]) -> str:
+def format_row(row: dict[str, Any]) -> str:
     parts = [f"loss {row['train_loss']:.4f}"] if isinstance(row.get("train_loss"), float) else []
     for key, label in ((SEEN_TEST_ACC_MEAN, "acc"), (SEEN_TEST_ACC_P10, "p10"),
                        (UNSEEN_TEST_ACC_MEAN, "unseen")):
@@ -72,6 +72,9 @@ def _fmt_row(row: dict[str, Any]) -> str:
             parts.append(f"{label} {100 * row[key]:.2f}%")
     if "epsilon" in row and isinstance(row["epsilon"], float):
         parts.append(f"eps {row['epsilon']:.3g}")
+    for key in ("dropped", "excluded"):  # clients lost this round (stragglers, failed nodes; NaN/Inf updates)
+        if isinstance(row.get(key), int) and row[key] > 0:
+            parts.append(f"{key} {row[key]}")
     return "  ".join(parts)
 
 
@@ -140,7 +143,7 @@ class Progress:
         acc[1] += 1
         evaluated = SEEN_TEST_ACC_MEAN in row or UNSEEN_TEST_ACC_MEAN in row
         if evaluated or self.verbose or row.get("round") == total:
-            self.line(f"{label} round {row['round']}/{total}  {_fmt_row(row)}  {acc[0] / acc[1]:.3f} s/round")
+            self.line(f"{label} round {row['round']}/{total}  {format_row(row)}  {acc[0] / acc[1]:.3f} s/round")
             self._since[key] = [0.0, 0]
 
     def close(self) -> None:
@@ -149,4 +152,4 @@ class Progress:
         self._bars.clear()
 
 
-__all__ = ["Progress", "resolve", "default"]
+__all__ = ["Progress", "default", "format_row", "resolve"]

@@ -42,6 +42,24 @@ def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[An
 _QUICK: ContextVar[bool] = ContextVar("fedmtl_quick_mode", default=False)
 
 
+# whether each run draws its own accuracy.png (a reproduction's runs do not: it draws one summary figure)
+_RUN_FIGURES: ContextVar[bool] = ContextVar("fedmtl_run_figures", default=True)
+
+
+@contextlib.contextmanager
+def run_figures(on: bool = True) -> Iterator[None]:
+    """Within: every run writes (``on``) or skips its per-run figures (``accuracy.png``)."""
+    token = _RUN_FIGURES.set(on)
+    try:
+        yield
+    finally:
+        _RUN_FIGURES.reset(token)
+
+
+def run_figures_on() -> bool:
+    return _RUN_FIGURES.get()
+
+
 @contextlib.contextmanager
 def quick_mode(on: bool = True) -> Iterator[None]:
     """Within: every table (``write_table``) and figure (``save_figure``) is marked as a quick smoke run, so a
@@ -96,10 +114,19 @@ def save_figure(fig: Any, path: Path, dpi: int = 120, vector: bool = False) -> N
     plt.close(fig)
 
 
+# metrics.csv's leading columns, in this order, then every other column sorted by name: one order for every
+# executor (a Flower run's evaluation arrives node by node, a resumed run's history from its checkpoint)
+HISTORY_COLUMNS = ("round", "lr", "clients", "dropped", "excluded", "train_loss", "est_time_s", "epsilon")
+
+
+def history_columns(history: list[dict[str, Any]]) -> list[str]:
+    """The columns of ``metrics.csv`` for ``history``: ``HISTORY_COLUMNS`` present, then the rest by name."""
+    seen = {k for row in history for k in row}
+    return [k for k in HISTORY_COLUMNS if k in seen] + sorted(seen - set(HISTORY_COLUMNS))
+
+
 def write_history_csv(path: Path, history: list[dict[str, Any]]) -> None:
-    keys: list[str] = []
-    for row in history:
-        keys += [k for k in row if k not in keys]
+    keys = history_columns(history)
     with atomic(path) as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
@@ -167,6 +194,62 @@ def plot_bands(path: Path, bands: Mapping[str, tuple[Sequence[float], Sequence[f
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=columns, frameon=False)
     else:
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, vector=vector)
+
+
+HATCHES = ("", "//", "..", "xx")  # bar series beyond the palette's colours change hatch
+
+
+def plot_bars(path: Path, panels: Mapping[str, Mapping[str, Mapping[str, tuple[float, float | None]]]],
+              value_label: str, title: str, horizontal: bool = False, vector: bool = True) -> None:
+    """Grouped bars with error bars: per panel (side by side, e.g. one per dataset), per category (a method, a
+    swept value), one bar per series (e.g. average and bottom-decile accuracy) of height ``mean`` and error bar
+    ``std`` (none where None).  ``horizontal``: categories down the y axis (for many methods).  Colour-blind-safe
+    colours, the legend above the panels, the width capped at ``MAX_WIDTH_IN``; PNG and (``vector``) PDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(dict.fromkeys(c for p in panels.values() for c in p))
+    series = list(dict.fromkeys(s for p in panels.values() for c in p.values() for s in c))
+    n, k = len(panels), max(len(series), 1)
+    long = 0.32 * len(cats) * max(1.0, k / 2) + 1.5
+    if horizontal:
+        size = (min(3.2 * n + 2.0, MAX_WIDTH_IN), max(3.0, long))
+    else:
+        size = (min(max(4.0, long) * n, MAX_WIDTH_IN), 4.2)
+    fig, axes = plt.subplots(1, n, figsize=size, sharey=horizontal, squeeze=False)
+    width = 0.8 / k
+    for ax, (ptitle, panel) in zip(axes[0], panels.items(), strict=True):
+        for j, sname in enumerate(series):
+            pos = np.arange(len(cats)) + (j - (k - 1) / 2) * width
+            vals = np.array([panel.get(c, {}).get(sname, (np.nan, None))[0] for c in cats], dtype=np.float64)
+            errs = np.array([np.nan if (e := panel.get(c, {}).get(sname, (np.nan, None))[1]) is None else e
+                             for c in cats], dtype=np.float64)
+            kw = {"color": PALETTE[j % len(PALETTE)], "hatch": HATCHES[(j // len(PALETTE)) % len(HATCHES)],
+                  "label": sname, "edgecolor": "white", "linewidth": 0.5}
+            err = errs if np.isfinite(errs).any() else None
+            if horizontal:
+                ax.barh(pos, vals, height=width, xerr=err, capsize=2, **kw)
+            else:
+                ax.bar(pos, vals, width=width, yerr=err, capsize=2, **kw)
+        ticks = (np.arange(len(cats)), [str(c) for c in cats])
+        if horizontal:
+            ax.set_yticks(*ticks)
+            ax.set_ylim(len(cats) - 0.5, -0.5)  # the first category on top (the axes share y: set, not inverted)
+            ax.set_xlabel(value_label)
+            ax.grid(axis="x", alpha=0.3)
+        else:
+            ax.set_xticks(*ticks, rotation=30 if len(cats) > 6 else 0, ha="right" if len(cats) > 6 else "center")
+            ax.set_ylabel(value_label)
+            ax.grid(axis="y", alpha=0.3)
+        ax.set_title(ptitle, fontsize=9)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.suptitle(title, fontsize=10)
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncols=min(k, 4), fontsize=8,
+               frameon=False)
     fig.tight_layout()
     save_figure(fig, path, vector=vector)
 

@@ -21,7 +21,7 @@ import numpy as np
 from .config import ConfigError, load, parse_override
 from .engine.driver import run_experiment
 from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from .report import atomic, save_figure, write_json
+from .report import atomic, save_figure, style, write_json
 
 
 def split_top_level(text: str) -> list[str]:
@@ -98,7 +98,8 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path,
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    plot_sweep(out / "sweep.png", rows, [k for k, _ in swept])
+    algs = sorted({str(c.algorithm["name"]) for c in cfgs})
+    plot_sweep(out / "sweep.png", rows, [k for k, _ in swept], f"{'/'.join(algs)} on {cfgs[0].data['name']}")
     return rows
 
 
@@ -113,9 +114,11 @@ def axis_kind(values: list[Any]) -> str:
     return "linear"
 
 
-def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str]) -> None:
-    """Test accuracy (mean and 10th percentile over clients) against the first swept key, one line per setting
-    of the others; a band of +-1 std where the sweep ran several seeds."""
+def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str], what: str = "") -> None:
+    """Test accuracy (mean and 10th percentile over clients) against the first swept key: one line per setting of
+    the others for a numeric key (a band of +-1 std where the sweep ran several seeds), grouped bars with +-1 std
+    error bars for a categorical one (methods, aggregators: no line joins them).  ``what``: the algorithm and
+    dataset, for the title.  PNG and PDF."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,30 +127,47 @@ def plot_sweep(path: Path, rows: list[dict[str, Any]], swept: list[str]) -> None
     first, others = swept[0], swept[1:]
     values = list(dict.fromkeys(r[first] for r in rows))
     kind = axis_kind(values)
-    pos = {v: i for i, v in enumerate(values)}
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(",".join(f"{k}={r[k]}" for k in others), []).append(r)
+    seeds = any(f"{SEEN_TEST_ACC_MEAN}_std" in r for r in rows)
+    title = f"{what}: sweep of {first}" if what else f"sweep of {first}"
+    metrics = ((SEEN_TEST_ACC_MEAN, "average"), (SEEN_TEST_ACC_P10, "bottom decile (p10)"))
+    if kind == "category":
+        from .report import plot_bars
+
+        panel: dict[str, dict[str, tuple[float, float | None]]] = {}
+        for metric, label in metrics:
+            for gname, grows in groups.items():
+                for r in grows:
+                    sd = r.get(f"{metric}_std")
+                    panel.setdefault(str(r[first]), {})[f"{label} {gname}".strip()] = (
+                        100 * r.get(metric, float("nan")), None if sd is None else 100 * sd)
+        plot_bars(path, {first: panel}, "test accuracy across clients (%)",
+                  title + (" (error bars: +-1 std over seeds)" if seeds else ""))
+        return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for metric, label in ((SEEN_TEST_ACC_MEAN, "test acc (mean)"), (SEEN_TEST_ACC_P10, "test acc (10th pct)")):
+    i = 0
+    for metric, label in metrics:
         for gname, grows in groups.items():
-            xs = [pos[r[first]] if kind == "category" else float(r[first]) for r in grows]
+            xs = [float(r[first]) for r in grows]
             ys = np.array([100 * r.get(metric, float("nan")) for r in grows])
-            (line,) = ax.plot(xs, ys, marker="o", ms=4, label=f"{label} {gname}".strip())
+            (line,) = ax.plot(xs, ys, marker="o", ms=4, label=f"{label} {gname}".strip(), **style(i))
+            i += 1
             if all(r.get(f"{metric}_std") is not None for r in grows):
                 sd = np.array([100 * r[f"{metric}_std"] for r in grows])
                 ax.fill_between(xs, ys - sd, ys + sd, color=line.get_color(), alpha=0.2, linewidth=0)
-    if kind == "category":
-        ax.set_xticks(range(len(values)), [str(v) for v in values])
-    elif kind == "log":
+    if kind == "log":
         ax.set_xscale("log")
     elif kind == "symlog":
         ax.set_xscale("symlog", linthresh=min(float(v) for v in values if v > 0))
     ax.set_xlabel(first)
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"sweep of {first}" + (" (band: +-1 std over seeds)" if any("seen_test_acc_mean_std" in r
-                                                                            for r in rows) else ""))
+    ax.set_ylabel("test accuracy across clients (%)")
+    ax.set_title(title + (" (band: +-1 std over seeds)" if seeds else ""), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if i > 6:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path)
+    save_figure(fig, path, vector=True)

@@ -5,7 +5,10 @@ every ``checkpoint_every`` rounds, resume, and the run directory.  The same driv
 Run directory layout::
 
     config.toml     the resolved configuration
-    metrics.csv     one row per round (lr, train loss, dropped and excluded updates; evaluation every eval_every)
+    metrics.csv     one row per round (lr, train loss, dropped and excluded updates; evaluation every eval_every),
+                    rewritten while the run runs (at most every ``LIVE_EVERY`` seconds) and at every checkpoint
+    progress.json   while it runs: the round reached, the rounds in all and the mean seconds per round so far
+                    (what ``fedmtl watch`` turns into an ETA; wall-clock times stay out of metrics.csv)
     clients.csv     final per-client accuracy / loss on every split (seen and unseen clients)
     summary.json    final summary (the last round's evaluation, never the best round) + timings
     accuracy.png    test accuracy over rounds
@@ -31,7 +34,7 @@ from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
 from ..model import Model
 from ..progress import Progress
-from ..report import atomic, plot_history, write_clients_csv, write_history_csv, write_json
+from ..report import atomic, plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json
 from ..robust.attacks import flip_labels
 from ..tree import Tree
 from . import checkpoint
@@ -223,6 +226,7 @@ class Replica:
     t_train: float = 0.0
     board: Any = None  # a TensorBoard writer ([log] tensorboard = true)
     writes: bool = True  # False: a rank of a distributed run other than 0 (it reads the run directory, never writes)
+    written: float = float("-inf")  # time.monotonic() of the last live write of metrics.csv and progress.json
 
     @property
     def ckpt(self) -> Path | None:
@@ -380,6 +384,23 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
     prog.round(str(id(rep)), rep.label, rcfg.rounds, row, dt)
     if rep.board is not None:
         rep.board.round(row, rep.per_client if SEEN_TEST_ACC_MEAN in row else None)
+    if rep.out_dir is not None and rep.writes and time.monotonic() - rep.written >= LIVE_EVERY:
+        _write_live(rep)
+
+
+def _write_live(rep: Replica) -> None:
+    """``metrics.csv`` so far and ``progress.json`` (round, rounds, seconds per round), for watching a run."""
+    state, out = rep.state, rep.out_dir
+    assert state is not None and out is not None
+    write_history_csv(out / "metrics.csv", state.history)
+    secs = state.counters.get("round_seconds", [])
+    write_json(out / "progress.json", {"round": state.round, "rounds": rep.cfg.run.rounds,
+                                       "seconds_per_round": sum(secs) / len(secs) if secs else None,
+                                       "updated": time.time()})
+    rep.written = time.monotonic()
+
+
+LIVE_EVERY = 2.0  # seconds between two live writes of a run's metrics.csv and progress.json
 
 
 def _finish(rep: Replica) -> RunResult:
@@ -427,8 +448,10 @@ def _finish(rep: Replica) -> RunResult:
         write_history_csv(out_dir / "metrics.csv", state.history)
         write_clients_csv(out_dir / "clients.csv", per_client)
         write_json(out_dir / "summary.json", summary)
-        plot_history(out_dir / "accuracy.png", state.history, f"{cfg.algorithm['name']} on {cfg.data['name']}")
-        if cfg.asynchronous.enabled:  # the event-ordered simulation: accuracy against the simulated clock too
+        if run_figures_on():  # (a reproduction draws one summary figure instead)
+            plot_history(out_dir / "accuracy.png", state.history, f"{cfg.algorithm['name']} on {cfg.data['name']}")
+        # the event-ordered simulation: accuracy against the simulated clock too
+        if cfg.asynchronous.enabled and run_figures_on():
             plot_history(out_dir / "accuracy_time.png", state.history,
                          f"{cfg.algorithm['name']} ({cfg.asynchronous.mode}) on {cfg.data['name']}", x="est_time_s")
     return RunResult(summary, state.history, per_client, state.server, out_dir, engine.clients)

@@ -35,7 +35,7 @@ import numpy as np
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import FederatedData
 from ..model import Model
-from ..report import atomic, plot_bands, write_json
+from ..report import atomic, plot_bands, run_figures_on, write_json
 from .driver import Replica, RunResult, build_local, drive_many, prepare
 from .evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
 from .rundir import COMMIT, NEXT, RunDirectory, check_resumable, seed_dirs
@@ -181,7 +181,7 @@ def write_seeds(out: Path, result: SeedsResult, title: str) -> None:
         if pts:
             bands[label] = ([r["round"] for r in pts], [100 * r[f"{key}_mean"] for r in pts],
                             [100 * (r[f"{key}_std"] or 0.0) for r in pts])
-    if bands:
+    if bands and run_figures_on():  # (a reproduction draws one summary figure instead)
         n = len(result.runs)
         plot_bands(out / "accuracy.png", bands, "accuracy (%)", f"{title}: mean over {n} seeds, band = +-1 std")
 

@@ -136,10 +136,59 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
         spread = f" ± {100 * sd:4.1f}" if sd is not None else ""
         print(f"{label:14s} avg {100 * f[SEEN_TEST_ACC_MEAN]:5.1f}{spread}  p10 {100 * f[SEEN_TEST_ACC_P10]:5.1f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if results and data is not None:
+        record_figure(out, f"{data.name} ({base.stem})", results)
     return results
 
 
-__all__ = ["method_overrides", "overrides", "read_tables", "run_methods", "run_one", "run_seeds"]
+FIGURE = "figure.json"  # a reproduction folder's panels of its summary figure (final accuracy per method)
+AVG, P10 = "average", "bottom decile (p10)"
+
+
+def record_figure(out: Path, panel: str, results: dict[str, Any]) -> None:
+    """Keep ``panel`` (a dataset or setting: its title) of the summary figure in ``out/figure.json``: per method, its
+    final average and bottom-decile test accuracy over clients (%), mean and std over seeds where it ran several."""
+    from ..report import write_json
+
+    rows: dict[str, Any] = {}
+    for label, r in results.items():
+        f, sd = r.get("final", {}), r.get("final_std", {})
+        rows[label] = {name: [100 * f[key] if key in f else None, 100 * sd[key] if sd.get(key) is not None else None]
+                       for name, key in ((AVG, SEEN_TEST_ACC_MEAN), (P10, SEEN_TEST_ACC_P10))}
+    panels = _panels(out / FIGURE)
+    panels[panel] = rows
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / FIGURE, {"panels": panels})
+
+
+def _panels(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        got = json.loads(path.read_text()).get("panels", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def summary_figure(top: Path, title: str) -> Path | None:
+    """``top/summary.png`` and ``summary.pdf``: every panel kept in ``top`` and its sub-folders (``record_figure``),
+    methods down the side, average and bottom-decile accuracy as bars with +-1 std error bars; None without panels."""
+    from ..report import plot_bars
+
+    panels: dict[str, Any] = {}
+    for f in [top / FIGURE, *sorted(top.glob(f"*/{FIGURE}"))]:
+        panels.update(_panels(f))
+    if not panels:
+        return None
+    bars = {name: {m: {s: (v[0] if v[0] is not None else float("nan"), v[1]) for s, v in row.items()}
+                   for m, row in rows.items()} for name, rows in panels.items()}
+    plot_bars(top / "summary.png", bars, "final test accuracy across clients (%)", title, horizontal=True)
+    return top / "summary.png"
+
+
+__all__ = ["method_overrides", "overrides", "read_tables", "record_figure", "run_methods", "run_one", "run_seeds",
+           "summary_figure"]
 
 
 def publish(out: Path, table: str, summary: Any, markdown: Callable[[Path], str]) -> str:

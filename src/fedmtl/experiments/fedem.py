@@ -30,7 +30,7 @@ from ..engine.evaluation import (
 from ..progress import Progress
 from ..report import markdown_table, plot_bands, plot_curves, write_json, write_table
 from ..resources import configs_root
-from .common import read_tables, run_one, run_seeds
+from .common import read_tables, record_figure, run_one, run_seeds
 
 _TABLES = read_tables("fedem.toml")
 #: Marfoq et al. (NeurIPS 2021), Table 1, Synthetic: average / bottom decile test accuracy (%) (``fedem.toml``)
@@ -79,6 +79,8 @@ def run_suite(out: Path, config_dir: Path, variant: str, overrides: list[str], u
               f"p10 {100 * f[SEEN_TEST_ACC_P10]:5.1f}  worst10 {100 * f[SEEN_TEST_ACC_BOTTOM10_MEAN]:5.1f}"
               f"{extra_txt}{f'  (mean of {len(seeds)} seeds)' if seeds else ''}  ({summary['wall_seconds']:.0f} s)",
               flush=True)
+    if results and data is not None:
+        record_figure(out, f"{data.name} ({tag})", results)
     return results
 
 

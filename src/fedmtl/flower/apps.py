@@ -52,6 +52,7 @@ from ..engine.rundir import RunDirectory, RunDirError
 from ..engine.spec import RunSpec
 from ..files import check_file
 from ..model import Model
+from ..progress import Progress, format_row
 from ..tree import Tree
 from .executor import FlowerClients, context_config, orders_of, send_and_receive
 from .records import from_record, record_to_tree, to_config, to_metrics, tree_to_record
@@ -550,7 +551,7 @@ def server_main(grid: Any, cfg_text: str, opts: ServerOptions) -> RunResult:
     rd, resume = lock_run_directory(out, opts.overwrite)
     try:
         if resume:
-            log.info("flower server: resuming from %s", out)
+            Progress("lines").line(f"flower server: resuming from {out}")
         return _serve(grid, cfg_text, cfg, alg, opts, out, resume)
     finally:  # success, error, KeyboardInterrupt: the next ServerApp finds the directory free
         rd.release()
@@ -561,15 +562,23 @@ def _serve(grid: Any, cfg_text: str, cfg: ExperimentConfig, alg: Algorithm, opts
     """Discover the nodes, build the engine over them and drive it (the run directory is the caller's)."""
     infos = _discover(grid, opts.num_nodes or None, opts.connect_timeout)
     fed, dtype, owner = federation_of(infos, cfg_text)
-    log.info("flower server: %d SuperNodes hold %d clients (%s)", len(infos), fed.num_clients,
-             ", ".join(sorted({str(i["source"]) for i in infos.values()})))
+    # the ServerApp's log (``flwr log``, ``flwr run --stream``) gets the lines ``fedmtl run`` prints: Flower mirrors
+    # the ServerApp process's output there
+    prog = Progress("lines")
+    prog.line(f"flower server: {len(infos)} SuperNodes hold {fed.num_clients} clients "
+              f"({', '.join(sorted({str(i['source']) for i in infos.values()}))})")
     # the model skeleton from what the nodes report: the server never reads client data
     model = cfg.build_model(fed.feature_shape, fed.num_classes, fed.meta)
     clients = FlowerClients(grid, owner, alg, fed.feature_shape, dtype, opts.round_timeout)
     if cfg.attack.kind == "labelflip" and cfg.attack.active:
         raise NodeError("attack.kind = 'labelflip' poisons the attackers' data, which only a simulation holds")
     engine = Engine(alg, model, clients, fed, RunSpec.of(cfg))
-    return drive(engine, cfg, out, resume=resume, progress=False)
+    res = drive(engine, cfg, out, resume=resume, progress=prog)
+    s = res.summary
+    prog.line(f"flower server: {cfg.algorithm['name']} finished round {s['rounds']}/{cfg.run.rounds}  "
+              f"{format_row(s['final'])}  dropped {s['dropped_updates']}  excluded {s['excluded_updates']} update(s) "
+              f"in all" + (f"; results in {out}" if out is not None else ""))
+    return res
 
 
 def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = None,

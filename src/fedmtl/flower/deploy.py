@@ -1,5 +1,7 @@
 """Deployment helpers: TLS certificates and SuperNode key pairs written with ``cryptography``, and
-``LocalDeployment``, a real SuperLink and SuperNodes on 127.0.0.1 as processes it owns.
+``LocalDeployment``, a real SuperLink and SuperNodes on this machine as processes it owns, started with the
+arguments DEPLOY.md gives an operator (``superlink_args``, ``supernode_args``: the SuperLink listening on every
+interface, each SuperNode with a Runtime API port of its own).
 
 ``make_certificates(dir, ca_dir)`` writes a self-signed CA and a server certificate for the SuperLink valid
 for 127.0.0.1 / localhost (or the given hosts): ``dir`` gets ``ca.crt`` (the only file every node receives),
@@ -112,6 +114,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def superlink_args(certs: Path, port: int, database: Path, host: str = "0.0.0.0") -> list[str]:
+    """``flower-superlink``'s arguments for a deployment (what DEPLOY.md tells an operator to run): TLS from
+    ``certs`` (``ca.crt``, ``server.pem``, ``server.key``), SuperNode authentication, the registered nodes kept in
+    ``database`` across restarts, listening on ``host:port`` (``0.0.0.0``: every interface, so that sites on other
+    machines can connect; Flower's default, 127.0.0.1, accepts this machine only)."""
+    return ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem"),
+            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--host", host, "--port", str(port),
+            "--database", str(database), "--disable-runtime-dependency-installation"]
+
+
+def supernode_args(superlink: str, ca: Path, key: Path, node_config: str, port: int) -> list[str]:
+    """``flower-supernode``'s arguments: dial ``superlink`` (host:port) over TLS trusting ``ca``, authenticate with
+    the private ``key``, serve ``node_config``; ``port`` is the node's own local Runtime API (127.0.0.1), which
+    every SuperNode on one machine needs distinct (Flower's default 9094 lets only one start)."""
+    return ["--superlink", superlink, "--root-certificates", str(ca), "--auth-supernode-private-key", str(key),
+            "--node-config", node_config, "--port", str(port)]
+
+
 # ---------------------------------------------------------------------------------------------- processes
 def _proc_stat(pid: int) -> tuple[str, int, int, int] | None:
     """(state, parent pid, session id, start time in clock ticks) of a Linux process; None if it is gone (or
@@ -184,7 +204,7 @@ class LocalDeployment:
 
     def __init__(self, workdir: str | Path, partitions: list[list[int]] | None = None,
                  data_dirs: list[str | Path] | None = None, ready_timeout: float | None = None,
-                 poll: float = 1.0, grace: float = 10.0, workers: bool = False):
+                 poll: float = 1.0, grace: float = 10.0, workers: bool = False, host: str = "0.0.0.0"):
         if (partitions is None) == (data_dirs is None):
             raise ValueError("give the nodes either partitions (of the config's federation) or data_dirs")
         if ready_timeout is None:
@@ -199,6 +219,8 @@ class LocalDeployment:
         self.node_configs = ([f'data-dir="{Path(d).resolve()}"' for d in data_dirs] if data_dirs is not None else
                              [f'partition-ids="{",".join(str(k) for k in p)}"' for p in partitions or []])
         self.partitions = partitions
+        self.host = host  # the SuperLink listens here: every interface, as a real deployment (nodes dial 127.0.0.1)
+        self.commands: dict[str, list[str]] = {}  # process name -> the command it was started with
         self.workers = workers  # a warm worker beside every SuperNode (fedmtl flower worker, node config fedmtl-worker)
         self.ready_timeout, self.poll, self.grace = float(ready_timeout), float(poll), float(grace)
         self.bin = Path(sys.executable).parent
@@ -219,6 +241,7 @@ class LocalDeployment:
         self._logs.append(log)
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
                              start_new_session=True)
+        self.commands[name] = args
         self.procs.append((name, p))
         self.started.append(p.pid)
         return p
@@ -289,11 +312,8 @@ class LocalDeployment:
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "127.0.0.1:{self.port}"\n'
             f'root-certificates = "{certs / "ca.crt"}"\n')
-        self._spawn("superlink", [
-            str(self.bin / "flower-superlink"), "--ssl-ca-certfile", str(certs / "ca.crt"),
-            "--ssl-certfile", str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key"),
-            "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(self.port),
-            "--database", str(self.dir / "superlink.db"), "--disable-runtime-dependency-installation"])
+        self._spawn("superlink", [str(self.bin / "flower-superlink"), *superlink_args(
+            certs, self.port, self.dir / "superlink.db", self.host)])
         self._wait("the SuperLink", self._link_ready)
         for i, node_config in enumerate(self.node_configs):
             if self.workers:
@@ -303,10 +323,8 @@ class LocalDeployment:
                 node_config = f'{node_config} fedmtl-worker="{sock}"'
             self._cli("supernode", "register", str(self.keys[i][1]), "deployment",
                       timeout=max(self.ready_timeout, 120))
-            self._spawn(f"supernode{i}", [
-                str(self.bin / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
-                "--root-certificates", str(certs / "ca.crt"), "--auth-supernode-private-key", str(self.keys[i][0]),
-                "--node-config", node_config, "--host", "127.0.0.1", "--port", str(free_port())])
+            self._spawn(f"supernode{i}", [str(self.bin / "flower-supernode"), *supernode_args(
+                f"127.0.0.1:{self.port}", certs / "ca.crt", self.keys[i][0], node_config, free_port())])
 
     def _link_ready(self, left: float) -> bool:
         """The SuperLink answers ``flwr supernode ls`` (TLS up, its database open) within ``left`` seconds."""
@@ -315,11 +333,9 @@ class LocalDeployment:
 
     def start_unregistered_node(self) -> subprocess.Popen[bytes]:
         """A SuperNode whose key was never registered (it gives up after 3 tries; the SuperLink refuses it)."""
-        return self._spawn("unregistered", [
-            str(self.bin / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
-            "--root-certificates", str(self.dir / "certs" / "ca.crt"),
-            "--auth-supernode-private-key", str(self.keys[-1][0]), "--node-config", 'partition-ids="0"',
-            "--host", "127.0.0.1", "--port", str(free_port()), "--max-retries", "3", "--max-wait-time", "30"])
+        return self._spawn("unregistered", [str(self.bin / "flower-supernode"), *supernode_args(
+            f"127.0.0.1:{self.port}", self.dir / "certs" / "ca.crt", self.keys[-1][0], 'partition-ids="0"',
+            free_port()), "--max-retries", "3", "--max-wait-time", "30"])
 
     def online_nodes(self, timeout: float | None = None) -> int:
         """How many SuperNodes the SuperLink lists as online now."""
