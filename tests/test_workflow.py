@@ -160,6 +160,81 @@ def test_tensorboard_scalars_and_client_histogram(tmp_path):
         load("synthetic/fedavg", ["log.tensorboard=1"])
 
 
+def test_mlflow_logger_round_trips_every_round_and_resumes_into_its_run(tmp_path, monkeypatch):
+    """[log] loggers = ["mlflow"]: one MLflow run per fedmtl run in a file store under the run directory; the
+    config as parameters, every round's loss and every evaluation with the round as step (read back equal to
+    metrics.csv), the final summary; an interrupted run resumed with --resume logs into the same MLflow run."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = _cfg("synthetic/fedavg", ('log.loggers=["mlflow"]', "log.mlflow_experiment=fedmtl-test",
+                                    "run.checkpoint_every=3"))
+    full = run_experiment(cfg, tmp_path / "full", progress=False)
+    client = MlflowClient(tracking_uri=(tmp_path / "full" / "mlruns").resolve().as_uri())
+    run_id = json.loads((tmp_path / "full" / "mlflow_run.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["algorithm.name"] == "fedavg"
+    assert run.data.tags["fedmtl.seed"] == str(cfg.run.seed)
+    loss = sorted(client.get_metric_history(run_id, "train.loss"), key=lambda m: m.step)
+    assert [m.step for m in loss] == list(range(1, 7))
+    assert [m.value for m in loss] == pytest.approx([r["train_loss"] for r in full.history], rel=1e-6)
+    acc = sorted(client.get_metric_history(run_id, "eval.seen_test_acc_mean"), key=lambda m: m.step)
+    assert [m.step for m in acc] == [3, 6] and acc[-1].value == pytest.approx(full.final["seen_test_acc_mean"])
+    assert run.data.metrics["final.seen_test_acc_p10"] == pytest.approx(full.final["seen_test_acc_p10"])
+    # interrupted after round 4 (checkpoint at round 3), resumed: the same MLflow run, every round logged
+    from fedmtl.engine import driver
+
+    real = driver._after_round
+
+    def stop_after_4(rep, row, *a, **k):
+        real(rep, row, *a, **k)
+        if row["round"] == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "_after_round", stop_after_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, tmp_path / "cut", progress=False)
+    monkeypatch.setattr(driver, "_after_round", real)
+    cut_id = json.loads((tmp_path / "cut" / "mlflow_run.json").read_text())["run_id"]
+    client = MlflowClient(tracking_uri=(tmp_path / "cut" / "mlruns").resolve().as_uri())
+    assert client.get_run(cut_id).info.status == "KILLED"
+    run_experiment(cfg, tmp_path / "cut", resume=True, progress=False)
+    assert json.loads((tmp_path / "cut" / "mlflow_run.json").read_text())["run_id"] == cut_id
+    assert client.get_run(cut_id).info.status == "FINISHED"
+    steps = sorted({m.step for m in client.get_metric_history(cut_id, "train.loss")})
+    assert steps == list(range(1, 7))
+    with pytest.raises(ConfigError, match="unknown logger 'mlflo'.*did you mean 'mlflow'"):
+        load("synthetic/fedavg", ['log.loggers=["mlflo"]'])
+
+
+def test_a_failing_logger_is_dropped_and_the_run_goes_on(tmp_path, caplog):
+    """A registered logger that raises (an unreachable tracking server) is dropped with a warning naming it; the run
+    finishes with the same numbers as without it."""
+    from fedmtl.loggers import LOGGERS, register_logger
+
+    class Broken:
+        def __init__(self, run_dir, cfg, resume):
+            self.rounds = 0
+
+        def round(self, row, per_client):
+            raise ConnectionError("tracking server unreachable")
+
+        def close(self, summary):
+            pass
+
+    register_logger("broken-test", Broken)
+    try:
+        cfg = _cfg("synthetic/fedavg", ('log.loggers=["broken-test"]',))
+        res = run_experiment(cfg, tmp_path / "r", progress=False)
+    finally:
+        LOGGERS.pop("broken-test")
+    plain = run_experiment(_cfg("synthetic/fedavg", ()), tmp_path / "p", progress=False)
+    assert res.final == plain.final
+    assert "logger Broken failed (ConnectionError: tracking server unreachable)" in caplog.text
+
+
 def test_compare_table_plots_and_errors(tmp_path, capsys):
     sets = [a for s in SMALL for a in ("--set", s)]
     assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(tmp_path / "fedem"), "-q", *sets]) == 0

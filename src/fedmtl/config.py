@@ -13,7 +13,7 @@
     [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness (scale, signflip,
                  gaussian, labelflip, ipm, alie, minmax)
     [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
-    [log]        fields of fedmtl.tblog.LogConfig (tensorboard = true: TensorBoard event files in the run directory)
+    [log]        fields of fedmtl.loggers.LogConfig (loggers = ["tensorboard", "mlflow"]: per-round metric logs)
     [server_opt] fields of fedmtl.server_opt.ServerOptConfig (name = sgd | avgm | adam | yogi | adagrad, lr, beta1,
                  beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
 
@@ -46,6 +46,7 @@ from .engine.async_spec import AsyncConfig
 from .engine.server_opt import ServerOptConfig
 from .engine.spec import RunConfig
 from .engine.systems import SystemsModel
+from .loggers import LogConfig
 from .machine import physical_memory
 from .optim import SGD
 from .privacy import PrivacyConfig
@@ -53,7 +54,6 @@ from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
 from .schema import Range, check_number, range_of, strip, type_hints
-from .tblog import LogConfig
 
 TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
           "server_opt", "async")

@@ -224,7 +224,8 @@ class Replica:
     state: EngineState | None = None
     per_client: dict[str, Any] | None = None
     t_train: float = 0.0
-    board: Any = None  # a TensorBoard writer ([log] tensorboard = true)
+    loggers: list[Any] = field(default_factory=list)  # the [log] loggers' RunLogger objects (fedmtl.loggers)
+    summary: RunSummary | None = None  # the run's summary once it finished (what its loggers close with)
     writes: bool = True  # False: a rank of a distributed run other than 0 (it reads the run directory, never writes)
     written: float = float("-inf")  # time.monotonic() of the last live write of metrics.csv and progress.json
 
@@ -284,8 +285,7 @@ def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool 
         prog.close()
         for rep in replicas:
             rep.engine.clients.close()
-            if rep.board is not None:
-                rep.board.close()
+            _log(rep, "close", rep.summary)
 
 
 def _open(rep: Replica, resume: bool, prog: Progress) -> None:
@@ -307,10 +307,10 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         rep.out_dir.mkdir(parents=True, exist_ok=True)
         with atomic(rep.out_dir / "config.toml") as f:
             f.write(dumps(cfg.raw))
-        if cfg.log.tensorboard:
-            from ..tblog import Board
+        if cfg.log.names:
+            from ..loggers import open_loggers
 
-            rep.board = Board(rep.out_dir / "tensorboard")
+            rep.loggers = open_loggers(rep.out_dir, cfg, saved is not None)
     milestones = cfg.optim.milestone_rounds(cfg.run.rounds)
     if milestones:
         prog.line(f"{rep.label}: learning rate {cfg.optim.lr:g}, x{cfg.optim.lr_gamma:g} from round(s) "
@@ -382,10 +382,21 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
         row.update(summarize(rep.per_client))
     state.history.append(row)
     prog.round(str(id(rep)), rep.label, rcfg.rounds, row, dt)
-    if rep.board is not None:
-        rep.board.round(row, rep.per_client if SEEN_TEST_ACC_MEAN in row else None)
+    _log(rep, "round", row, rep.per_client if SEEN_TEST_ACC_MEAN in row else None)
     if rep.out_dir is not None and rep.writes and time.monotonic() - rep.written >= LIVE_EVERY:
         _write_live(rep)
+
+
+def _log(rep: Replica, what: str, *args: Any) -> None:
+    """Call ``what`` on every logger of ``rep``; a logger that fails (an unreachable tracking server, a full disk of
+    its own) is dropped with a warning naming it: the run and its run directory go on."""
+    for lg in list(rep.loggers):
+        try:
+            getattr(lg, what)(*args)
+        except Exception as e:  # noqa: BLE001 (a logger's failure must not cost the run)
+            log.warning("%s: logger %s failed (%s: %s); the run goes on without it", rep.label, type(lg).__name__,
+                        type(e).__name__, e)
+            rep.loggers.remove(lg)
 
 
 def _write_live(rep: Replica) -> None:
@@ -454,6 +465,7 @@ def _finish(rep: Replica) -> RunResult:
         if cfg.asynchronous.enabled and run_figures_on():
             plot_history(out_dir / "accuracy_time.png", state.history,
                          f"{cfg.algorithm['name']} ({cfg.asynchronous.mode}) on {cfg.data['name']}", x="est_time_s")
+    rep.summary = summary
     return RunResult(summary, state.history, per_client, state.server, out_dir, engine.clients)
 
 

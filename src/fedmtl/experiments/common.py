@@ -188,7 +188,7 @@ def summary_figure(top: Path, title: str) -> Path | None:
 
 
 __all__ = ["method_overrides", "overrides", "read_tables", "record_figure", "run_methods", "run_one", "run_seeds",
-           "summary_figure"]
+           "show", "summary_figure"]
 
 
 def publish(out: Path, table: str, summary: Any, markdown: Callable[[Path], str]) -> str:
@@ -199,5 +199,10 @@ def publish(out: Path, table: str, summary: Any, markdown: Callable[[Path], str]
     write_json(out / "summary.json", summary)
     md = markdown(out)
     write_table(out / table, md)
-    print(md)
+    show(md)
     return md
+
+
+def show(text: str) -> None:
+    """Print a result table on the terminal: no blank lines around or inside it (the stored file keeps them)."""
+    print("\n".join(ln for ln in text.strip().splitlines() if ln.strip()), flush=True)

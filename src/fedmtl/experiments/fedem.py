@@ -30,7 +30,7 @@ from ..engine.evaluation import (
 from ..progress import Progress
 from ..report import markdown_table, plot_bands, plot_curves, write_json, write_table
 from ..resources import configs_root
-from .common import read_tables, record_figure, run_one, run_seeds
+from .common import read_tables, record_figure, run_one, run_seeds, show
 
 _TABLES = read_tables("fedem.toml")
 #: Marfoq et al. (NeurIPS 2021), Table 1, Synthetic: average / bottom decile test accuracy (%) (``fedem.toml``)
@@ -139,8 +139,7 @@ def fedem_synthetic(out: Path, quick: bool = False, config_dir: Path | None = No
     write_json(out / "results.json", {"results": full, "paper": PAPER_SYNTHETIC,
                                       "total_seconds": time.perf_counter() - t_start, "quick": quick})
     plot_curves(out / "curves.png", curves, "test accuracy (%), mean over clients", "FedEM synthetic data")
-    print()
-    print(text)
+    show(text)
     print(f"written: {out}/table.md, summary.json, results.json, curves.png ({time.perf_counter() - t_start:.0f} s)")
     return summary
 
@@ -169,7 +168,7 @@ def fmnist_table(out: Path, quick: bool = False, config_dir: Path | None = None)
                              f"{1000 * r['seconds_per_round']:.0f} ms"] for n, r in rows.items()]))
     write_table(out / "fmnist.md", md)
     write_json(out / "fmnist.json", {"results": rows, "seconds": time.perf_counter() - t0})
-    print(md)
+    show(md)
     return rows
 
 
@@ -218,8 +217,7 @@ def main_job(out: Path, quick: bool = False) -> dict[str, Any]:
                                       "total_seconds": time.perf_counter() - t_start, "quick": quick})
     plot_bands(out / "curves.png", bands, "test accuracy (%), mean over clients",
                f"FedEM synthetic data: mean over seeds {MAIN_SEEDS}, band = +-1 std")
-    print()
-    print(text)
+    show(text)
     print(f"written: {out}/table.md, summary.json, results.json, curves.png ({time.perf_counter() - t_start:.0f} s)")
     return summary
 

@@ -10,7 +10,7 @@ from typing import Any
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN
 from ..report import markdown_table, plot_curves, write_json, write_table
 from ..resources import config_path
-from .common import method_overrides, read_tables, run_methods
+from .common import method_overrides, read_tables, run_methods, show
 
 #: label -> ``--set`` overrides of every method
 METHODS: dict[str, list[str]] = method_overrides(read_tables("omnifedge.toml")["methods"])
@@ -33,7 +33,7 @@ def omnifedge_fmnist(out: Path, quick: bool = False) -> dict[str, Any]:
           + markdown_table(["method", "avg", "rounds"], [[n, r["avg"], r["rounds"]] for n, r in rows.items()]))
     write_table(out / "omnifedge.md", md)
     write_json(out / "summary.json", rows)
-    print(md)
+    show(md)
     return rows
 
 

@@ -40,7 +40,7 @@ from ..engine.sampling import clients_per_round
 from ..report import markdown_table, plot_curves, save_figure, write_json, write_table
 from ..resources import configs_root
 from ..robust.aggregators import RobustConfig
-from .common import method_overrides, overrides, read_tables, run_methods
+from .common import method_overrides, overrides, read_tables, run_methods, show
 
 _TABLES = read_tables("robustness.toml")
 #: method -> ``--set`` overrides (``robustness.toml``, as every table below)
@@ -229,7 +229,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
     write_table(out / "robustness.md", md)
     write_json(out / "robustness.json", result)
     write_json(out / "summary.json", result)
-    print(md)
+    show(md)
 
 
 def robustness_markdown(results: Path) -> str:
