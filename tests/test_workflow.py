@@ -318,7 +318,8 @@ def test_lr_milestones_in_rounds():
 
 
 def test_progress_bar_on_a_terminal_keeps_its_last_state():
-    """On a terminal with a width: a bar that ends at its last state; on a 0x0 pseudo-terminal: plain lines."""
+    """On a terminal with a width: a bar that ends at its last state; on a 0x0 pseudo-terminal: plain lines.  The
+    loss is labelled with what it measures (Ditto's: the global model's)."""
     import fcntl
     import pty
     import struct
@@ -332,13 +333,13 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
         with os.fdopen(slave, "w") as stream:
             p = Progress("auto", stream=stream)
             assert p.mode == ("bar" if expect_bar else "lines")
-            p.start("k", "fedem", 4)
+            p.start("k", "ditto", 4, loss_label="global loss")
             for r in range(1, 5):
                 row = {"round": r, "train_loss": 0.5 / r}
                 if r % 2 == 1 or not expect_bar:
                     row["seen_test_acc_mean"] = 0.6 + r / 100
                     row["seen_test_acc_p10"] = 0.5
-                p.round("k", "fedem", 4, row, 0.01)
+                p.round("k", "ditto", 4, row, 0.01)
             p.close()
         out = b""
         while True:
@@ -353,10 +354,10 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
         text = out.decode()
         last = [s for s in text.replace("\r", "\n").splitlines() if s.strip()][-1]
         if expect_bar:  # the last evaluation (accuracy, p10, its round) stays on the bar after it
-            assert "4/4" in last and "100%" in last and "train_loss=" in last, text
+            assert "4/4" in last and "100%" in last and "global loss=0.1250" in last, text
             assert "acc=63.00%" in last and "p10=50.00%" in last and "eval=r3" in last, text
         else:
-            assert last.startswith("fedem round 4/4") and "acc 64.00%" in last, text
+            assert last.startswith("ditto round 4/4  global loss 0.1250") and "acc 64.00%" in last, text
 
 
 def test_seeds_memory_check_counts_every_replica(monkeypatch):

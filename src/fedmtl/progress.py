@@ -64,8 +64,10 @@ def _sized_terminal(stream: TextIO) -> bool:
         return False
 
 
-def format_row(row: dict[str, Any]) -> str:
-    parts = [f"loss {row['train_loss']:.4f}"] if isinstance(row.get("train_loss"), float) else []
+def format_row(row: dict[str, Any], loss_label: str = "loss") -> str:
+    """A round's row (or a summary's ``final``) as ``loss 0.4213  acc 73.84%  p10 69.43%  ...`` (``loss_label``:
+    what the loss measures, ``Algorithm.loss_label``)."""
+    parts = [f"{loss_label} {row['train_loss']:.4f}"] if isinstance(row.get("train_loss"), float) else []
     for key, label in ((SEEN_TEST_ACC_MEAN, "acc"), (SEEN_TEST_ACC_P10, "p10"),
                        (UNSEEN_TEST_ACC_MEAN, "unseen")):
         if isinstance(row.get(key), float):
@@ -91,6 +93,7 @@ class Progress:
         self._bars: dict[str, Any] = {}
         self._last_eval: dict[str, dict[str, str]] = {}  # per run: the last evaluation, kept on its bar
         self._since: dict[str, list[float]] = {}  # key -> [seconds, rounds] since its last line
+        self._loss: dict[str, str] = {}  # key -> what its loss measures (Algorithm.loss_label)
 
     def line(self, text: str) -> None:
         if self.mode == "off":
@@ -111,8 +114,10 @@ class Progress:
         details = ", ".join(f"{v} {k}" if isinstance(v, int) else f"{k} {v}" for k, v in info.items())
         self.line(f"{what}: {details + ', ' if details else ''}{time.perf_counter() - t0:.1f} s")
 
-    def start(self, key: str, label: str, total: int, initial: int = 0) -> None:
-        """A run ``key`` of ``total`` rounds begins (at round ``initial`` when it resumes)."""
+    def start(self, key: str, label: str, total: int, initial: int = 0, loss_label: str = "loss") -> None:
+        """A run ``key`` of ``total`` rounds begins (at round ``initial`` when it resumes); ``loss_label`` names what
+        its training loss measures."""
+        self._loss[key] = loss_label
         if self.mode == "bar":
             from tqdm import tqdm
 
@@ -127,7 +132,8 @@ class Progress:
         if self.mode == "bar":
             bar = self._bars.get(key)
             if bar is not None:
-                post = {"train_loss": f"{row['train_loss']:.4f}"} if isinstance(row.get("train_loss"), float) else {}
+                name = self._loss.get(key, "loss")
+                post = {name: f"{row['train_loss']:.4f}"} if isinstance(row.get("train_loss"), float) else {}
                 if isinstance(row.get(SEEN_TEST_ACC_MEAN), float):  # the last evaluation stays on the bar
                     last = {"acc": f"{100 * row[SEEN_TEST_ACC_MEAN]:.2f}%"}
                     if isinstance(row.get(SEEN_TEST_ACC_P10), float):
@@ -143,7 +149,8 @@ class Progress:
         acc[1] += 1
         evaluated = SEEN_TEST_ACC_MEAN in row or UNSEEN_TEST_ACC_MEAN in row
         if evaluated or self.verbose or row.get("round") == total:
-            self.line(f"{label} round {row['round']}/{total}  {format_row(row)}  {acc[0] / acc[1]:.3f} s/round")
+            self.line(f"{label} round {row['round']}/{total}  {format_row(row, self._loss.get(key, 'loss'))}  "
+                      f"{acc[0] / acc[1]:.3f} s/round")
             self._since[key] = [0.0, 0]
 
     def close(self) -> None:

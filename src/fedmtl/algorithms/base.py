@@ -129,6 +129,9 @@ class Algorithm(Generic[ServerT, ClientT]):
     #: epochs of training batches personalize() gets when needs_adaptation is True
     adapt_epochs: ClassVar[int] = 1
     keeps_client_state: ClassVar[bool] = False
+    #: what the training loss of a round (``metrics.csv``'s ``train_loss``, the progress bar's and lines' ``loss``)
+    #: measures, where it is not simply the trained model's loss (Ditto: the global model's)
+    loss_label: ClassVar[str] = "loss"
     syncs_clients: ClassVar[bool] = False
     averages_updates: ClassVar[bool] = True  # aggregate() averages client updates (robust aggregators apply)
     #: trains only through ``local_sgd`` with ``Model.value_and_grad`` (or ``train_part``), so a model's batch-norm

@@ -32,6 +32,7 @@ class PersonalModel(NamedTuple):
 @dataclass(frozen=True)
 class Ditto(Algorithm[GlobalModel, PersonalModel]):
     name: ClassVar[str] = "ditto"
+    loss_label: ClassVar[str] = "global loss"  # the loss reported is the global model's (w), not the personal v's
     runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     stacked_clients: ClassVar[bool] = True  # local SGD only: runs on K stacked clients as written
     supports_batch_norm: ClassVar[bool] = True

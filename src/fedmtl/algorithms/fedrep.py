@@ -32,6 +32,7 @@ class FedRep(Algorithm[SplitModel, PersonalHead]):
     """FedRep: each round a client fits its own head on the shared body, then updates the body under that head."""
 
     name: ClassVar[str] = "fedrep"
+    loss_label: ClassVar[str] = "body loss"  # the loss of the body phase (the head phase's is not reported)
     runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
     toy: ClassVar[Toy] = Toy({"head_epochs": 1}, model="mlp")
     public_server_state: ClassVar[dict[str, str]] = FIXED_IS_PUBLIC

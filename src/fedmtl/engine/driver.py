@@ -315,7 +315,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
     if milestones:
         prog.line(f"{rep.label}: learning rate {cfg.optim.lr:g}, x{cfg.optim.lr_gamma:g} from round(s) "
                   f"{', '.join(str(m + 1) for m in milestones)} of {cfg.run.rounds}")
-    prog.start(str(id(rep)), rep.label, cfg.run.rounds, rep.state.round)
+    prog.start(str(id(rep)), rep.label, cfg.run.rounds, rep.state.round, engine.alg.loss_label)
 
 
 def _batchable(reps: list[Replica]) -> bool:
