@@ -297,6 +297,7 @@ def test_bundled_config_and_quick_reproduction_from_any_folder(tmp_path):
     cmd = [sys.executable, "-m", "fedmtl", "-q", "reproduce", "personalization", "--quick", "--out", "repro"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=900)
     assert p.returncode == 0, p.stderr
+    assert (tmp_path / "repro" / "summary.png").exists() and (tmp_path / "repro" / "summary.pdf").exists()
     md = (tmp_path / "repro" / "personalization.md").read_text()
     assert md.splitlines()[0].startswith("# ") and "QUICK run" in md.splitlines()[0]
     assert not (tmp_path / "configs").exists()
@@ -376,7 +377,7 @@ def test_seeds_memory_check_counts_every_replica(monkeypatch):
 @pytest.mark.slow
 def test_main_job_quick_reports_every_method_with_seed_spread(tmp_path):
     """``fedmtl main --quick``: the paper's Table 1 rows and the added linear-model methods, mean ± std over the
-    3 seeds, marked quick."""
+    quick run's 2 seeds (the full job's first two), marked quick; one summary figure, no per-run figures."""
     from fedmtl.experiments.fedem import MAIN_EXTRA, MAIN_METHODS, MAIN_SEEDS
 
     assert main(["-q", "main", "--quick", "--out", str(tmp_path / "res")]) == 0
@@ -386,7 +387,8 @@ def test_main_job_quick_reports_every_method_with_seed_spread(tmp_path):
     assert list(summary) == [*MAIN_METHODS, *MAIN_EXTRA]
     for name, row in summary.items():
         assert f"| {name} | " in table
-        assert len(row["avg_per_seed"]) == len(MAIN_SEEDS)
+        assert len(row["avg_per_seed"]) == 2 and row["seeds"] == MAIN_SEEDS[:2]
         assert row["avg"]["std"] == pytest.approx(float(np.std(row["avg_per_seed"], ddof=1)), abs=1e-6)
         assert 10 < row["avg"]["mean"] < 100
     assert summary["fedem"]["paper"] is not None and summary["ifca"]["paper"] is None
+    assert (tmp_path / "res" / "summary.png").exists() and not list((tmp_path / "res").rglob("accuracy.png"))

@@ -213,8 +213,22 @@ class ExperimentConfig:
 
         if self.model["name"] not in MODELS:
             raise ConfigError(f"{self.source}: [model] comes from Python (fedmtl.run(..., model=...)); pass the model")
-        params = {k: v for k, v in self.model.items() if k != "name"}
-        return build_model(self.model["name"], input_shape, num_classes, meta, **params)
+        params = {k: v for k, v in self.model.items() if k not in ("name", "adapters")}
+        model = build_model(self.model["name"], input_shape, num_classes, meta, **params)
+        if "adapters" in self.model:  # [model.adapters]: the built model frozen, low-rank adapters trained
+            from .model import Model, ModelError
+            from .models.lora import seeded_base
+
+            if not self.model["adapters"].get("base"):  # the same base wherever the config is built (Flower nodes)
+                seeded_base(model.module, int(self.model["adapters"].get("base_seed", 0)))
+            try:
+                out = "binary" if model.output == "binary" else "multiclass"
+                return Model.from_module(model.module, num_classes, output=out,
+                                         input_transform=model.input_transform, name=f"{model.name}+lora",
+                                         adapters=self.model["adapters"])
+            except ModelError as e:
+                raise ConfigError(f"{self.source}: [model.adapters]: {e}") from None
+        return model
 
 
 def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str) -> tuple[str, Any]:
@@ -283,8 +297,23 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         model: dict[str, Any] = {"name": PYTHON_MODEL}
     else:
         mname, mfn = _named(tables["model"], MODELS, "model", source)
-        model = {"name": mname, **_check_table({k: v for k, v in tables["model"].items() if k != "name"}, mfn,
+        model = {"name": mname, **_check_table({k: v for k, v in tables["model"].items()
+                                                if k not in ("name", "adapters")}, mfn,
                                               f"{source}: [model]", skip=("input_shape", "num_classes", "meta"))}
+        if "adapters" in tables["model"]:  # the [model.adapters] sub-table (fedmtl.models.lora.AdapterConfig)
+            from .models.lora import AdapterConfig
+
+            sub = tables["model"]["adapters"]
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{source}: [model] adapters must be a table ([model.adapters]), got {sub!r}")
+            try:
+                ad = AdapterConfig(**_check_table(sub, AdapterConfig, f"{source}: [model.adapters]"))
+            except ConfigError:
+                raise
+            except ValueError as e:
+                raise ConfigError(f"{source}: [model.adapters]: {e}") from None
+            model["adapters"] = {k: list(v) if isinstance(v, tuple) else v
+                                 for k, v in dataclasses.asdict(ad).items()}
     aname, acls = _named(tables["algorithm"], ALGORITHMS, "algorithm", source)
     alg = {"name": aname, **_check_table({k: v for k, v in tables["algorithm"].items() if k != "name"}, acls,
                                         f"{source}: [algorithm]")}
@@ -340,7 +369,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"--set {text!r}: expected table.key=value")
     lhs, value = text.split("=", 1)
-    table, key = lhs.strip().split(".", 1)
+    table, key = lhs.strip().split(".", 1)  # key: "name", or "sub.name" for a sub-table ([model.adapters])
     if max_nesting(value) > MAX_NESTING:
         raise ConfigError(f"--set {lhs.strip()}: value nested deeper than {MAX_NESTING}")
     try:
@@ -357,7 +386,14 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         out.setdefault(table, {})
         if not isinstance(out[table], dict):
             raise ConfigError(f"--set {text!r}: '{table}' is not a table")
-        out[table][key] = value
+        sub, _, leaf = key.rpartition(".")
+        if sub:  # model.adapters.rank=8: a key of the sub-table [model.adapters]
+            inner = out[table].get(sub, {})
+            if not isinstance(inner, dict):
+                raise ConfigError(f"--set {text!r}: '{table}.{sub}' is not a table")
+            out[table] = {**out[table], sub: {**inner, leaf: value}}
+        else:
+            out[table][key] = value
     return out
 
 
@@ -456,6 +492,11 @@ def dumps(raw: dict[str, dict[str, Any]]) -> str:
     lines = []
     for t, table in raw.items():
         lines.append(f"[{t}]")
-        lines += [f"{k} = {val(v)}" for k, v in table.items() if v is not None]
+        lines += [f"{k} = {val(v)}" for k, v in table.items() if v is not None and not isinstance(v, dict)]
         lines.append("")
+        for k, v in table.items():  # sub-tables ([model.adapters]) after the table's own keys
+            if isinstance(v, dict):
+                lines.append(f"[{t}.{k}]")
+                lines += [f"{k2} = {val(v2)}" for k2, v2 in v.items() if v2 is not None]
+                lines.append("")
     return "\n".join(lines)

@@ -30,6 +30,7 @@ from .tree import Params
 
 if TYPE_CHECKING:
     from .models.clientstack import ClientsForm
+    from .models.lora import AdapterConfig
 
 log = logging.getLogger("fedmtl")
 
@@ -97,6 +98,9 @@ class Model:
     #: convolutions, stacked gates); made by ``from_module`` and the built-in CNNs, verified on real examples before
     #: use (``verify_clients``); ``None`` for a model without one
     clients_form: ClientsForm | None = field(default=None, compare=False, repr=False)
+    #: the low-rank adapters the module carries (``fedmtl.models.lora``): its parameters are the adapters (and the
+    #: ``train`` modules), the frozen base is buffers; ``None`` for a model trained in full
+    adapters: AdapterConfig | None = field(default=None, compare=False)
     #: compile the clients' step (``value_and_grad_clients``) with ``torch.compile`` (``run.compile``; ``compiled``)
     compile_clients: bool = field(default=False, compare=False)
     _compiled: dict[str, Compiled] = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -201,8 +205,16 @@ class Model:
         head: list[str] | tuple[str, ...] | None | Literal["auto"] = "auto",
         channels_last: bool | None = None,
         init: Literal["seeded", "module"] = "seeded",
+        adapters: Any = None,
     ) -> Model:
         """Wrap any ``nn.Module`` mapping a batch of features (n, *feature_shape) to logits.
+
+        ``adapters``: fine-tune with low-rank adapters (``fedmtl.models.lora``): an ``AdapterConfig``, a dict of its
+        fields (rank, alpha, target, train, base) or a ``peft.LoraConfig``.  The module (a copy; its weights are the
+        pretrained base, or ``base`` names a safetensors file of them) is frozen and shared by every client; the
+        adapters on its targeted Linear layers (and the ``train`` modules) are what the clients train and send.
+        ``init="seeded"`` then draws fresh adapters per run (B = 0: every run starts at the base model).  ``head``
+        defaults to the ``train`` modules' parameters where there are some.
 
         ``output``: ``"multiclass"`` (the module returns (n, num_classes) logits, softmax cross-entropy) or
         ``"binary"`` (one logit per example, (n, 1), logistic loss; needs ``num_classes=2``).  Left out, it is
@@ -235,6 +247,17 @@ class Model:
             output = "binary" if num_classes == 2 and last and last[-1].out_features == 1 else "multiclass"
         if init not in ("seeded", "module"):
             raise ModelError(f"Model.from_module init must be 'seeded' or 'module', got {init!r}")
+        adapter_cfg = None
+        if adapters is not None:
+            from .models.lora import AdapterConfig, apply_adapters
+
+            try:
+                adapter_cfg = AdapterConfig.of(adapters)
+                module = apply_adapters(module, adapter_cfg)
+            except (TypeError, ValueError) as e:
+                raise ModelError(str(e)) from None
+            if head == "auto" and adapter_cfg.train:
+                head = tuple(k for k, _ in module.named_parameters() if "lora_" not in k) or "auto"
         initial = ({k: v.detach().cpu().clone() for k, v in module.named_parameters()} if init == "module" else None)
         fast: dict[str, Any] = {}
         dense = dense_layers(module, output == "binary")
@@ -259,7 +282,7 @@ class Model:
                    prefer_loop_on_cuda=recurrent,  # cuDNN's fused recurrence beats a vmapped one (measured, H100)
                    channels_last=channels_last,
                    head=default_head(module) if head == "auto" else (None if head is None else tuple(head)),
-                   initial_params=initial, **fast)
+                   initial_params=initial, adapters=adapter_cfg, **fast)
 
     def check_features(self, x: Tensor) -> None:
         """Run the model on a few examples ``x`` (n, *features) of the data and check the output shape; a
@@ -298,7 +321,9 @@ class Model:
                 torch.manual_seed(seed)
                 for m in self.module.modules():
                     reset = getattr(m, "reset_parameters", None)
-                    if reset is not None:
+                    # with adapters the frozen base (buffers) keeps its weights: only modules that own parameters
+                    # (the adapters, the trained modules) are drawn afresh
+                    if reset is not None and (self.adapters is None or any(True for _ in m.parameters(False))):
                         reset()
                 return {k: v.detach().clone().to(dev) for k, v in self.module.named_parameters()}
         finally:

@@ -91,7 +91,12 @@ def toy_model(cls: type[Algorithm], data: FederatedData | None = None) -> Model 
         return build_model("mlp", d, 2, hidden=(16,))
     if kind == "batchnorm":
         return Model.from_module(nn.Sequential(nn.Linear(d, 16), BatchNorm(16), nn.ReLU(), nn.Linear(16, 1)), 2)
-    raise ValueError(f"{cls.__name__}.toy.model = {kind!r}: one of linear, linear_nobias, mlp, batchnorm")
+    if kind == "lora":  # a frozen base MLP (seeded) with rank-2 adapters on every layer
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            base = nn.Sequential(nn.Linear(d, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+        return Model.from_module(base, 2, output="multiclass", adapters={"rank": 2, "alpha": 4.0})
+    raise ValueError(f"{cls.__name__}.toy.model = {kind!r}: one of linear, linear_nobias, mlp, batchnorm, lora")
 
 
 def toy_opt(cls: type[Algorithm]) -> SGD | None:

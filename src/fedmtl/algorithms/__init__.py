@@ -27,6 +27,8 @@ from .fedper import FedPer
 from .fedproto import FedProto
 from .fedrep import FedRep
 from .fedrod import FedRoD
+from .fedsa_lora import FedSALoRA
+from .ffa_lora import FFALoRA
 from .gpfl import GPFL
 from .ifca import IFCA
 from .knnper import KNNPer
@@ -43,7 +45,7 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA):
     register_algorithm(_cls, replace=True)
 
 
@@ -54,8 +56,8 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = [
-    "ALGORITHMS", "APFL", "DSGD", "IFCA", "KNNPer", "Algorithm", "ClusteredFL", "Context", "DFedEM", "Ditto", "FedALA",
+    "ALGORITHMS", "APFL", "Algorithm", "ClusteredFL", "Context", "DFedEM", "DSGD", "Ditto", "FFALoRA", "FedALA",
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
-    "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "GPFL", "LGFedAvg", "Local", "Mocha", "Moon",
-    "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
+    "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
+    "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
 ]

@@ -88,7 +88,8 @@ EvalState = Any
 class Toy(NamedTuple):
     """How the contract suite (``fedmtl.testing``) runs an algorithm on its toy federation, declared on the algorithm:
     hyper-parameters where a default is tuned for other data, the toy model (``linear``, ``linear_nobias``, ``mlp``:
-    one with a body and a head, ``batchnorm``: one with batch-norm layers), a plain-SGD learning rate instead of the
+    one with a body and a head, ``batchnorm``: one with batch-norm layers, ``lora``: a frozen MLP with low-rank
+    adapters), a plain-SGD learning rate instead of the
     suite's momentum SGD (None: the suite's), and the rounds of the ``learns`` check."""
 
     kwargs: dict[str, Any] = {}

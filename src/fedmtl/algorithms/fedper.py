@@ -23,7 +23,7 @@ from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, Toy
-from .bodyhead import FIXED_IS_PUBLIC, SplitModel, split_server, with_personal_head
+from .bodyhead import FIXED_IS_PUBLIC, SplitModel, with_personal_head
 
 
 class PersonalHead(NamedTuple):
@@ -53,8 +53,12 @@ class FedPer(Algorithm[SplitModel, PersonalHead]):
     def check_model(self, model: Model) -> None:
         model.head_names(self.name)
 
+    def split(self, model: Model, params: Params) -> tuple[Params, Params]:
+        """(shared, personal) parts of ``params``: the body and the head (``Model.head``)."""
+        return model.split(params, self.name)
+
     def init_server(self, ctx: Context, params: Params, seed: int) -> SplitModel:
-        return split_server(ctx.model, params, self.name, "body")
+        return SplitModel(*self.split(ctx.model, params))  # the body averaged, the initial head kept
 
     def payload(self, server: SplitModel) -> Params:
         return server.params  # the body
@@ -66,7 +70,7 @@ class FedPer(Algorithm[SplitModel, PersonalHead]):
         self, ctx: Context, payload: Params, state: PersonalHead, batches: Batches, lr: float
     ) -> tuple[Params, PersonalHead, Tensor]:
         new, loss = local_sgd(ctx.model.value_and_grad, {**payload, **state.head}, batches, lr, ctx.opt)
-        body, head = ctx.model.split(new, self.name)
+        body, head = self.split(ctx.model, new)
         return body, PersonalHead(head), loss
 
     def personalize(

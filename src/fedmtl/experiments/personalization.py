@@ -50,8 +50,8 @@ def permuted(out: Path, quick: bool = False) -> dict[str, Any]:
     """The label-permuted groups table of ``personalization``."""
     out.mkdir(parents=True, exist_ok=True)
     ov = ["run.rounds=10", "run.eval_every=5"] if quick else []
-    res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov,
-                      seeds=PERSONALIZATION_SEEDS)
+    seeds = PERSONALIZATION_SEEDS[:2] if quick else PERSONALIZATION_SEEDS  # --quick: a smoke run, two seeds
+    res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov, seeds=seeds)
     baseline = {"linear": "fedavg", "mlp": "fedavg (mlp)", "mlp-bn": "fedavg (mlp-bn)"}
     fedavg = {m: 100 * res[n]["final"][SEEN_TEST_ACC_MEAN] for m, n in baseline.items() if n in res}
     rows = {}
@@ -61,7 +61,7 @@ def permuted(out: Path, quick: bool = False) -> dict[str, Any]:
         rows[n] = {"model": model, "avg": avg, "avg_std": 100 * s["final_std"][SEEN_TEST_ACC_MEAN],
                    "bottom_decile": 100 * s["final"][SEEN_TEST_ACC_P10],
                    "bottom_decile_std": 100 * s["final_std"][SEEN_TEST_ACC_P10],
-                   "vs_fedavg_same_model": avg - fedavg[model], "seeds": PERSONALIZATION_SEEDS}
+                   "vs_fedavg_same_model": avg - fedavg[model], "seeds": seeds}
     publish(out, "personalization.md", rows, personalization_markdown)
     return rows
 
@@ -87,6 +87,7 @@ def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
 
     out.mkdir(parents=True, exist_ok=True)
     ov = ["run.rounds=4", "run.eval_every=2", "run.checkpoint_every=2"] if quick else []
+    seeds = COMPARISON_SEEDS[:1] if quick else COMPARISON_SEEDS  # --quick: a smoke run of every method, one seed
     table: dict[str, Any] = {}
     for fed in COMPARISON_FEDERATIONS:
         base = config_path(fed)
@@ -94,7 +95,7 @@ def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
         extra += ["data.num_clients=10"] if quick else []
         try:
             res = run_methods(out / fed.split("/")[-1], base, COMPARISON_METHODS, [*ov, *extra],
-                              seeds=COMPARISON_SEEDS)
+                              seeds=seeds)
         except DataError as e:
             print(f"{fed} skipped: {e}")
             continue
@@ -106,7 +107,7 @@ def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
                             "bottom_decile": 100 * r["final"][SEEN_TEST_ACC_P10],
                             "bottom_decile_std": 100 * r["final_std"][SEEN_TEST_ACC_P10],
                             "overrides": COMPARISON_METHODS[n]} for n, r in res.items()}}
-    publish(out, "comparison.md", {"federations": table, "seeds": COMPARISON_SEEDS, "quick": quick},
+    publish(out, "comparison.md", {"federations": table, "seeds": seeds, "quick": quick},
             comparison_markdown)
     return table
 

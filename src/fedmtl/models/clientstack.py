@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from .lora import LoRALinear
+
 log = logging.getLogger("fedmtl")
 
 #: the form each parameterised module of a twin takes
@@ -79,6 +81,26 @@ class StackedLinear(nn.Module):
         xs = x.reshape(k, -1, x.shape[-1])  # (K, B x ..., in): client-major rows
         out = torch.bmm(xs, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), xs, w.transpose(1, 2))
         return out.reshape(*x.shape[:-1], w.shape[1])
+
+
+class StackedLoRALinear(nn.Module):
+    """``fedmtl.models.lora.LoRALinear`` on K clients: the frozen base (buffers, shared) on all K x B rows in one
+    product, the adapters A (K, r, in) and B (K, out, r) as batched products; inputs (K x B, ..., in)."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+    def __init__(self, layer: LoRALinear):
+        super().__init__()
+        self.register_buffer("weight", layer.weight)
+        self.register_buffer("bias", layer.bias)
+        self.lora_A, self.lora_B, self.scale = layer.lora_A, layer.lora_B, float(layer.scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = self.lora_A, self.lora_B
+        xs = x.reshape(a.shape[0], -1, x.shape[-1])  # (K, B x ..., in): client-major rows
+        low = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))
+        return F.linear(x, self.weight, self.bias) + self.scale * low.reshape(*x.shape[:-1], b.shape[1])
 
 
 class StackedConv(nn.Module):
@@ -327,6 +349,8 @@ def _stacked_form(m: nn.Module) -> nn.Module | None:
     """The client-stacked form of a standard layer in a configuration the form reproduces exactly, else None."""
     if type(m) is nn.Linear:
         return StackedLinear(m)
+    if type(m) is LoRALinear:
+        return StackedLoRALinear(m)
     if type(m) in (nn.Conv1d, nn.Conv2d) and m.padding_mode == "zeros":
         return StackedConv(m)  # type: ignore[arg-type]
     if type(m) is nn.Embedding and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq:
@@ -402,7 +426,8 @@ class ClientsForm:
         else:
             if any(True for _ in module.parameters(recurse=False)):
                 raise NoClientsForm(f"{type(module).__name__} owns parameters of its own, outside any sub-module")
-            self.twin = copy.deepcopy(module)
+            # the module's buffers are shared with the twin, not copied (a frozen base model is held once)
+            self.twin = copy.deepcopy(module, {id(b): b for b in module.buffers()})
             self._convert(self.twin, "")
         for m in (*self.twin.modules(), *(t for _, _, t, _ in self._units)):  # only buffers are ever read
             for m2 in m.modules():
@@ -425,6 +450,8 @@ class ClientsForm:
     def _convert(self, mod: nn.Module, prefix: str) -> None:
         for name, child in list(mod.named_children()):
             path = f"{prefix}{name}"
+            if not any(True for _ in child.parameters()):  # nothing per client (e.g. a frozen base layer's buffers):
+                continue  # it runs as it is on the K clients' merged rows
             stacked = _stacked_form(child)
             if stacked is not None:
                 setattr(mod, name, stacked)
@@ -432,7 +459,7 @@ class ClientsForm:
             elif any(True for _ in child.parameters(recurse=False)):
                 # a module with parameters of its own and code we cannot see: vmapped (or looped) as a whole
                 names = [n for n, _ in child.named_parameters()]
-                self._units.append((path, child, copy.deepcopy(child), names))
+                self._units.append((path, child, copy.deepcopy(child, {id(b): b for b in child.buffers()}), names))
                 child.forward = _unit_forward(path, child, self._units[-1][2], names, VMAP)
                 self.layers[path] = VMAP
             elif any(True for _ in child.parameters()):  # a container: its own code runs on the merged batch

@@ -1,0 +1,212 @@
+"""Low-rank adapters (``fedmtl.models.lora``): the transform, the ``[model.adapters]`` table, the adapter methods
+(FedSA-LoRA, FFA-LoRA) and the rest of the engine's methods on adapters, the Hugging Face round trip."""
+
+from __future__ import annotations
+
+import tomllib
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedmtl
+from fedmtl import tree as T
+from fedmtl.config import ConfigError, apply_overrides, dumps, validate
+from fedmtl.model import Model, ModelError
+from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names, load_peft, save_peft
+
+CONFIG = """
+[data]
+name = "fedem_synthetic"
+num_clients = 6
+dim = 10
+n_test = 20
+max_samples = 60
+seed = 3
+
+[model]
+name = "mlp"
+hidden = [16, 16]
+
+[model.adapters]
+rank = 2
+alpha = 4.0
+
+[algorithm]
+name = "{alg}"
+{extra}
+
+[optim]
+lr = 0.1
+
+[run]
+rounds = 3
+eval_every = 3
+batch_size = 16
+runner = "{runner}"
+"""
+
+
+def _base(out: int = 3) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, out))
+
+
+@pytest.mark.correctness(
+    ("fedsa_lora", "ffa_lora"), "the adapted layer against peft's own LoRA layer on the same base and adapters, and "
+    "the adapted model at B = 0 equal to the base",
+    guards="a wrong scale (alpha / r), A and B transposed or swapped, an adapter that changes the base at start")
+def test_adapted_model_equals_peft_and_starts_at_the_base():
+    peft = pytest.importorskip("peft")
+    base = _base()
+    m = Model.from_module(base, 3, adapters=AdapterConfig(rank=4, alpha=8.0, target=("2", "4")))
+    assert isinstance(m.module[2], LoRALinear) and type(m.module[0]) is nn.Linear
+    assert list(m.init(0)) == ["2.lora_A", "2.lora_B", "4.lora_A", "4.lora_B"]  # only the adapters train
+    x = torch.randn(7, 10)
+    with torch.no_grad():
+        assert torch.allclose(m.apply(m.init(3), x), base(x), atol=1e-6)  # B = 0: the base model
+    p = {k: torch.randn_like(v) for k, v in m.init(1).items()}
+    ref = peft.get_peft_model(_base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["2", "4"]))
+    for name, v in p.items():
+        mod, leaf = name.rsplit(".", 1)
+        getattr(ref.base_model.model.get_submodule(mod), leaf)["default"].weight.data.copy_(v)
+    with torch.no_grad():
+        assert torch.allclose(m.apply(p, x), ref(x), atol=1e-5)
+    # the frozen base is untouched by init (its weights are buffers, drawn by nobody)
+    assert torch.equal(m.module[0].weight, base[0].weight) and torch.equal(m.module[2].weight, base[2].weight)
+
+
+def test_adapter_specs_and_refusals():
+    """An AdapterConfig, a dict or a peft LoraConfig; a target that names no Linear, dropout, unknown keys refused."""
+    peft = pytest.importorskip("peft")
+    cfg = AdapterConfig.of(peft.LoraConfig(r=3, lora_alpha=6, target_modules=["4"], modules_to_save=["0"]))
+    assert (cfg.rank, cfg.scale, cfg.target, cfg.train) == (3, 2.0, ("4",), ("0",))
+    m = Model.from_module(_base(), 3, adapters=cfg)
+    assert list(m.init(0)) == ["0.weight", "0.bias", "4.lora_A", "4.lora_B"] and m.head == ("0.weight", "0.bias")
+    with pytest.raises(ModelError, match="names no Linear layer"):
+        Model.from_module(_base(), 3, adapters={"target": ["attn"]})
+    with pytest.raises(ModelError, match="dropout on the adapters is not supported"):
+        Model.from_module(_base(), 3, adapters={"dropout": 0.1})
+    with pytest.raises(ModelError, match="unknown key"):
+        Model.from_module(_base(), 3, adapters={"rnak": 2})
+
+
+def test_the_adapters_table_validates_writes_back_and_takes_overrides():
+    raw = tomllib.loads(CONFIG.format(alg="fedavg", extra="", runner="auto"))
+    cfg = validate(raw)
+    assert cfg.model["adapters"]["rank"] == 2 and cfg.model["adapters"]["target"] == []
+    assert validate(tomllib.loads(dumps(cfg.raw))).raw == cfg.raw  # [model.adapters] written back as a sub-table
+    assert validate(apply_overrides(raw, ["model.adapters.rank=4"])).model["adapters"]["rank"] == 4
+    with pytest.raises(ConfigError, match=r"\[model.adapters\]: unknown key 'rnak' \(did you mean 'rank'\?\)"):
+        validate(apply_overrides(raw, ["model.adapters.rnak=4"]))
+    with pytest.raises(ConfigError, match=r"\[model.adapters\].*target \['attn'\] names no Linear"):
+        validate(apply_overrides(raw, ['model.adapters.target=["attn"]'])).build_model((10,), 2)
+    # without a base file, every build draws the same base (a Flower node builds what the server builds)
+    a, b = cfg.build_model((10,), 2), cfg.build_model((10,), 2)
+    assert all(torch.equal(x, y) for x, y in zip(a.module.buffers(), b.module.buffers(), strict=True))
+
+
+@pytest.mark.correctness(
+    ("fedavg", "ditto", "fedem", "fedper", "fedsa_lora", "ffa_lora"), "on a model with adapters: the loop, vmap and "
+    "stacked executors give the same run; the trained tree, the server state and the updates hold only the "
+    "adapters; the base is never changed",
+    guards="a frozen layer trained or stacked per client, a base copied into the server or client state, the stacked "
+    "LoRA form differing from the layer")
+@pytest.mark.parametrize("alg,extra", [("fedavg", ""), ("ditto", ""), ("fedem", "num_components = 2"),
+                                       ("fedsa_lora", ""), ("ffa_lora", "")])
+def test_methods_on_adapters_equal_across_executors_and_keep_the_base(alg, extra):
+    runs = {}
+    for runner in ("loop", "vmap", "stacked"):
+        raw = tomllib.loads(CONFIG.format(alg=alg, extra=extra, runner=runner))
+        runs[runner] = fedmtl.run(raw)
+    ref = runs["loop"]
+    from fedmtl.algorithms import ALGORITHMS
+
+    stacks = ALGORITHMS[alg].stacked_clients  # a method without a stacked form runs vmap when asked for stacked
+    for runner, res in runs.items():
+        assert res.summary["path"]["executor"] == (runner if runner != "stacked" or stacks else "vmap")
+        for a, b in zip(T.leaves(res.server), T.leaves(ref.server), strict=True):
+            assert torch.allclose(a, b, atol=1e-5), runner
+        assert res.final["seen_test_acc_mean"] == pytest.approx(ref.final["seen_test_acc_mean"], abs=1e-6)
+    names = {k.rsplit(".", 1)[-1].strip("[]'\"") for k in T.to_named(ref.server)}
+    assert names <= {"lora_A", "lora_B"}, names  # no base weight in the server state
+    if stacks:
+        assert runs["stacked"].summary["path"]["layers"] == {"0": "stacked", "2": "stacked", "4": "stacked"}
+
+
+def test_fedsa_lora_keeps_b_personal_and_ffa_lora_keeps_a_fixed():
+    """FedSA-LoRA: the server holds the A matrices (averaged) and each client its own B; FFA-LoRA: A stays at its seeded
+    initialization through training, only B moves."""
+    from fedmtl.engine.driver import build_local
+
+    cfg = validate(tomllib.loads(CONFIG.format(alg="fedsa_lora", extra="", runner="vmap")))
+    eng = build_local(cfg)
+    st = eng.init_state()
+    for _ in range(2):
+        eng.round(st)
+    a_names, b_names = adapter_names(eng.model.module)
+    assert set(st.server.params) == set(a_names) and set(st.server.fixed) == set(b_names)
+    heads = eng.clients.store.read_all().head  # every client's own B matrices (stacked)
+    assert set(heads) == set(b_names)
+    b = heads[b_names[-1]]
+    assert not torch.allclose(b[0], b[1]) and float(b.abs().sum()) > 0  # personal, and trained away from zero
+    cfg = validate(tomllib.loads(CONFIG.format(alg="ffa_lora", extra="", runner="vmap")))
+    eng = build_local(cfg)
+    st = eng.init_state()
+    a0 = {k: v.clone() for k, v in st.server.fixed.items()}
+    b0 = {k: v.clone() for k, v in st.server.params.items()}
+    for _ in range(3):
+        eng.round(st)
+    assert set(a0) == set(adapter_names(eng.model.module)[0])
+    assert all(torch.equal(st.server.fixed[k], v) for k, v in a0.items())
+    assert any(not torch.equal(st.server.params[k], v) for k, v in b0.items())
+
+
+def test_hugging_face_round_trip(tmp_path):
+    """A transformers model built from a config (random initialisation, offline) with a peft LoraConfig: fedmtl trains
+    its adapters (loop, vmap and stacked alike), writes them as a peft adapter folder (safetensors), and peft loads it
+    onto the same base and predicts exactly as fedmtl's model; the folder reads back into the tree."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+
+    def bert() -> nn.Module:
+        torch.manual_seed(0)
+        conf = transformers.BertConfig(vocab_size=80, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return transformers.BertForSequenceClassification(conf)
+
+    class Classifier(nn.Module):  # token ids in, logits out
+        def __init__(self, model: nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=x.long()).logits
+
+    bert().save_pretrained(tmp_path / "base")  # a local folder, as a downloaded model would be
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"])
+    model = Model.from_module(Classifier(transformers.BertForSequenceClassification.from_pretrained(tmp_path / "base")),
+                              3, adapters=lora)
+    assert all("lora_" in k for k in model.init(0))
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(0, 80, size=(40, 12)).astype(np.uint8) for _ in range(4)]
+    data = fedmtl.FederatedData.from_arrays(train=[(x[:30], x[:30, 0] % 3) for x in xs],
+                                            test=[(x[30:], x[30:, 0] % 3) for x in xs], num_classes=3)
+    runs = {r: fedmtl.run({"algorithm": {"name": "fedavg"}, "optim": {"lr": 0.1},
+                           "run": {"rounds": 2, "batch_size": 10, "runner": r}}, data=data, model=model)
+            for r in ("loop", "vmap", "stacked")}
+    params = runs["loop"].server.params
+    for r in ("vmap", "stacked"):
+        assert all(torch.allclose(params[k], runs[r].server.params[k], atol=1e-5) for k in params)
+    save_peft(params, AdapterConfig.of(lora), tmp_path / "adapter", strip="model.")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+    loaded = peft.PeftModel.from_pretrained(transformers.BertForSequenceClassification.from_pretrained(
+        tmp_path / "base"), tmp_path / "adapter").eval()
+    x = torch.from_numpy(xs[0][:6]).long()
+    with torch.no_grad():
+        assert torch.allclose(model.apply(params, x), loaded(input_ids=x).logits, atol=1e-5)
+    back = load_peft(tmp_path / "adapter", prefix="model.")
+    assert set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
