@@ -500,3 +500,16 @@ def test_the_field_s_shared_baselines_over_flower_equal_the_simulator(alg, extra
     so that the body/head methods have a head)."""
     _flower_equals_in_process(CONFIG.format(alg=alg, extra=extra, k=0).replace(
         '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]'), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.correctness(
+    ("fedsa_lora",), "over Flower on a model with adapters: the same server state and metrics as in-process, the "
+    "server state (what is sent) holding only the adapters; every node builds the same frozen base from the config",
+    guards="a base drawn differently on each node, base weights crossing the network, personal B matrices lost "
+    "between rounds on a node")
+def test_adapters_over_flower_equal_the_simulator(tmp_path):
+    raw = CONFIG.format(alg="fedsa_lora", extra="", k=0).replace(
+        '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]\n\n[model.adapters]\nrank = 2\nalpha = 4.0')
+    res = _flower_equals_in_process(raw, tmp_path)
+    assert {k.rsplit(".", 1)[-1].strip("[]'\"") for k in T.to_named(res.server)} == {"lora_A", "lora_B"}

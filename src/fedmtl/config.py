@@ -222,8 +222,8 @@ class ExperimentConfig:
             if not self.model["adapters"].get("base"):  # the same base wherever the config is built (Flower nodes)
                 seeded_base(model.module, int(self.model["adapters"].get("base_seed", 0)))
             try:
-                out = "binary" if model.output == "binary" else "multiclass"
-                return Model.from_module(model.module, num_classes, output=out,
+                return Model.from_module(model.module, num_classes,
+                                         output="binary" if model.output == "binary" else "multiclass",
                                          input_transform=model.input_transform, name=f"{model.name}+lora",
                                          adapters=self.model["adapters"])
             except ModelError as e:
