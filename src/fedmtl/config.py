@@ -213,8 +213,19 @@ class ExperimentConfig:
 
         if self.model["name"] not in MODELS:
             raise ConfigError(f"{self.source}: [model] comes from Python (fedmtl.run(..., model=...)); pass the model")
-        params = {k: v for k, v in self.model.items() if k not in ("name", "adapters")}
+        params = {k: v for k, v in self.model.items() if k not in ("name", "adapters", "weights")}
         model = build_model(self.model["name"], input_shape, num_classes, meta, **params)
+        if self.model.get("weights"):  # [model] weights: every run starts from these (e.g. pretrained) weights
+            import dataclasses as dc
+
+            from .models.lora import load_base
+
+            try:
+                load_base(model.module, self.model["weights"], "model.weights")
+            except ValueError as e:
+                raise ConfigError(f"{self.source}: {e}") from None
+            model = dc.replace(model, initial_params={k: v.detach().clone()
+                                                      for k, v in model.module.named_parameters()})
         if "adapters" in self.model:  # [model.adapters]: the built model frozen, low-rank adapters trained
             from .model import Model, ModelError
             from .models.lora import seeded_base
@@ -222,10 +233,12 @@ class ExperimentConfig:
             if not self.model["adapters"].get("base"):  # the same base wherever the config is built (Flower nodes)
                 seeded_base(model.module, int(self.model["adapters"].get("base_seed", 0)))
             try:
-                return Model.from_module(model.module, num_classes,
-                                         output="binary" if model.output == "binary" else "multiclass",
-                                         input_transform=model.input_transform, name=f"{model.name}+lora",
-                                         adapters=self.model["adapters"])
+                adapted = Model.from_module(model.module, num_classes,
+                                            output="binary" if model.output == "binary" else "multiclass",
+                                            input_transform=model.input_transform, name=f"{model.name}+lora",
+                                            adapters=self.model["adapters"])
+                object.__setattr__(adapted, "token_input", model.token_input)
+                return adapted
             except ModelError as e:
                 raise ConfigError(f"{self.source}: [model.adapters]: {e}") from None
         return model
@@ -298,8 +311,13 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
     else:
         mname, mfn = _named(tables["model"], MODELS, "model", source)
         model = {"name": mname, **_check_table({k: v for k, v in tables["model"].items()
-                                                if k not in ("name", "adapters")}, mfn,
+                                                if k not in ("name", "adapters", "weights")}, mfn,
                                               f"{source}: [model]", skip=("input_shape", "num_classes", "meta"))}
+        weights = tables["model"].get("weights", "")
+        if not isinstance(weights, str):
+            raise ConfigError(f"{source}: [model] weights must be the path of a safetensors file, got {weights!r}")
+        if weights:  # a safetensors file of the module's state_dict, where every run starts (checked when built)
+            model["weights"] = weights
         if "adapters" in tables["model"]:  # the [model.adapters] sub-table (fedmtl.models.lora.AdapterConfig)
             from .models.lora import AdapterConfig
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -129,12 +130,23 @@ def shakespeare(
     unseen_frac: Fraction = 0.0,
     seed: DataSeed = 1234,
     source: str = "",
+    plays: Literal["all", "pretrain", "personalize"] = "all",
+    pretrain_frac: Annotated[float, Range(0, 1, lo_open=True, hi_open=True)] = 0.5,
 ) -> FederatedData:
-    """LEAF-style Shakespeare federation (see the module docstring); x is uint8 (n, seq_len)."""
+    """LEAF-style Shakespeare federation (see the module docstring); x is uint8 (n, seq_len).
+
+    ``plays``: every play's roles, or only those of the first ``pretrain_frac`` of the plays in name order
+    (``"pretrain"``: what a base model is pretrained on) or of the others (``"personalize"``: the federation it is
+    then personalized on, per speaking role, with no play in common)."""
     if not 0 < train_frac < 1 or not 0 < sample_frac <= 1 or stride < 1 or seq_len < 1:
         raise ValueError("need 0 < train_frac < 1, 0 < sample_frac <= 1, stride >= 1, seq_len >= 1")
     clients = []
-    for role in load_roles(source, min_lines):
+    roles = load_roles(source, min_lines)
+    if plays != "all":
+        names = sorted({r.play for r in roles})
+        first = set(names[: max(1, min(len(names) - 1, int(round(pretrain_frac * len(names)))))])
+        roles = [r for r in roles if (r.play in first) == (plays == "pretrain")]
+    for role in roles:
         cut = int(round(train_frac * len(role.lines)))
         xtr, ytr = windows(encode(_clean(role.lines[:cut])), seq_len, stride)
         xte, yte = windows(encode(_clean(role.lines[cut:])), seq_len, stride)

@@ -14,6 +14,7 @@ from typing import Any
 #: name -> ``module:function`` of this package; the function takes ``(out: Path, quick: bool = False)``
 REPRODUCTIONS: dict[str, str] = {
     "robustness": "robustness:run",
+    "adapters": "adapters:run",
     "async": "async_clock:run",
     "mocha": "mocha_skewed:everything",
     "mocha-skewed": "mocha_skewed:run",
@@ -33,6 +34,7 @@ REPRODUCTIONS: dict[str, str] = {
 
 #: what each reproduction runs (``fedmtl reproduce --help``); the results pages give their measured durations
 SUMMARIES: dict[str, str] = {
+    "adapters": "a pretrained character transformer personalized per Shakespeare role with LoRA adapters (6 methods)",
     "async": "synchronous rounds vs FedBuff and FedAsync on the simulated clock (FedAvg, synthetic, 3 seeds)",
     "fedem-synthetic": "FedEM's synthetic Table 1 row and Figure 1 (accuracy vs M, vs sampling rate)",
     "fedem-vs-ifca": "why IFCA scores above FedEM on FedEM's synthetic data: mixture weights, prediction rules",

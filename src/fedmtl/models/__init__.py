@@ -1,6 +1,7 @@
 """The built-in models, registered under their config names (``[model] name``).
 
-``linear`` and ``mlp`` (``dense``), ``cnn_femnist``, ``cnn_bn`` and ``cnn_cifar`` (``cnn``), ``lstm`` (``lstm``).
+``linear`` and ``mlp`` (``dense``), ``cnn_femnist``, ``cnn_bn`` and ``cnn_cifar`` (``cnn``), ``lstm`` (``lstm``),
+``char_transformer`` (``transformer``).
 A model builder is ``(input_shape, num_classes, meta=None, **kwargs) -> Model``; its keyword arguments are the
 ``[model]`` table's keys.  ``fedmtl.register_model`` adds more.
 """
@@ -12,10 +13,11 @@ from ..registry import MODELS, register_model
 from .cnn import bn_cnn, cifar_cnn, femnist_cnn
 from .dense import linear, mlp
 from .lstm import CharLSTM, char_lstm, lstm_forward
+from .transformer import CharTransformer, char_transformer
 
 for _name, _fn in (("linear", linear), ("mlp", mlp), ("cnn_femnist", femnist_cnn), ("cnn_bn", bn_cnn),
                    ("cnn_cifar", cifar_cnn),
-                   ("lstm", char_lstm)):
+                   ("lstm", char_lstm), ("char_transformer", char_transformer)):
     register_model(_name, replace=True)(_fn)
 
 
@@ -31,4 +33,5 @@ def build_model(name: str, input_shape: int | tuple[int, ...], num_classes: int,
     return model
 
 
-__all__ = ["CharLSTM", "build_model", "char_lstm", "cifar_cnn", "femnist_cnn", "linear", "lstm_forward", "mlp"]
+__all__ = ["CharLSTM", "CharTransformer", "build_model", "char_lstm", "char_transformer", "cifar_cnn", "femnist_cnn",
+           "linear", "lstm_forward", "mlp"]

@@ -174,27 +174,28 @@ def seeded_base(module: nn.Module, seed: int) -> None:
                 reset()
 
 
-def load_base(module: nn.Module, path: str | Path) -> None:
+def load_base(module: nn.Module, path: str | Path, key: str = "model.adapters.base") -> None:
     """Load a safetensors file of ``module``'s state_dict (the base weights: no pickle, tensors only); every key
-    must be one of the module's and every parameter and buffer must be given."""
+    must be one of the module's and every parameter and buffer must be given (``key``: the config key named in
+    errors)."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"model.adapters.base: {path} is not a file")
+        raise ValueError(f"{key}: {path} is not a file")
     try:
         state = load_file(str(path))
     except Exception as e:  # a corrupt or foreign file
-        raise ValueError(f"model.adapters.base: {path} is not a readable safetensors file ({e})") from None
+        raise ValueError(f"{key}: {path} is not a readable safetensors file ({e})") from None
     own = module.state_dict()
     extra, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
     bad = [k for k in set(state) & set(own) if tuple(state[k].shape) != tuple(own[k].shape)]
     if extra or missing or bad:
-        raise ValueError(f"model.adapters.base: {path} does not fit {type(module).__name__}: "
+        raise ValueError(f"{key}: {path} does not fit {type(module).__name__}: "
                          + "; ".join(f"{w} {v[:4]}" for w, v in (("unknown keys", extra), ("missing", missing),
                                                                  ("other shapes", sorted(bad))) if v))
     if any(not torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
-        raise ValueError(f"model.adapters.base: {path} holds non-finite weights")
+        raise ValueError(f"{key}: {path} holds non-finite weights")
     module.load_state_dict(state)
 
 
