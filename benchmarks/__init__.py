@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, str] = {
     "flower": "FedAvg round: vmap vs Flower simulation vs 2-node deployment",
     "networked": "GTV solver vs CVXPY on SBM graphs of 1e3 / 1e4 / 1e5 nodes",
     "distributed": "one simulation on 1 and 2 torchrun ranks: the models CNN and a 10^5-client Ditto population",
+    "adapters": "LoRA adapters: upload and state per client vs the full model; 100 clients' adapters vectorized vs a "
+                "per-client loop and the central floor",
 }
 
 
