@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2, help="local SGD steps per client (default 2)")
     p.add_argument("--batch", type=int, default=16, help="windows per batch (default 16)")
     p.add_argument("--rank", type=int, default=8, help="the adapters' rank (default 8)")
+    p.add_argument("--chunk", type=int, default=0, help="run.chunk_size: clients per vectorized call (0 = all)")
 
 
 def sizes(rank: int) -> list[dict[str, Any]]:
@@ -122,13 +123,13 @@ def main(args: argparse.Namespace) -> int:
     rank, lr = args.rank, 0.5
     res: dict[str, Any] = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "device": device_name(str(dev)),
                            "platform": platform.platform(), "cpus": os.cpu_count(), "clients": args.clients,
-                           "steps": args.steps, "batch": args.batch, "rank": rank, "rounds_timed": args.rounds,
+                           "steps": args.steps, "batch": args.batch, "rank": rank, "chunk_size": args.chunk, "rounds_timed": args.rounds,
                            "sizes": sizes(rank)}
     raw = {"model": {"name": "char_transformer", "d_model": 96, "layers": 2, "heads": 4,
                      "adapters": {"rank": rank, "alpha": 2.0 * rank, "target": list(ALL)}},
            "algorithm": {"name": "fedavg"}, "optim": {"lr": lr},
            "run": {"rounds": 10_000, "batch_size": args.batch, "eval_every": 10_000, "checkpoint_every": 0,
-                   "device": str(dev)}}
+                   "device": str(dev), "chunk_size": args.chunk}}
     for runner in ("stacked", "vmap"):
         raw["run"]["runner"] = runner
         cfg = validate({**raw, "data": {"name": "shakespeare"}})  # (the data is given: the table is never built)
