@@ -121,10 +121,10 @@ def main(args: argparse.Namespace) -> int:
     dev = torch.device(args.device or "cpu")
     data = _data(args.clients, args.steps * args.batch)
     rank, lr = args.rank, 0.5
-    res: dict[str, Any] = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "device": device_name(str(dev)),
-                           "platform": platform.platform(), "cpus": os.cpu_count(), "clients": args.clients,
-                           "steps": args.steps, "batch": args.batch, "rank": rank, "chunk_size": args.chunk, "rounds_timed": args.rounds,
-                           "sizes": sizes(rank)}
+    res: dict[str, Any] = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                           "device": device_name(str(dev)), "platform": platform.platform(), "cpus": os.cpu_count(),
+                           "clients": args.clients, "steps": args.steps, "batch": args.batch, "rank": rank,
+                           "chunk_size": args.chunk, "rounds_timed": args.rounds, "sizes": sizes(rank)}
     raw = {"model": {"name": "char_transformer", "d_model": 96, "layers": 2, "heads": 4,
                      "adapters": {"rank": rank, "alpha": 2.0 * rank, "target": list(ALL)}},
            "algorithm": {"name": "fedavg"}, "optim": {"lr": lr},

@@ -10,8 +10,9 @@ from fedmtl.experiments.common import method_overrides, overrides
 
 
 def test_every_reproduction_resolves_to_a_function():
-    assert sorted(REPRODUCTIONS) == ["adapters", "async", "fedem-synthetic", "fedem-vs-ifca", "fmnist", "fmnist-cnn", "mocha",
-                                     "mocha-skewed", "networked", "networked-flow", "omnifedge-fmnist", "peer-fedper",
+    assert sorted(REPRODUCTIONS) == ["adapters", "async", "fedem-synthetic", "fedem-vs-ifca", "fmnist", "fmnist-cnn",
+                                     "mocha", "mocha-skewed", "networked", "networked-flow", "omnifedge-fmnist",
+                                     "peer-fedper",
                                      "perfedavg", "personalization", "personalization-comparison",
                                      "robustness"]
     for name in REPRODUCTIONS:
