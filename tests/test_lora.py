@@ -108,10 +108,9 @@ def test_the_adapters_table_validates_writes_back_and_takes_overrides():
 
 
 @pytest.mark.correctness(
-    ("fedavg", "ditto", "fedem", "fedper", "fedrep", "perfedavg", "fedsa_lora", "ffa_lora"), "on a model with adapters: "
-    "the loop, vmap and "
-    "stacked executors give the same run; the trained tree, the server state and the updates hold only the "
-    "adapters; the base is never changed",
+    ("fedavg", "ditto", "fedem", "fedper", "fedrep", "perfedavg", "fedsa_lora", "ffa_lora"),
+    "on a model with adapters: the loop, vmap and stacked executors give the same run; the trained tree, the "
+    "server state and the updates hold only the adapters; the base is never changed",
     guards="a frozen layer trained or stacked per client, a base copied into the server or client state, the stacked "
     "LoRA form differing from the layer")
 @pytest.mark.parametrize("alg,extra", [("fedavg", ""), ("ditto", ""), ("fedem", "num_components = 2"),
