@@ -109,7 +109,25 @@ def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
                             "overrides": COMPARISON_METHODS[n]} for n, r in res.items()}}
     publish(out, "comparison.md", {"federations": table, "seeds": seeds, "quick": quick},
             comparison_markdown)
+    comparison_figure(out)
     return table
+
+
+def comparison_figure(results: Path) -> Path | None:
+    """``summary.png`` / ``.pdf`` of the comparison from its stored ``summary.json`` (one panel per federation: every
+    method's average and bottom decile, mean ± std over seeds), its numbers in ``figure.json``."""
+    from ..report import write_json
+    from .common import AVG, FIGURE, P10, summary_figure
+
+    s = json.loads((results / "summary.json").read_text())
+    panels = {f"{fed} ({t['clients']} clients, {t['rounds']} rounds)":
+              {n: {AVG: [r["avg"], r["avg_std"]], P10: [r["bottom_decile"], r["bottom_decile_std"]]}
+               for n, r in t["methods"].items()} for fed, t in s["federations"].items()}
+    write_json(results / FIGURE, {"panels": panels})
+    for sub in results.glob(f"*/{FIGURE}"):  # the runs' own panels say the same: the stored summary's are drawn
+        sub.unlink()
+    seeds = ", ".join(str(x) for x in s["seeds"])
+    return summary_figure(results, f"Every personalized method, the same MLP: final test accuracy, seeds {seeds}")
 
 
 def comparison_markdown(results: Path) -> str:
