@@ -115,8 +115,9 @@ def save_figure(fig: Any, path: Path, dpi: int = 120, vector: bool = False) -> N
 
 
 # metrics.csv's leading columns, in this order, then every other column sorted by name: one order for every
-# executor (a Flower run's evaluation arrives node by node, a resumed run's history from its checkpoint)
-HISTORY_COLUMNS = ("round", "lr", "clients", "dropped", "excluded", "train_loss", "est_time_s", "epsilon")
+# executor (a Flower run's evaluation arrives node by node, a resumed run's history from its checkpoint); "runs":
+# the seeds a row of a run with several seeds averages
+HISTORY_COLUMNS = ("round", "runs", "lr", "clients", "dropped", "excluded", "train_loss", "est_time_s", "epsilon")
 
 
 def history_columns(history: list[dict[str, Any]]) -> list[str]:

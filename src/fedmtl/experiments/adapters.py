@@ -34,7 +34,7 @@ METHODS: dict[str, str] = {"FedAvg-full": "fedavg_full", "FedAvg-LoRA": "fedavg_
 SEEDS = [1, 2, 3]
 
 
-def pretrain(out: Path, quick: bool = False, epochs: int = 2, batch: int = 64, lr: float = 3e-3) -> Path:
+def pretrain(out: Path, quick: bool = False, epochs: int = 1, batch: int = 64, lr: float = 3e-3) -> Path:
     """Train the adapters configs' transformer centrally on the pretraining plays (every role's windows pooled,
     stride 20) with AdamW for ``epochs`` epochs; write ``out/base.safetensors`` and ``out/pretrain.json`` (loss and
     next-character accuracy on those plays' held-out windows).  A base already there from the same settings is
