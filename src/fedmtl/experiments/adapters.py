@@ -74,7 +74,7 @@ def pretrain(out: Path, quick: bool = False, epochs: int = 1, batch: int = 64, l
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     module.eval()
     correct, total, tl = 0, 0, 0.0
     with torch.no_grad():
