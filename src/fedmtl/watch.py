@@ -171,7 +171,7 @@ def watch(path: str | Path, interval: float = 2.0, once: bool = False, stream: T
             time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
     shown: dict[Path, str] = {}
     while True:
-        states = [status(r) for r in runs_in(path)] if not once else [status(r) for r in runs]
+        states = [status(r) for r in (runs if once else runs_in(path))]  # seeds may appear as it runs
         for s in states:
             text = s.line()
             if once or shown.get(s.path) != text:

@@ -23,6 +23,7 @@ import torch
 from ..config import load
 from ..engine.driver import build_data
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
+from ..models.lora import seeded_base
 from ..progress import Progress
 from ..report import markdown_table, write_json
 from ..resources import config_path
@@ -55,11 +56,7 @@ def pretrain(out: Path, quick: bool = False, epochs: int = 1, batch: int = 64, l
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     module = model.module
     g = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        for m in module.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+    seeded_base(module, 0)  # the weights pretraining starts from, the same on every machine
     opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
     x, y = train.x, train.y
     steps = 30 if quick else epochs * (len(y) // batch)
