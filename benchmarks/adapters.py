@@ -116,6 +116,18 @@ class Floor:
             self.opt.step()
 
 
+def _reset_peak(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def _peak(res: dict[str, Any], dev: torch.device, what: str) -> None:
+    """The GPU memory a round of ``what`` took at its peak (data and base model included), in MiB."""
+    if dev.type == "cuda":
+        res[f"gpu_peak_mb_{what}"] = torch.cuda.max_memory_allocated(dev) / 2**20
+
+
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device or "cpu")
@@ -135,12 +147,16 @@ def main(args: argparse.Namespace) -> int:
         cfg = validate({**raw, "data": {"name": "shakespeare"}})  # (the data is given: the table is never built)
         eng = build_local(cfg, data)
         st = eng.init_state()
+        _reset_peak(dev)
         times = time_rounds(lambda eng=eng, st=st: eng.round(st), args.rounds)
         res[f"round_seconds_{runner}"] = statistics.median(times)
         res[f"path_{runner}"] = eng.clients.executor.name
+        _peak(res, dev, runner)
     module = build_local(cfg, data).model.module
     peer = PeerLoop(module, data, args.batch, lr, dev)
+    _reset_peak(dev)
     res["round_seconds_peer_loop"] = statistics.median(time_rounds(peer.round, args.rounds))
+    _peak(res, dev, "peer_loop")
     floor = Floor(module, data, args.batch, lr, dev)
     res["round_seconds_floor"] = statistics.median(time_rounds(floor.round, args.rounds))
     best = min(res["round_seconds_stacked"], res["round_seconds_vmap"])

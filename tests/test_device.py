@@ -135,3 +135,29 @@ def test_run_command_on_the_device_equals_the_cpu_run_and_resumes(tmp_path: Path
     assert main(["run", str(cfg), "--out", str(tmp_path / "run-1"), "-q", "--device", DEVICE, "--seeds", "1,2",
                  "--resume"]) == 0
     assert json.loads((tmp_path / "run-1" / "seed-1" / "summary.json").read_text())["final"] == seed1
+
+
+@pytest.mark.parametrize("alg", ["fedavg", "fedem", "fedsa_lora"])
+@pytest.mark.parametrize("runner", ["stacked", "vmap", "loop"])
+def test_adapters_on_the_device_equal_their_cpu_runs(runner, alg):
+    """The adapters workload's model (a character transformer, LoRA on its attention and MLP projections, the base
+    frozen and shared) trains on the device as on the CPU with every executor."""
+    from fedmtl.algorithms import FedSALoRA
+    from fedmtl.model import Model
+    from fedmtl.models.lora import seeded_base
+
+    data = _text_data()
+    out = {}
+    for dev in ("cpu", DEVICE):
+        base = build_model("char_transformer", (10,), 80, d_model=16, layers=1, heads=2).module
+        seeded_base(base, 0)
+        m = Model.from_module(base, 80, adapters={"rank": 2, "target": ["attn.q", "attn.v", "mlp.fc1"]})
+        object.__setattr__(m, "token_input", True)
+        a = {"fedavg": FedAvg(), "fedem": FedEM(num_components=2), "fedsa_lora": FedSALoRA()}[alg]
+        eng = simulator(a, data, m, runner=runner, batch_size=4, device=dev)
+        st, rows = run_rounds(eng, 2)
+        _on(st.server, dev)
+        out[dev] = (st.server, [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
+    _close(out["cpu"][0], out[DEVICE][0], f"{alg} adapters server state")
+    np.testing.assert_allclose(out[DEVICE][1], out["cpu"][1], atol=ATOL, rtol=1e-3)
+    _summaries_close(out["cpu"][2], out[DEVICE][2], f"{alg} adapters evaluation")

@@ -136,6 +136,26 @@ def test_methods_on_adapters_equal_across_executors_and_keep_the_base(alg, extra
         assert runs["stacked"].summary["path"]["layers"] == {"0": "stacked", "2": "stacked", "4": "stacked"}
 
 
+def test_the_stacked_twin_holds_the_modules_base_after_the_module_moves():
+    """The clients form shares the frozen base's buffers with the module; where the module moves to the run's
+    device after the twin was made (the engine's ``module.to(device)``), the twin follows on its next call with the
+    module's moved tensors, not copies of its own ('meta' stands in for a GPU here)."""
+    from fedmtl.models.lora import LoRALinear
+
+    model = Model.from_module(nn.Sequential(nn.Embedding(7, 10), _base()), 3,
+                              adapters={"rank": 2, "target": ["1.0", "1.2"]})
+    form = model.clients_form
+    assert form is not None
+    model.verify_clients(torch.randint(0, 7, (6,)))
+    model.module.to("meta")
+    form.to(torch.device("meta"))
+    held = {id(b) for b in model.module.buffers()}
+    twin = [b for m in form.twin.modules() for b in m._buffers.values() if b is not None]
+    assert twin and all(b.device.type == "meta" for b in twin)
+    assert all(id(b) in held for b in twin), "the twin holds a copy of the base, not the module's tensors"
+    assert isinstance(model.module[1][0], LoRALinear)
+
+
 def test_fedsa_lora_keeps_b_personal_and_ffa_lora_keeps_a_fixed():
     """FedSA-LoRA: the server holds the A matrices (averaged) and each client its own B; FFA-LoRA: A stays at its seeded
     initialization through training, only B moves."""

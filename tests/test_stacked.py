@@ -170,8 +170,8 @@ def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_for
 
 def test_the_engine_picks_a_user_modules_path_by_its_layers():
     """No undocumented flag: on a CPU convolutions and recurrent layers loop, a ReLU MLP runs the stacked closed form,
-    any other module with a clients form the stacked executor, the rest vmaps; on a GPU recurrent layers loop and
-    every other module with a clients form runs stacked; an explicit prefer_loop_on_cpu still decides."""
+    any other module with a clients form the stacked executor, the rest vmaps; on a GPU every module with a clients
+    form runs stacked (recurrent layers loop for the methods without one); an explicit prefer_loop_on_cpu still decides."""
     from fedmtl.engine.executors import make_executor
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")  # make_executor reads only the device's type
@@ -195,6 +195,7 @@ def test_the_engine_picks_a_user_modules_path_by_its_layers():
     assert make_executor("auto", forced, cpu).name == "stacked"
     for model in (cnn, odd):
         assert make_executor("auto", model, gpu).name == "stacked"
-    assert make_executor("auto", rec, gpu).name == "loop"  # cuDNN's recurrence per client
+    on_gpu = make_executor("auto", rec, gpu)  # all clients' recurrences as one, cuDNN's per client for the rest
+    assert on_gpu.name == "stacked" and on_gpu.fallback.name == "loop"
     no_form = fedmtl.Model.from_module(nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(6, 3)), 3)
     assert no_form.clients_form is None and make_executor("auto", no_form, cpu).name == "vmap"

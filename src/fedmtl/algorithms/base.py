@@ -283,8 +283,8 @@ def nobody(ctx: Context, weights: Tensor) -> bool:
 def scalar_mean(values: Tensor, weights: Tensor) -> Tensor:
     """(float64) sum_k w_k v_k / sum_k w_k of one scalar per update (FedNova's tau_eff, q-FFL's mean h_k); the rows
     with w_k = 0 (excluded: NaN / Inf) stay out, whatever they hold."""
-    w = weights.to(torch.float64)
-    v = torch.where(w > 0, values.reshape(-1).to(torch.float64), torch.zeros_like(w))
+    w = weights.to(torch.float64)  # values may sit on the CPU (a loop runner's step counts) and weights on the device
+    v = torch.where(w > 0, values.reshape(-1).to(w.device, torch.float64), torch.zeros_like(w))
     return (v * w).sum() / w.sum()
 
 

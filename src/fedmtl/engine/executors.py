@@ -16,8 +16,8 @@ That is all an executor does; the round loop (``engine.round``) decides what run
   of the above.
 
 ``auto`` (``make_executor``) picks ``stacked`` for models with a clients form (methods without one fall back to
-``vmap``), ``loop`` for models that declare ``prefer_loop_on_cpu`` (convolutions, recurrent layers) on CPU or
-``prefer_loop_on_cuda`` (recurrent layers) on a GPU, and ``vmap`` otherwise.
+``vmap``, or to ``loop`` for recurrent layers on a GPU) except on a CPU for models that declare
+``prefer_loop_on_cpu`` (convolutions, recurrent layers), which loop there, and ``vmap`` otherwise.
 """
 
 from __future__ import annotations
@@ -307,17 +307,20 @@ EXECUTORS: dict[str, Callable[[Model, int, Literal["steps", "none"], str], Execu
 
 def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
                   bucketing: Literal["steps", "none"] = "steps") -> Executor:
-    """The executor ``name``.  ``auto`` decides by rule: ``stacked`` for models with the stacked closed form, and
-    for models with a clients form (``Model.supports_clients``: verified on the data) that do not prefer the loop on
-    this device; ``loop`` for those that do (``prefer_loop_on_cpu``: convolutions and recurrent layers are
-    compute-bound and run fastest client by client on a CPU; ``prefer_loop_on_cuda``: recurrent layers, whose
-    per-client cuDNN kernel was the fastest path measured on a GPU); ``vmap`` for the rest.  The stacked executor
-    hands algorithms without a clients form (and evaluation) to the path the model would take without one."""
-    loop = model.prefer_loop_on_cuda if device.type == "cuda" else model.prefer_loop_on_cpu
+    """The executor ``name``.  ``auto`` decides by rule: ``stacked`` for models with the stacked closed form, for
+    models with a clients form (``Model.supports_clients``: verified on the data) that do not prefer the loop on a
+    CPU, and on a GPU for every model with a clients form; ``loop`` for the rest of those that prefer it on this
+    device (``prefer_loop_on_cpu``: convolutions and recurrent layers are compute-bound and run fastest client by
+    client on a CPU; ``prefer_loop_on_cuda``: recurrent layers, whose per-client cuDNN kernel beats a vmapped
+    recurrence on a GPU, though not the stacked one: ``fedmtl bench models --device cuda``, LSTM); ``vmap`` for the
+    rest.  The stacked executor hands algorithms without a clients form (and evaluation) to the path the model
+    would take without one."""
+    cuda = device.type == "cuda"
+    loop = model.prefer_loop_on_cuda if cuda else model.prefer_loop_on_cpu
     fallback = "loop" if loop else "vmap"
     chosen: str = name
     if name == "auto":
-        chosen = "stacked" if model.supports_clients and (model.closed_form_clients or not loop) else fallback
+        chosen = "stacked" if model.supports_clients and (model.closed_form_clients or not loop or cuda) else fallback
     if chosen == "stacked" and not model.supports_clients:
         raise ValueError(f"run.runner = 'stacked': model {model.name!r} has no clients form (a closed-form "
                          "stacked gradient: linear, mlp or a converted dense user module; or a clients form "

@@ -435,6 +435,16 @@ class ClientsForm:
                     if p is not None and p.device.type != "meta":
                         m2._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"),
                                                             requires_grad=p.requires_grad)
+        # which of the twin's buffer slots hold one of the module's buffers: where the module moves to another
+        # device, ``to`` points them at its moved tensors again (the base stays held once, on the run's device)
+        owners = {id(b): (mod, name) for mod in module.modules() for name, b in mod._buffers.items() if b is not None}
+        self._links: list[tuple[nn.Module, str, nn.Module, str]] = [
+            (m2, name, *owners[id(b)]) for m2 in self._buffer_holders() for name, b in m2._buffers.items()
+            if b is not None and id(b) in owners]
+        self._device: torch.device | None = None
+
+    def _buffer_holders(self) -> list[nn.Module]:
+        return [m2 for m in (*self.twin.modules(), *(t for _, _, t, _ in self._units)) for m2 in m.modules()]
 
     @classmethod
     def of(cls, module: nn.Module) -> ClientsForm | None:
@@ -473,17 +483,24 @@ class ClientsForm:
                 self.layers[path] = LOOP
 
     def __call__(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
+        if x.device != self._device:  # the run's device: the twin's buffers follow the examples
+            self.to(x.device)
         k, n = x.shape[0], x.shape[1]
         out = functional_call(self.twin, params, (x.reshape(k * n, *x.shape[2:]),))
         return out.reshape(k, n, *out.shape[1:])
 
     def to(self, device: torch.device) -> None:
-        """Move the twin's buffers to ``device`` (its parameters are placeholders: a run supplies them)."""
-        for m in (*self.twin.modules(), *(t for _, _, t, _ in self._units)):
-            for m2 in m.modules():
-                for name, b in list(m2._buffers.items()):
-                    if b is not None:
-                        m2._buffers[name] = b.to(device)
+        """Move the twin's buffers to ``device`` (its parameters are placeholders: a run supplies them).  A buffer
+        shared with the module is the module's own tensor again where the module is on ``device`` (moved after the
+        twin was made), and a copy only where it is not."""
+        device = torch.empty(0, device=device).device  # "cuda" names the device a tensor calls "cuda:0"
+        linked = {(id(m2), name): src._buffers[sname] for m2, name, src, sname in self._links}
+        for m2 in self._buffer_holders():
+            for name, b in list(m2._buffers.items()):
+                if b is not None:
+                    own = linked.get((id(m2), name))
+                    m2._buffers[name] = own if own is not None and own.device == device else b.to(device)
+        self._device = device
 
     def verify(self, compare: Callable[[], str | None]) -> bool:
         """Run ``compare`` (the form against the module on real examples: ``Model.verify_clients``), which returns
