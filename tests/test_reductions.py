@@ -147,3 +147,21 @@ def test_evaluation_summaries(small_data):
     assert s["seen_test_acc_mean"] == pytest.approx(acc.mean())
     assert s["seen_test_acc_p10"] <= s["seen_test_acc_mean"]
     assert {"seen_val_acc", "unseen_test_acc", "participation_gap"} <= s.keys()
+
+
+@pytest.mark.parametrize("alg", [FedAvg(), Local(), FedEM(num_components=2)])
+def test_evaluation_in_small_chunks_equals_one_pass(small_data, alg):
+    """Evaluation gathers clients in chunks (ordered by size, padded to the chunk's largest): a budget that takes a
+    few clients a chunk scores every client as one chunk of all does, for a global model, personal models and a
+    mixture."""
+    out = {}
+    for budget in (10**9, 1):  # all clients in one chunk; one client a chunk (the budget is below any client)
+        sim = make_sim(alg, small_data, eval_chunk_elems=budget)
+        st, _ = run_rounds(sim, 2)
+        out[budget] = sim.evaluate(st)
+    for group, splits in out[1].items():
+        for split, r in splits.items():
+            ref = out[10**9][group][split]
+            assert (r["client"] == ref["client"]).all()
+            assert r["acc"] == pytest.approx(ref["acc"], abs=1e-9), (group, split)
+            assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5), (group, split)

@@ -171,7 +171,8 @@ def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_for
 def test_the_engine_picks_a_user_modules_path_by_its_layers():
     """No undocumented flag: on a CPU convolutions and recurrent layers loop, a ReLU MLP runs the stacked closed form,
     any other module with a clients form the stacked executor, the rest vmaps; on a GPU every module with a clients
-    form runs stacked (recurrent layers loop for the methods without one); an explicit prefer_loop_on_cpu still decides."""
+    form runs stacked (recurrent layers loop for the methods without one); an explicit prefer_loop_on_cpu still
+    decides."""
     from fedmtl.engine.executors import make_executor
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")  # make_executor reads only the device's type
