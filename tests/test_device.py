@@ -106,17 +106,26 @@ def no_tf32():
 def test_models_on_the_device_equal_their_cpu_runs(model, runner, alg, no_tf32):
     make_data, mname, kw = MODELS[model]
     data = make_data()
+
+    def engine(dev: str):
+        m = build_model(mname, data.feature_shape, data.num_classes, data.meta, **kw)
+        return simulator(FedAvg() if alg == "fedavg" else FedEM(num_components=2), data, m, runner=runner,
+                         batch_size=4, device=dev)
+
+    _device_equals_cpu(engine, model)
+
+
+def _device_equals_cpu(engine, what: str) -> None:
+    """Two rounds of ``engine(dev)`` on the CPU and on the device: the same server state, losses and evaluation."""
     out = {}
     for dev in ("cpu", DEVICE):
-        m = build_model(mname, data.feature_shape, data.num_classes, data.meta, **kw)
-        eng = simulator(FedAvg() if alg == "fedavg" else FedEM(num_components=2), data, m, runner=runner,
-                        batch_size=4, device=dev)
+        eng = engine(dev)
         st, rows = run_rounds(eng, 2)
         _on(st.server, dev)
         out[dev] = (st.server, [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
-    _close(out["cpu"][0], out[DEVICE][0], f"{model} server state")
+    _close(out["cpu"][0], out[DEVICE][0], f"{what} server state")
     np.testing.assert_allclose(out[DEVICE][1], out["cpu"][1], atol=ATOL, rtol=1e-3)
-    _summaries_close(out["cpu"][2], out[DEVICE][2], f"{model} evaluation")
+    _summaries_close(out["cpu"][2], out[DEVICE][2], f"{what} evaluation")
 
 
 def test_run_command_on_the_device_equals_the_cpu_run_and_resumes(tmp_path: Path):
@@ -147,17 +156,13 @@ def test_adapters_on_the_device_equal_their_cpu_runs(runner, alg):
     from fedmtl.models.lora import seeded_base
 
     data = _text_data()
-    out = {}
-    for dev in ("cpu", DEVICE):
+
+    def engine(dev: str):
         base = build_model("char_transformer", (10,), 80, d_model=16, layers=1, heads=2).module
         seeded_base(base, 0)
         m = Model.from_module(base, 80, adapters={"rank": 2, "target": ["attn.q", "attn.v", "mlp.fc1"]})
         object.__setattr__(m, "token_input", True)
         a = {"fedavg": FedAvg(), "fedem": FedEM(num_components=2), "fedsa_lora": FedSALoRA()}[alg]
-        eng = simulator(a, data, m, runner=runner, batch_size=4, device=dev)
-        st, rows = run_rounds(eng, 2)
-        _on(st.server, dev)
-        out[dev] = (st.server, [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
-    _close(out["cpu"][0], out[DEVICE][0], f"{alg} adapters server state")
-    np.testing.assert_allclose(out[DEVICE][1], out["cpu"][1], atol=ATOL, rtol=1e-3)
-    _summaries_close(out["cpu"][2], out[DEVICE][2], f"{alg} adapters evaluation")
+        return simulator(a, data, m, runner=runner, batch_size=4, device=dev)
+
+    _device_equals_cpu(engine, f"{alg} adapters")
