@@ -494,7 +494,6 @@ class Model:
         n = x.shape[0] // 3
         if n < 1:
             raise ModelError("verifying a clients form needs at least 3 examples")
-        form.to(x.device)
         gen = torch.Generator().manual_seed(0)
         base = self.init(0)
 
