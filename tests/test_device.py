@@ -139,7 +139,7 @@ def test_run_command_on_the_device_equals_the_cpu_run_and_resumes(tmp_path: Path
     a, b = finals[0]["final"], finals[1]["final"]
     for k, v in a.items():
         assert abs(v["mean"] - b[k]["mean"]) <= ATOL * max(1.0, abs(v["mean"])), k
-    # the checkpoint written on the device loads back onto it: --resume of the finished run evaluates it again
+    # the checkpoint written on the device loads back onto it: --resume of the finished run reports it again
     seed1 = json.loads((tmp_path / "run-1" / "seed-1" / "summary.json").read_text())["final"]
     assert main(["run", str(cfg), "--out", str(tmp_path / "run-1"), "-q", "--device", DEVICE, "--seeds", "1,2",
                  "--resume"]) == 0

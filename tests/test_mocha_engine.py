@@ -135,5 +135,5 @@ def test_fedmtl_run_mocha_config_with_systems_and_resume(tmp_path):
     assert main(["run", str(cfg), "--out", str(out), "--no-progress", *sets]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["algorithm"] == "mocha" and s["dropped_updates"] > 0 and 0.5 < s["final"]["seen_test_acc_mean"] <= 1
-    assert main(["run", str(cfg), "--out", str(out), "--no-progress", "--resume", *sets]) == 0  # finished: evaluates
+    assert main(["run", str(cfg), "--out", str(out), "--no-progress", "--resume", *sets]) == 0  # finished: as kept
     assert json.loads((out / "summary.json").read_text())["final"] == s["final"]

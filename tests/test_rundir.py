@@ -5,6 +5,7 @@ with one line that names the checkpoint, and the documented exit codes."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import socket
@@ -269,7 +270,7 @@ def test_a_resume_that_does_not_fit_the_directory_touches_nothing(tmp_path, caps
         assert _snapshot(out) == before, extra
         command = err.split("with: ")[-1].split(";")[0].split()
         assert command[:2] == ["fedmtl", "run"]
-        assert main([*command[1:], "-q"]) == 0, command  # the command named resumes it (finished: evaluates again)
+        assert main([*command[1:], "-q"]) == 0, command  # the command named resumes it (finished: nothing to train)
         capsys.readouterr()
 
 
@@ -409,3 +410,40 @@ def test_cheap_refusals_come_before_the_data_is_built(tmp_path, monkeypatch, cap
     (out / ".lock").write_text(f"{socket.gethostname()} {os.getpid()}")  # this live process holds it
     assert _run(cfg, out) == EXIT_INPUT
     assert "in use by another run" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_reports_the_evaluation_its_checkpoint_kept(tmp_path, monkeypatch):
+    """The last round's checkpoint keeps the per-client evaluation: `--resume` of a finished run (one seed or
+    several) writes the same summary and clients.csv without evaluating a client again.  An older checkpoint
+    without it is still resumed, by evaluating again."""
+    from fedmtl.engine import checkpoint
+    from fedmtl.engine.round import Engine
+
+    cfg = _cfg(tmp_path, rounds=4, every=2)
+    one, seeds = tmp_path / "one", tmp_path / "seeds"
+    assert _run(cfg, one) == 0 and _run(cfg, seeds, "--seeds", "1,2") == 0
+    kept = checkpoint.evaluation_of(checkpoint.load(one / "checkpoint.pt"))
+    assert kept is not None and set(kept["seen"]) == {"train", "test"}
+    runs = [one, seeds / "seed-1", seeds / "seed-2"]
+    before = {d: ((d / "clients.csv").read_text(), (d / "summary.json").read_text()) for d in runs}
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("a finished run was evaluated again")
+
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "evaluate", refuse)
+        assert main(["run", "--resume", "--out", str(one), "-q"]) == 0
+        assert main(["run", "--resume", "--out", str(seeds), "-q"]) == 0
+    for d in runs:
+        s0, s1 = json.loads(before[d][1]), json.loads((d / "summary.json").read_text())
+        assert (d / "clients.csv").read_text() == before[d][0] and s1["final"] == s0["final"], d
+    saved = torch.load(one / "checkpoint.pt", weights_only=True)  # a checkpoint from before the evaluation was kept
+    del saved["evaluation"]
+    torch.save(saved, one / "checkpoint.pt")
+    assert checkpoint.evaluation_of(checkpoint.load(one / "checkpoint.pt")) is None
+    assert main(["run", "--resume", "--out", str(one), "-q"]) == 0
+    assert (one / "clients.csv").read_text() == before[one][0]
+    saved["evaluation"] = {"seen/test": torch.zeros(3)}  # malformed: refused in one line, like any damage
+    torch.save(saved, one / "checkpoint.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="stored evaluation"):
+        checkpoint.load(one / "checkpoint.pt")

@@ -96,7 +96,7 @@ def test_run_seeds_cli_writes_per_seed_folders_and_resumes(tmp_path, capsys):
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("round,runs,") and "seen_test_acc_mean_std" in rows[0] and len(rows) == 3
     assert (out / "accuracy.png").stat().st_size > 1000
-    # a second run into the same folder is refused; --resume continues (finished: evaluates again, same numbers)
+    # a second run into the same folder is refused; --resume continues (finished: the kept evaluation, same numbers)
     assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(out), "-q", *sets]) == 2
     assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(out), "-q", "--resume", *sets]) == 0
     again = json.loads((out / "summary.json").read_text())

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import tree as T
@@ -58,9 +59,12 @@ def signals_deferred() -> Iterator[None]:
                 os.kill(os.getpid(), first)
 
 
-def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: dict[str, Any]) -> None:
+def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: dict[str, Any],
+         evaluation: dict[str, Any] | None = None) -> None:
     """Write to a temporary file in the same directory, fsync, then rename: never a partial file (and an interruption
-    during the write waits for it: ``signals_deferred``)."""
+    during the write waits for it: ``signals_deferred``).  ``evaluation``: the per-client evaluation of this round
+    (``Engine.evaluate``'s ``{group: {split: {metric: array}}}``), kept with the last round's checkpoint so that
+    resuming a finished run reports it again instead of evaluating every client again (``evaluation_of``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -70,6 +74,9 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
     }
     if state.aux is not None:
         payload["async"] = state.aux.named()
+    if evaluation is not None:
+        payload["evaluation"] = {f"{g}/{s}/{k}": torch.from_numpy(np.array(v, copy=True))
+                                 for g, splits in evaluation.items() for s, m in splits.items() for k, v in m.items()}
     if T.leaves(state.server_opt):
         payload["server_opt"] = {k: v.detach().cpu() for k, v in T.to_named(state.server_opt).items()}
     with signals_deferred():
@@ -122,6 +129,10 @@ def load(path: str | Path) -> dict[str, Any]:
         for name, v in named.items():
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 raise CheckpointError(f"{path}: {key.replace('_', ' ')} state {name} holds NaN or Inf")
+    named = payload.get("evaluation", {})
+    if not isinstance(named, dict) or not all(isinstance(k, str) and k.count("/") == 2 and isinstance(v, torch.Tensor)
+                                              and v.dim() == 1 for k, v in named.items()):
+        raise CheckpointError(f"{path}: the stored evaluation must be named vectors ('group/split/metric')")
     named = payload.get("async", {})  # clients in flight: their losses and excluded updates may be NaN
     if not isinstance(named, dict) or not all(isinstance(v, torch.Tensor) for v in named.values()):
         raise CheckpointError(f"{path}: the asynchronous state must be named tensors")
@@ -135,6 +146,21 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(payload["config"], dict):
         raise CheckpointError(f"{path}: malformed config")
     return payload
+
+
+def evaluation_of(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """The per-client evaluation stored with a checkpoint (``save``'s ``evaluation``) as ``Engine.evaluate`` gives
+    it, or None where it holds none or the metrics of a split differ in length."""
+    named = payload.get("evaluation")
+    if not named:
+        return None
+    out: dict[str, Any] = {}
+    for key, v in named.items():
+        g, s, k = key.split("/")
+        out.setdefault(g, {}).setdefault(s, {})[k] = v.numpy()
+    if any(len({len(v) for v in m.values()}) != 1 for splits in out.values() for m in splits.values()):
+        return None
+    return out
 
 
 def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, Any], rounds: int) -> None:

@@ -244,6 +244,11 @@ class Replica:
         return self.state.round >= self.cfg.run.rounds
 
     @property
+    def final_evaluation(self) -> dict[str, Any] | None:
+        """The last round's per-client evaluation, which its checkpoint keeps; None before the last round."""
+        return self.per_client if self.done else None
+
+    @property
     def checkpoint_due(self) -> bool:
         assert self.state is not None
         every, r = self.cfg.run.checkpoint_every, self.state.round
@@ -295,6 +300,8 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         saved = checkpoint.load(ckpt)
         checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds)
         log.info("resuming %s from round %d", rep.out_dir, saved["round"])
+    if saved is not None and saved["round"] >= cfg.run.rounds:  # a finished run: its final evaluation, if kept
+        rep.per_client = checkpoint.evaluation_of(saved)
     try:
         rep.state = engine.init_state(saved)
     except (ValueError, KeyError) as e:
@@ -417,7 +424,7 @@ LIVE_EVERY = 2.0  # seconds between two live writes of a run's metrics.csv and p
 def _finish(rep: Replica) -> RunResult:
     state, cfg, engine, out_dir = rep.state, rep.cfg, rep.engine, rep.out_dir
     assert state is not None
-    if rep.per_client is None:  # resumed a finished run
+    if rep.per_client is None:  # resumed a finished run whose checkpoint kept no evaluation (an older checkpoint)
         rep.per_client = engine.evaluate(state)
     per_client = rep.per_client
     if isinstance(engine.clients, DistributedClients):
@@ -487,14 +494,15 @@ def run_path(model: Model, executor: Executor | None) -> dict[str, Any]:
     return path
 
 
-def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: Engine, writes: bool = True) -> None:
+def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: Engine, writes: bool = True,
+                final_evaluation: dict[str, Any] | None = None) -> None:
     if isinstance(engine.clients, DistributedClients):
         engine.clients.check_agreement(state.server, state.round)
     clients = engine.clients.state_dict()  # (a distributed run: every rank sends its clients' rows to rank 0)
     if not writes:
         engine.clients.commit()
         return
-    checkpoint.save(ckpt, state, cfg.raw, clients)
+    checkpoint.save(ckpt, state, cfg.raw, clients, final_evaluation)
     _committed(ckpt, state, engine)
 
 
@@ -514,12 +522,13 @@ def _checkpoint_group(reps: list[Replica], group_dir: Path | None) -> None:
     if len(reps) <= 1 or group_dir is None:
         for rep in reps:
             assert rep.ckpt is not None and rep.state is not None
-            _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine, rep.writes)
+            _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine, rep.writes, rep.final_evaluation)
         return
     rounds = []
     for rep in reps:
         assert rep.ckpt is not None and rep.state is not None
-        checkpoint.save(rep.ckpt.with_name(NEXT), rep.state, rep.cfg.raw, rep.engine.clients.state_dict())
+        checkpoint.save(rep.ckpt.with_name(NEXT), rep.state, rep.cfg.raw, rep.engine.clients.state_dict(),
+                        rep.final_evaluation)
         rounds.append(rep.state.round)
     write_json(group_dir / COMMIT, {"round": rounds[0], "runs": [str(rep.out_dir) for rep in reps]})
     for rep in reps:
