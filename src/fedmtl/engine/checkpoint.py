@@ -60,11 +60,13 @@ def signals_deferred() -> Iterator[None]:
 
 
 def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: dict[str, Any],
-         evaluation: dict[str, Any] | None = None) -> None:
+         evaluation: dict[str, Any] | None = None, base: str | None = None) -> None:
     """Write to a temporary file in the same directory, fsync, then rename: never a partial file (and an interruption
     during the write waits for it: ``signals_deferred``).  ``evaluation``: the per-client evaluation of this round
     (``Engine.evaluate``'s ``{group: {split: {metric: array}}}``), kept with the last round's checkpoint so that
-    resuming a finished run reports it again instead of evaluating every client again (``evaluation_of``)."""
+    resuming a finished run reports it again instead of evaluating every client again (``evaluation_of``).
+    ``base``: the digest of an adapted model's frozen base (``fedmtl.models.lora.base_digest``), which the checkpoint
+    does not hold; ``check_matches`` refuses a resume over another base."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -74,6 +76,8 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
     }
     if state.aux is not None:
         payload["async"] = state.aux.named()
+    if base is not None:
+        payload["base_sha256"] = base
     if evaluation is not None:
         payload["evaluation"] = {f"{g}/{s}/{k}": torch.from_numpy(np.array(v, copy=True))
                                  for g, splits in evaluation.items() for s, m in splits.items() for k, v in m.items()}
@@ -145,6 +149,8 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: malformed client states (a dict of a store kind and tensors expected)")
     if not isinstance(payload["config"], dict):
         raise CheckpointError(f"{path}: malformed config")
+    if not isinstance(payload.get("base_sha256", ""), str):
+        raise CheckpointError(f"{path}: malformed base digest")
     return payload
 
 
@@ -163,8 +169,10 @@ def evaluation_of(payload: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, Any], rounds: int) -> None:
-    """Refuse a checkpoint written by another configuration or past this run's last round."""
+def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, Any], rounds: int,
+                  base: str | None = None) -> None:
+    """Refuse a checkpoint written by another configuration, past this run's last round, or (``base``: this run's
+    ``base_digest``) over other frozen base weights than this run's."""
     if payload["config"] != config:
         from .rundir import config_diff
 
@@ -173,6 +181,12 @@ def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, A
             raise CheckpointError(f"{path}: the checkpoint was written with another configuration "
                                   f"({'; '.join(diff[:8])}{'; ...' if len(diff) > 8 else ''}); resume with the run "
                                   f"directory's own config: fedmtl run --resume --out {Path(path).parent}")
+    saved = payload.get("base_sha256")
+    if base is not None and saved is not None and saved != base:
+        raise CheckpointError(f"{path}: the adapters were trained on other base weights than this run's "
+                              f"(base digest {saved[:12]}... in the checkpoint, {base[:12]}... now): the file named by "
+                              "model.adapters.base (or the module given) has changed since; resume with the base "
+                              "it was trained on")
     if payload["round"] > rounds:
         raise CheckpointError(f"{path}: checkpoint of round {payload['round']} but the run has {rounds} rounds")
     if len(payload["history"]) != payload["round"] or not all(isinstance(r, dict) for r in payload["history"]):

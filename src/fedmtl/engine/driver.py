@@ -228,6 +228,7 @@ class Replica:
     summary: RunSummary | None = None  # the run's summary once it finished (what its loggers close with)
     writes: bool = True  # False: a rank of a distributed run other than 0 (it reads the run directory, never writes)
     written: float = float("-inf")  # time.monotonic() of the last live write of metrics.csv and progress.json
+    base: str | None = None  # an adapted model's base_digest (fedmtl.models.lora), which its checkpoints keep
 
     @property
     def ckpt(self) -> Path | None:
@@ -296,9 +297,13 @@ def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool 
 def _open(rep: Replica, resume: bool, prog: Progress) -> None:
     cfg, ckpt, engine = rep.cfg, rep.ckpt, rep.engine
     saved = None
+    if engine.model.adapters is not None:  # the frozen base, which checkpoints name by digest
+        from ..models.lora import base_digest
+
+        rep.base = base_digest(engine.model.module)
     if resume and ckpt is not None and ckpt.exists():
         saved = checkpoint.load(ckpt)
-        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds)
+        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds, rep.base)
         log.info("resuming %s from round %d", rep.out_dir, saved["round"])
     if saved is not None and saved["round"] >= cfg.run.rounds:  # a finished run: its final evaluation, if kept
         rep.per_client = checkpoint.evaluation_of(saved)
@@ -495,14 +500,14 @@ def run_path(model: Model, executor: Executor | None) -> dict[str, Any]:
 
 
 def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: Engine, writes: bool = True,
-                final_evaluation: dict[str, Any] | None = None) -> None:
+                final_evaluation: dict[str, Any] | None = None, base: str | None = None) -> None:
     if isinstance(engine.clients, DistributedClients):
         engine.clients.check_agreement(state.server, state.round)
     clients = engine.clients.state_dict()  # (a distributed run: every rank sends its clients' rows to rank 0)
     if not writes:
         engine.clients.commit()
         return
-    checkpoint.save(ckpt, state, cfg.raw, clients, final_evaluation)
+    checkpoint.save(ckpt, state, cfg.raw, clients, final_evaluation, base)
     _committed(ckpt, state, engine)
 
 
@@ -522,13 +527,13 @@ def _checkpoint_group(reps: list[Replica], group_dir: Path | None) -> None:
     if len(reps) <= 1 or group_dir is None:
         for rep in reps:
             assert rep.ckpt is not None and rep.state is not None
-            _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine, rep.writes, rep.final_evaluation)
+            _checkpoint(rep.ckpt, rep.state, rep.cfg, rep.engine, rep.writes, rep.final_evaluation, rep.base)
         return
     rounds = []
     for rep in reps:
         assert rep.ckpt is not None and rep.state is not None
         checkpoint.save(rep.ckpt.with_name(NEXT), rep.state, rep.cfg.raw, rep.engine.clients.state_dict(),
-                        rep.final_evaluation)
+                        rep.final_evaluation, rep.base)
         rounds.append(rep.state.round)
     write_json(group_dir / COMMIT, {"round": rounds[0], "runs": [str(rep.out_dir) for rep in reps]})
     for rep in reps:

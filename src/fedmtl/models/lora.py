@@ -174,6 +174,20 @@ def seeded_base(module: nn.Module, seed: int) -> None:
                 reset()
 
 
+def base_digest(module: nn.Module) -> str:
+    """SHA-256 of an adapted module's frozen base (every buffer: name, dtype, shape and bytes).  A checkpoint keeps
+    it, so a run is never resumed over other base weights (the base is not in the checkpoint: only the adapters
+    are trained)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, b in sorted(module.named_buffers()):
+        t = b.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def load_base(module: nn.Module, path: str | Path, key: str = "model.adapters.base") -> None:
     """Load a safetensors file of ``module``'s state_dict (the base weights: no pickle, tensors only); every key
     must be one of the module's and every parameter and buffer must be given (``key``: the config key named in
@@ -252,5 +266,5 @@ def load_peft(path: str | Path, prefix: str = "") -> dict[str, Tensor]:
     return out
 
 
-__all__ = ["AdapterConfig", "LoRALinear", "adapter_names", "apply_adapters", "load_base", "load_peft", "save_peft",
-           "seeded_base"]
+__all__ = ["AdapterConfig", "LoRALinear", "adapter_names", "apply_adapters", "base_digest", "load_base", "load_peft",
+           "save_peft", "seeded_base"]
