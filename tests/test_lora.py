@@ -313,3 +313,46 @@ def test_shakespeare_plays_split_into_pretraining_and_personalization():
     pre, per, every = plays("pretrain"), plays("personalize"), plays("all")
     assert pre and per and not pre & per and pre | per == every
     assert max(pre) < min(per)  # the first half in name order
+
+
+def test_the_fedem_mixture_diagnosis_measures_the_checkpoints(tmp_path):
+    """``mixture_diagnosis`` (what `fedmtl reproduce adapters` writes about FedEM-LoRA) reads each seed's last
+    checkpoint: the clients' mixture weights, the components' spread as weights, and their losses on the clients'
+    windows, which equal a direct evaluation of each component."""
+    import json
+
+    from fedmtl.engine import checkpoint
+    from fedmtl.engine.driver import build_data
+    from fedmtl.experiments.adapters import adapters_markdown, mixture_diagnosis
+    from fedmtl.progress import Progress
+
+    raw = tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", runner="loop"))
+    raw["run"].update(rounds=4, eval_every=4, checkpoint_every=4, clients_per_round=3)
+    res = fedmtl.run(raw, out=tmp_path / "runs" / "FedEM-LoRA", seeds=[1, 2])
+    cfg = validate(raw)
+    data = build_data(cfg, Progress(False))
+    d = mixture_diagnosis(tmp_path, data, windows=5)
+    assert set(d["seeds"]) == {"seed-1", "seed-2"} and json.loads((tmp_path / "fedem_mixture.json").read_text()) == d
+    r = d["seeds"]["seed-1"]
+    ids = checkpoint.load(tmp_path / "runs" / "FedEM-LoRA" / "seed-1" / "checkpoint.pt")["clients"]["ids"]
+    assert r["round"] == 4 and r["components"] == 2 and r["clients"] == len(ids) < 6  # the clients ever sampled
+    assert 0.5 <= r["max_weight_median"] <= r["max_weight_max"] <= 1 and 0 <= r["entropy_min_over_ln_m"] <= 1
+    assert 0 < r["spread"] < 1.5
+    # the per-client loss gaps, recomputed directly from the seed's final server state
+    named = T.to_named(res.runs[0].server)
+    model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
+    comps = [{k[len(".components['"):-2]: v[j] for k, v in named.items() if k.startswith(".components[")}
+             for j in range(2)]
+    gaps = []
+    for c in ids.tolist():
+        lo, hi = int(data.seen.train.offsets[c]), int(data.seen.train.offsets[c + 1])
+        x, y = data.seen.train.x[lo:min(hi, lo + 5)], data.seen.train.y[lo:min(hi, lo + 5)].long()
+        nll = [float(model.nll(model.apply(p, x), y).mean()) for p in comps]
+        gaps.append(abs(nll[0] - nll[1]))
+    assert max(gaps) > 0 and r["nll_gap_max"] == pytest.approx(max(gaps), abs=1e-5)
+    assert r["nll_gap_median"] == pytest.approx(float(np.median(gaps)), abs=1e-5)
+    (tmp_path / "summary.json").write_text(json.dumps({"seeds": [1, 2], "clients": 6, "pretrain": {
+        "parameters": 1, "train_windows": 1, "test_acc": 0.5}, "methods": {"FedAvg-full": {
+            "avg": 1.0, "avg_std": 0.0, "bottom_decile": 1.0, "bottom_decile_std": 0.0, "upload_bytes": 4,
+            "trained_bytes": 4}}}))
+    assert "FedEM-LoRA's mixture at round 4 (`fedem_mixture.json`, 2 seeds, M = 2)" in adapters_markdown(tmp_path)

@@ -136,8 +136,70 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     summary = {"methods": rows, "seeds": seeds, "clients": data.seen.num_clients, "quick": quick,
                "pretrain": {k: pre[k] for k in ("test_acc", "steps", "train_windows", "parameters", "seconds")},
                "total_seconds": time.perf_counter() - start}
+    if not quick:
+        mixture_diagnosis(out, data)
     publish(out, "adapters.md", summary, adapters_markdown)
     return rows
+
+
+def mixture_diagnosis(out: Path, data: Any = None, label: str = "FedEM-LoRA", windows: int = 64) -> dict[str, Any]:
+    """Why FedEM over adapters does or does not beat FedAvg over them, measured from ``out/runs/<label>``'s last
+    checkpoints (one per seed); written to ``out/fedem_mixture.json``.  Per seed: the clients' mixture weights (the
+    clients sampled at least once: their largest weight, median and maximum, and their entropy's minimum as a
+    fraction of ln M, 1 = uniform) and how far apart the M components' adapter updates are as weights
+    (``spread``: sqrt(sum_m ||D_m - mean D||^2 / sum_m ||D_m||^2) over every adapted layer's D_m = B_m A_m, 0 when
+    the components are identical, 1 when they are orthogonal with equal norms).  With ``data`` (the run's
+    federated data), also how far apart they are as predictors: on up to ``windows`` training windows of each of those
+    clients, each component's mean next-character loss (nats); ``nll_gap_*``: per client, the best component's loss
+    below the worst's (median and maximum over clients); ``example_llr_median``: per window, the largest
+    log-likelihood ratio between two components, median over windows (what FedEM's E-step sees)."""
+    from ..engine import checkpoint
+
+    seeds: dict[str, Any] = {}
+    for ck in sorted((out / "runs" / label).glob("seed-*/checkpoint.pt")):
+        saved = checkpoint.load(ck)
+        pi = next(v for k, v in saved["clients"].items() if k not in ("kind", "ids")).double()
+        m = pi.shape[1]
+        ent = -(pi * pi.clamp_min(1e-300).log()).sum(1) / np.log(m)
+        server = saved["server"]
+        num = den = 0.0
+        for k, a in server.items():
+            if not k.endswith("lora_A']"):
+                continue
+            d = torch.einsum("mor,mri->moi", server[k.replace("lora_A", "lora_B")].double(), a.double())
+            num += float(((d - d.mean(0)) ** 2).sum())
+            den += float((d ** 2).sum())
+        top = pi.max(1).values
+        row = {"round": saved["round"], "clients": int(pi.shape[0]), "components": m,
+               "max_weight_median": float(top.median()), "max_weight_max": float(top.max()),
+               "entropy_min_over_ln_m": float(ent.min()), "spread": float(np.sqrt(num / den)) if den else 0.0}
+        if data is not None:
+            row.update(_likelihood_gaps(load(out / "runs" / label / "config.toml"), data, server,
+                                        saved["clients"]["ids"], m, windows))
+        seeds[ck.parent.name] = row
+    summary = {"method": label, "seeds": seeds}
+    write_json(out / "fedem_mixture.json", summary)
+    return summary
+
+
+def _likelihood_gaps(cfg: Any, data: Any, server: dict[str, torch.Tensor], ids: torch.Tensor, m: int,
+                     windows: int) -> dict[str, float]:
+    """``mixture_diagnosis``'s per-component losses of the clients ``ids`` (see there)."""
+    model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
+    comps = [{k[len(".components['"):-2]: v[j] for k, v in server.items() if k.startswith(".components[")}
+             for j in range(m)]
+    train, gaps, llr = data.seen.train, [], []
+    with torch.no_grad():
+        for c in ids.tolist():
+            lo, hi = int(train.offsets[c]), int(train.offsets[c + 1])
+            x, y = train.x[lo:min(hi, lo + windows)], train.y[lo:min(hi, lo + windows)].long()
+            logp = torch.stack([-model.nll(model.apply(p, x), y) for p in comps])  # (M, windows)
+            nll = -logp.mean(1)
+            gaps.append(float(nll.max() - nll.min()))
+            llr.append(logp.max(0).values - logp.min(0).values)
+    every = torch.cat(llr)
+    return {"nll_gap_median": float(np.median(gaps)), "nll_gap_max": float(np.max(gaps)),
+            "example_llr_median": float(every.median()), "windows_per_client": windows}
 
 
 def adapters_markdown(results: Path) -> str:
@@ -153,7 +215,21 @@ def adapters_markdown(results: Path) -> str:
              f"{r['upload_bytes'] / 1024:.0f} KiB",
              f"{100 * r['trained_bytes'] / max(s['methods']['FedAvg-full']['trained_bytes'], 1):.1f}%"]
             for label, r in s["methods"].items()]
-    return head + markdown_table(["method", "avg", "p10", "upload", "trained / full model"], body)
+    table = head + markdown_table(["method", "avg", "p10", "upload", "trained / full model"], body)
+    mix = results / "fedem_mixture.json"
+    if not mix.exists():
+        return table
+    runs = list(json.loads(mix.read_text())["seeds"].values())
+    lines = [f"\nFedEM-LoRA's mixture at round {runs[0]['round']} (`fedem_mixture.json`, {len(runs)} seeds, "
+             f"M = {runs[0]['components']}): a client's largest weight has median "
+             f"{np.median([r['max_weight_median'] for r in runs]):.3f} (at most "
+             f"{max(r['max_weight_max'] for r in runs):.3f}); the components' adapter updates spread "
+             f"{np.mean([r['spread'] for r in runs]):.2f} around their mean"]
+    if "nll_gap_median" in runs[0]:
+        lines.append(f"; on a client's windows the best component's loss is "
+                     f"{np.median([r['nll_gap_median'] for r in runs]):.3f} nats below the worst's (median, at most "
+                     f"{max(r['nll_gap_max'] for r in runs):.3f})")
+    return table + "".join(lines) + ".\n"
 
 
-__all__ = ["METHODS", "RUN_ORDER", "SEEDS", "adapters_markdown", "pretrain", "run"]
+__all__ = ["METHODS", "RUN_ORDER", "SEEDS", "adapters_markdown", "mixture_diagnosis", "pretrain", "run"]
