@@ -318,12 +318,12 @@ def test_shakespeare_plays_split_into_pretraining_and_personalization():
 def test_the_fedem_mixture_diagnosis_measures_the_checkpoints(tmp_path):
     """``mixture_diagnosis`` (what `fedmtl reproduce adapters` writes about FedEM-LoRA) reads each seed's last
     checkpoint: the clients' mixture weights, the components' spread as weights, and their losses on the clients'
-    windows, which equal a direct evaluation of each component."""
+    windows, which equal a direct evaluation of each component; and the pretrained base alone, evaluated."""
     import json
 
     from fedmtl.engine import checkpoint
     from fedmtl.engine.driver import build_data
-    from fedmtl.experiments.adapters import adapters_markdown, mixture_diagnosis
+    from fedmtl.experiments.adapters import adapters_markdown, base_evaluation, mixture_diagnosis
     from fedmtl.progress import Progress
 
     raw = tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", runner="loop"))
@@ -351,8 +351,19 @@ def test_the_fedem_mixture_diagnosis_measures_the_checkpoints(tmp_path):
         gaps.append(abs(nll[0] - nll[1]))
     assert max(gaps) > 0 and r["nll_gap_max"] == pytest.approx(max(gaps), abs=1e-5)
     assert r["nll_gap_median"] == pytest.approx(float(np.median(gaps)), abs=1e-5)
+    # the pretrained base alone (B = 0), evaluated as the engine evaluates: per-client accuracy, mean and p10
+    b = base_evaluation(tmp_path, cfg, data, chunk=7)
+    base, test, accs = model.init(0), data.seen.test, []
+    for c in range(test.num_clients):
+        x, y = test.x[test.offsets[c]:test.offsets[c + 1]], test.y[test.offsets[c]:test.offsets[c + 1]]
+        accs.append(float((model.log_proba(model.apply(base, x)).argmax(-1) == y).double().mean()))
+    assert b["avg"] == pytest.approx(100 * np.mean(accs)) and b["bottom_decile"] == pytest.approx(
+        100 * np.percentile(accs, 10))
+    assert json.loads((tmp_path / "base_eval.json").read_text()) == b
     (tmp_path / "summary.json").write_text(json.dumps({"seeds": [1, 2], "clients": 6, "pretrain": {
         "parameters": 1, "train_windows": 1, "test_acc": 0.5}, "methods": {"FedAvg-full": {
             "avg": 1.0, "avg_std": 0.0, "bottom_decile": 1.0, "bottom_decile_std": 0.0, "upload_bytes": 4,
             "trained_bytes": 4}}}))
-    assert "FedEM-LoRA's mixture at round 4 (`fedem_mixture.json`, 2 seeds, M = 2)" in adapters_markdown(tmp_path)
+    md = adapters_markdown(tmp_path)
+    assert "FedEM-LoRA's mixture at round 4 (`fedem_mixture.json`, 2 seeds, M = 2)" in md
+    assert f"| pretrained base (no fine-tuning) | {b['avg']:.1f} |" in md

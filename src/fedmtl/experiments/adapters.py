@@ -7,7 +7,9 @@ methods: FedAvg of the whole model, FedAvg over rank-8 adapters, Local adapters 
 and FedEM over M = 3 adapter sets, each with 3 seeds.  Reported: the final round's next-character accuracy, mean and
 10th percentile over clients, mean ± std over seeds, beside the pretrained base alone (no fine-tuning), and what
 each client uploads per round.  Written: ``adapters.md``, ``summary.json``, ``summary.png`` (every method's average
-and bottom decile) and ``base.safetensors`` (the pretrained weights, reused when the run is continued).
+and bottom decile), ``base_eval.json`` (the base alone), ``fedem_mixture.json`` (``mixture_diagnosis``: why FedEM-LoRA
+does or does not beat FedAvg-LoRA) and ``base.safetensors`` (the pretrained weights, reused when the run is
+continued).
 """
 
 from __future__ import annotations
@@ -136,10 +138,38 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     summary = {"methods": rows, "seeds": seeds, "clients": data.seen.num_clients, "quick": quick,
                "pretrain": {k: pre[k] for k in ("test_acc", "steps", "train_windows", "parameters", "seconds")},
                "total_seconds": time.perf_counter() - start}
+    base_evaluation(out, load(config_path("shakespeare/adapters/fedavg_lora"), [*ov, f"model.adapters.base={base}"]),
+                    data)
     if not quick:
         mixture_diagnosis(out, data)
     publish(out, "adapters.md", summary, adapters_markdown)
     return rows
+
+
+def base_evaluation(out: Path, cfg: Any, data: Any, chunk: int = 1024) -> dict[str, float]:
+    """The pretrained base alone (adapters at B = 0: no fine-tuning) on the personalization roles' test windows, as
+    the methods are evaluated (mean and 10th percentile over clients of their accuracy, %): the reference each
+    method's gain is measured from.  Written to ``out/base_eval.json``."""
+    from ..engine.evaluation import per_client, summarize
+
+    model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
+    params, test = model.init(0), data.seen.test
+    correct, nll = torch.zeros(len(test.y), dtype=torch.float64), torch.zeros(len(test.y), dtype=torch.float64)
+    with torch.no_grad():
+        for j in range(0, len(test.y), chunk):
+            logp = model.log_proba(model.apply(params, test.x[j:j + chunk])).double()
+            y = test.y[j:j + chunk].long()
+            correct[j:j + chunk] = (logp.argmax(-1) == y).double()
+            nll[j:j + chunk] = -logp.gather(-1, y[:, None])[:, 0]
+    ids = torch.repeat_interleave(torch.arange(test.num_clients), test.counts)
+    n = torch.bincount(ids, minlength=test.num_clients)
+    f = summarize({"seen": {"test": per_client(torch.zeros(len(n), dtype=torch.float64).index_add_(0, ids, correct),
+                                               torch.zeros(len(n), dtype=torch.float64).index_add_(0, ids, nll),
+                                               n, torch.arange(len(n)))}})
+    row = {"avg": 100 * f[SEEN_TEST_ACC_MEAN], "bottom_decile": 100 * f[SEEN_TEST_ACC_P10],
+           "loss": f["seen_test_loss"]}
+    write_json(out / "base_eval.json", row)
+    return row
 
 
 def mixture_diagnosis(out: Path, data: Any = None, label: str = "FedEM-LoRA", windows: int = 64) -> dict[str, Any]:
@@ -215,6 +245,9 @@ def adapters_markdown(results: Path) -> str:
              f"{r['upload_bytes'] / 1024:.0f} KiB",
              f"{100 * r['trained_bytes'] / max(s['methods']['FedAvg-full']['trained_bytes'], 1):.1f}%"]
             for label, r in s["methods"].items()]
+    if (results / "base_eval.json").exists():  # the reference: the pretrained base, not fine-tuned
+        b = json.loads((results / "base_eval.json").read_text())
+        body.insert(0, ["pretrained base (no fine-tuning)", f"{b['avg']:.1f}", f"{b['bottom_decile']:.1f}", "-", "-"])
     table = head + markdown_table(["method", "avg", "p10", "upload", "trained / full model"], body)
     mix = results / "fedem_mixture.json"
     if not mix.exists():
@@ -232,4 +265,5 @@ def adapters_markdown(results: Path) -> str:
     return table + "".join(lines) + ".\n"
 
 
-__all__ = ["METHODS", "RUN_ORDER", "SEEDS", "adapters_markdown", "mixture_diagnosis", "pretrain", "run"]
+__all__ = ["METHODS", "RUN_ORDER", "SEEDS", "adapters_markdown", "base_evaluation", "mixture_diagnosis", "pretrain",
+           "run"]
