@@ -363,7 +363,26 @@ def test_the_fedem_mixture_diagnosis_measures_the_checkpoints(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"seeds": [1, 2], "clients": 6, "pretrain": {
         "parameters": 1, "train_windows": 1, "test_acc": 0.5}, "methods": {"FedAvg-full": {
             "avg": 1.0, "avg_std": 0.0, "bottom_decile": 1.0, "bottom_decile_std": 0.0, "upload_bytes": 4,
-            "trained_bytes": 4}}}))
+            "download_bytes": 4, "trained_bytes": 4}}}))
     md = adapters_markdown(tmp_path)
     assert "FedEM-LoRA's mixture at round 4 (`fedem_mixture.json`, 2 seeds, M = 2)" in md
     assert f"| pretrained base (no fine-tuning) | {b['avg']:.1f} |" in md
+
+
+def test_the_reproductions_message_sizes_are_what_each_method_sends():
+    """``message_bytes`` (the adapters table's upload and download): FedAvg and Ditto send the adapters, FedEM its
+    M adapter sets, FedSA-LoRA the A matrices only, FFA-LoRA the B matrices only, Local nothing."""
+    from fedmtl.experiments.adapters import message_bytes
+
+    def sizes(alg: str, extra: str = "") -> dict[str, int]:
+        cfg = validate(tomllib.loads(CONFIG.format(alg=alg, extra=extra, runner="loop")))
+        return message_bytes(cfg, cfg.build_data())
+
+    fedavg = sizes("fedavg")
+    a = sum(4 * v.numel() for k, v in T.to_named(Model.from_module(_base(), 3, adapters={"rank": 2}).init(0)).items()
+            if "lora_A" in k)
+    assert fedavg["upload_bytes"] == fedavg["download_bytes"] == fedavg["trained_bytes"] < fedavg["model_bytes"]
+    assert sizes("ditto")["upload_bytes"] == fedavg["upload_bytes"]
+    assert sizes("fedem", "num_components = 3")["upload_bytes"] == 3 * fedavg["upload_bytes"]
+    assert sizes("fedsa_lora")["upload_bytes"] == a and sizes("ffa_lora")["upload_bytes"] == fedavg["upload_bytes"] - a
+    assert sizes("local")["upload_bytes"] == 0

@@ -415,7 +415,7 @@ def test_cheap_refusals_come_before_the_data_is_built(tmp_path, monkeypatch, cap
 def test_resuming_a_finished_run_reports_the_evaluation_its_checkpoint_kept(tmp_path, monkeypatch):
     """The last round's checkpoint keeps the per-client evaluation: `--resume` of a finished run (one seed or
     several) writes the same summary and clients.csv without evaluating a client again.  An older checkpoint
-    without it is still resumed, by evaluating again."""
+    without it is still resumed, by evaluating again, once: the evaluation is then kept in it."""
     from fedmtl.engine import checkpoint
     from fedmtl.engine.round import Engine
 
@@ -443,6 +443,7 @@ def test_resuming_a_finished_run_reports_the_evaluation_its_checkpoint_kept(tmp_
     assert checkpoint.evaluation_of(checkpoint.load(one / "checkpoint.pt")) is None
     assert main(["run", "--resume", "--out", str(one), "-q"]) == 0
     assert (one / "clients.csv").read_text() == before[one][0]
+    assert checkpoint.evaluation_of(checkpoint.load(one / "checkpoint.pt")) is not None  # kept from now on
     saved["evaluation"] = {"seen/test": torch.zeros(3)}  # malformed: refused in one line, like any damage
     torch.save(saved, one / "checkpoint.pt")
     with pytest.raises(checkpoint.CheckpointError, match="stored evaluation"):

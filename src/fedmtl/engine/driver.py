@@ -429,8 +429,10 @@ LIVE_EVERY = 2.0  # seconds between two live writes of a run's metrics.csv and p
 def _finish(rep: Replica) -> RunResult:
     state, cfg, engine, out_dir = rep.state, rep.cfg, rep.engine, rep.out_dir
     assert state is not None
-    if rep.per_client is None:  # resumed a finished run whose checkpoint kept no evaluation (an older checkpoint)
-        rep.per_client = engine.evaluate(state)
+    if rep.per_client is None:  # resumed a finished run whose checkpoint kept no evaluation (an older checkpoint):
+        rep.per_client = engine.evaluate(state)  # evaluated once more, and kept in the checkpoint from now on
+        if rep.ckpt is not None and cfg.run.checkpoint_every:
+            _checkpoint(rep.ckpt, state, cfg, engine, rep.writes, rep.final_evaluation, rep.base)
     per_client = rep.per_client
     if isinstance(engine.clients, DistributedClients):
         engine.clients.check_agreement(state.server, state.round)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import tree as T
 from ..config import load
 from ..engine.driver import build_data
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
@@ -40,6 +41,24 @@ SEEDS = [1, 2, 3]
 #: the order the methods run in (the table keeps ``METHODS``' order): the costliest, FedEM-LoRA, right after the two
 #: baselines it is compared with
 RUN_ORDER = ("FedAvg-full", "FedAvg-LoRA", "FedEM-LoRA", "Local-LoRA", "Ditto-LoRA", "FedSA-LoRA")
+
+
+def message_bytes(cfg: Any, data: Any) -> dict[str, int]:
+    """What one sampled client of ``cfg``'s method receives (``download_bytes``: the server's payload) and sends
+    (``upload_bytes``: its update, e.g. FedEM's M adapter sets, FedSA-LoRA's A matrices only, nothing for Local) per
+    round; what it trains (``trained_bytes``: the model's trainable parameters) and the whole model, base and
+    adapters (``model_bytes``)."""
+    from ..engine.driver import build_local
+
+    engine = build_local(cfg, data)
+    payload = engine.alg.payload(engine.init_state(None).server)
+
+    def size(tree: Any) -> int:
+        return sum(int(v.numel()) * v.element_size() for v in T.leaves(tree))
+
+    return {"download_bytes": size(payload), "upload_bytes": size(engine.alg.update_like(engine.ctx, payload)),
+            "trained_bytes": size(engine.model.init(0)),
+            "model_bytes": sum(v.numel() * v.element_size() for v in engine.model.module.state_dict().values())}
 
 
 def pretrain(out: Path, quick: bool = False, epochs: int = 1, batch: int = 64, lr: float = 3e-3) -> Path:
@@ -116,11 +135,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             data = build_data(cfg, Progress())
         t0 = time.perf_counter()
         results[label] = run_seeds(cfg, out / "runs" / label, data, seeds)
-        model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-        sent = sum(v.numel() * v.element_size() for v in model.init(0).values())  # what a client trains and sends
-        whole = sum(v.numel() * v.element_size() for v in model.module.state_dict().values())  # base and adapters
-        results[label].update(upload_bytes=0 if label == "Local-LoRA" else sent, trained_bytes=sent,
-                              model_bytes=whole, wall_seconds=time.perf_counter() - t0)
+        results[label].update(**message_bytes(cfg, data), wall_seconds=time.perf_counter() - t0)
         f = results[label]["final"]
         print(f"{label:12s} avg {100 * f[SEEN_TEST_ACC_MEAN]:5.1f}  p10 {100 * f[SEEN_TEST_ACC_P10]:5.1f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -132,7 +147,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     rows = {label: {"avg": 100 * r["final"][SEEN_TEST_ACC_MEAN], "avg_std": 100 * r["final_std"][SEEN_TEST_ACC_MEAN],
                     "bottom_decile": 100 * r["final"][SEEN_TEST_ACC_P10],
                     "bottom_decile_std": 100 * r["final_std"][SEEN_TEST_ACC_P10],
-                    "upload_bytes": r["upload_bytes"], "trained_bytes": r["trained_bytes"],
+                    "upload_bytes": r["upload_bytes"], "download_bytes": r["download_bytes"],
+                    "trained_bytes": r["trained_bytes"],
                     "model_bytes": r["model_bytes"], "rounds": r["rounds"]}
             for label, r in results.items()}
     summary = {"methods": rows, "seeds": seeds, "clients": data.seen.num_clients, "quick": quick,
@@ -240,15 +256,16 @@ def adapters_markdown(results: Path) -> str:
             f"final round, mean ± std over seeds {s['seeds']}\n\n"
             f"{s['clients']} roles of the plays the base never saw; the base ({pre['parameters']:,} weights) was "
             f"pretrained on {pre['train_windows']:,} windows of the other plays ({100 * pre['test_acc']:.1f}% on their "
-            "held-out windows).  `upload` = bytes a sampled client sends per round.\n\n")
+            "held-out windows).  `upload` / `download` = bytes a sampled client sends / receives per round.\n\n")
     body = [[label, f"{r['avg']:.1f} ± {r['avg_std']:.1f}", f"{r['bottom_decile']:.1f} ± {r['bottom_decile_std']:.1f}",
-             f"{r['upload_bytes'] / 1024:.0f} KiB",
+             f"{r['upload_bytes'] / 1024:.0f} KiB", f"{r['download_bytes'] / 1024:.0f} KiB",
              f"{100 * r['trained_bytes'] / max(s['methods']['FedAvg-full']['trained_bytes'], 1):.1f}%"]
             for label, r in s["methods"].items()]
     if (results / "base_eval.json").exists():  # the reference: the pretrained base, not fine-tuned
         b = json.loads((results / "base_eval.json").read_text())
-        body.insert(0, ["pretrained base (no fine-tuning)", f"{b['avg']:.1f}", f"{b['bottom_decile']:.1f}", "-", "-"])
-    table = head + markdown_table(["method", "avg", "p10", "upload", "trained / full model"], body)
+        body.insert(0, ["pretrained base (no fine-tuning)", f"{b['avg']:.1f}", f"{b['bottom_decile']:.1f}", "-", "-",
+                        "-"])
+    table = head + markdown_table(["method", "avg", "p10", "upload", "download", "trained / full model"], body)
     mix = results / "fedem_mixture.json"
     if not mix.exists():
         return table
@@ -265,5 +282,5 @@ def adapters_markdown(results: Path) -> str:
     return table + "".join(lines) + ".\n"
 
 
-__all__ = ["METHODS", "RUN_ORDER", "SEEDS", "adapters_markdown", "base_evaluation", "mixture_diagnosis", "pretrain",
-           "run"]
+__all__ = ["METHODS", "RUN_ORDER", "SEEDS", "adapters_markdown", "base_evaluation", "message_bytes",
+           "mixture_diagnosis", "pretrain", "run"]
