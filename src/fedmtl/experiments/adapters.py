@@ -124,7 +124,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
           "data.min_samples=200"] if quick else []
     seeds = SEEDS[:1] if quick else SEEDS
     results: dict[str, Any] = {}
-    data, start = None, time.perf_counter()
+    data = None
     for k, label in enumerate(RUN_ORDER):
         name = METHODS[label]
         print(f"[{k + 1}/{len(METHODS)}] {label}", flush=True)
@@ -135,7 +135,9 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             data = build_data(cfg, Progress())
         t0 = time.perf_counter()
         results[label] = run_seeds(cfg, out / "runs" / label, data, seeds)
-        results[label].update(**message_bytes(cfg, data), wall_seconds=time.perf_counter() - t0)
+        # training time over every round of its seeds, interrupted and continued or not (evaluation excluded)
+        train_seconds = results[label]["seconds_per_round"] * sum(results[label]["rounds"])
+        results[label].update(**message_bytes(cfg, data), train_seconds=train_seconds)
         f = results[label]["final"]
         print(f"{label:12s} avg {100 * f[SEEN_TEST_ACC_MEAN]:5.1f}  p10 {100 * f[SEEN_TEST_ACC_P10]:5.1f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -149,11 +151,11 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
                     "bottom_decile_std": 100 * r["final_std"][SEEN_TEST_ACC_P10],
                     "upload_bytes": r["upload_bytes"], "download_bytes": r["download_bytes"],
                     "trained_bytes": r["trained_bytes"],
-                    "model_bytes": r["model_bytes"], "rounds": r["rounds"]}
+                    "model_bytes": r["model_bytes"], "rounds": r["rounds"], "train_seconds": r["train_seconds"]}
             for label, r in results.items()}
     summary = {"methods": rows, "seeds": seeds, "clients": data.seen.num_clients, "quick": quick,
                "pretrain": {k: pre[k] for k in ("test_acc", "steps", "train_windows", "parameters", "seconds")},
-               "total_seconds": time.perf_counter() - start}
+               "train_seconds": sum(r["train_seconds"] for r in rows.values())}
     base_evaluation(out, load(config_path("shakespeare/adapters/fedavg_lora"), [*ov, f"model.adapters.base={base}"]),
                     data)
     if not quick:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from .adapters import adapters_markdown
 from .async_clock import async_markdown
 from .mocha import table1_markdown
 from .mocha_skewed import table4_markdown
@@ -21,6 +22,7 @@ from .robustness import robustness_markdown
 
 #: stored table (relative to the results directory) -> the function that makes it from its directory's JSON
 TABLES: dict[str, Callable[[Path], str]] = {
+    "adapters/adapters.md": adapters_markdown,
     "async/async.md": async_markdown,
     "mocha/table1.md": table1_markdown,
     "mocha/table4.md": table4_markdown,
