@@ -352,7 +352,7 @@ def test_the_fedem_mixture_diagnosis_measures_the_checkpoints(tmp_path):
     assert max(gaps) > 0 and r["nll_gap_max"] == pytest.approx(max(gaps), abs=1e-5)
     assert r["nll_gap_median"] == pytest.approx(float(np.median(gaps)), abs=1e-5)
     # the pretrained base alone (B = 0), evaluated as the engine evaluates: per-client accuracy, mean and p10
-    b = base_evaluation(tmp_path, cfg, data, chunk=7)
+    b = base_evaluation(tmp_path, cfg, data)
     base, test, accs = model.init(0), data.seen.test, []
     for c in range(test.num_clients):
         x, y = test.x[test.offsets[c]:test.offsets[c + 1]], test.y[test.offsets[c]:test.offsets[c + 1]]

@@ -164,26 +164,15 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     return rows
 
 
-def base_evaluation(out: Path, cfg: Any, data: Any, chunk: int = 1024) -> dict[str, float]:
-    """The pretrained base alone (adapters at B = 0: no fine-tuning) on the personalization roles' test windows, as
-    the methods are evaluated (mean and 10th percentile over clients of their accuracy, %): the reference each
-    method's gain is measured from.  Written to ``out/base_eval.json``."""
-    from ..engine.evaluation import per_client, summarize
+def base_evaluation(out: Path, cfg: Any, data: Any) -> dict[str, float]:
+    """The pretrained base alone (``cfg``: an adapter method, its adapters at their B = 0 start: no fine-tuning) on
+    the personalization roles, evaluated by the engine as the methods are (mean and 10th percentile over clients of
+    their test accuracy, %): the reference each method's gain is measured from.  Written to ``out/base_eval.json``."""
+    from ..engine.driver import build_local
+    from ..engine.evaluation import summarize
 
-    model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-    params, test = model.init(0), data.seen.test
-    correct, nll = torch.zeros(len(test.y), dtype=torch.float64), torch.zeros(len(test.y), dtype=torch.float64)
-    with torch.no_grad():
-        for j in range(0, len(test.y), chunk):
-            logp = model.log_proba(model.apply(params, test.x[j:j + chunk])).double()
-            y = test.y[j:j + chunk].long()
-            correct[j:j + chunk] = (logp.argmax(-1) == y).double()
-            nll[j:j + chunk] = -logp.gather(-1, y[:, None])[:, 0]
-    ids = torch.repeat_interleave(torch.arange(test.num_clients), test.counts)
-    n = torch.bincount(ids, minlength=test.num_clients)
-    f = summarize({"seen": {"test": per_client(torch.zeros(len(n), dtype=torch.float64).index_add_(0, ids, correct),
-                                               torch.zeros(len(n), dtype=torch.float64).index_add_(0, ids, nll),
-                                               n, torch.arange(len(n)))}})
+    engine = build_local(cfg, data)
+    f = summarize(engine.evaluate(engine.init_state(None), ("seen",)))
     row = {"avg": 100 * f[SEEN_TEST_ACC_MEAN], "bottom_decile": 100 * f[SEEN_TEST_ACC_P10],
            "loss": f["seen_test_loss"]}
     write_json(out / "base_eval.json", row)
