@@ -32,6 +32,8 @@ import scipy.sparse as sp
 import torch
 from torch import Tensor
 
+from .files import check_file
+
 
 class GraphError(ValueError):
     """Malformed graph input."""
@@ -262,7 +264,8 @@ def from_file(path: str | Path, n: int) -> Graph:
     """A user-given adjacency: ``.npy`` or whitespace-separated text, N x N, symmetric, 0/1 or weights > 0,
     connected."""
     path = Path(path)
-    try:
+    try:  # kind and size before reading: an N x N matrix as text is at most ~32 bytes an entry
+        check_file(path, 32 * n * n + (1 << 16), "adjacency matrix", GraphError)
         a = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, ndmin=2)
     except (OSError, ValueError) as e:
         raise GraphError(f"{path}: cannot read an adjacency matrix ({e})") from e

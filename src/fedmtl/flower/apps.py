@@ -53,6 +53,8 @@ from ..engine.spec import RunSpec
 from ..files import check_file
 from ..model import Model
 from ..progress import Progress, format_row
+from ..ranges import parse_ids
+from ..schema import shown
 from ..tree import Tree
 from .executor import FlowerClients, context_config, orders_of, send_and_receive
 from .records import from_record, record_to_tree, to_config, to_metrics, tree_to_record
@@ -126,12 +128,29 @@ def process_nodes(run_id: int) -> NodeCache:
     return PROCESS_RUNS.of(run_id)
 
 
-def _partitions(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b) + 1)) if b else [int(a)]
-    return sorted(set(out))
+def _node_int(nc: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    """Node config ``key`` as an integer in ``[lo, hi]`` (an int, or its digits as a string); else a one-line
+    ``ValueError`` naming the key and echoing the value cut short."""
+    v = nc[key]
+    if isinstance(v, str) and re.fullmatch(r"\s*[0-9]{1,19}\s*", v):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"node config {key}={shown(v)}: expected an integer in {lo}-{hi}")
+    return v
+
+
+def node_clients(nc: dict[str, Any], n: int) -> list[int]:
+    """The federation-wide ids of the clients a node serves from its node config, checked against the federation's
+    ``n`` seen clients before any list is built (``fedmtl.ranges``): ``partition-ids="A-B,C"``, or Flower's
+    ``partition-id=p`` (with ``num-partitions=P``: the p-th of P contiguous blocks; P = N: client p alone)."""
+    if "partition-ids" in nc:
+        return parse_ids(str(nc["partition-ids"]), n, "node config partition-ids")
+    if "partition-id" in nc:
+        parts = _node_int(nc, "num-partitions", 1, n) if "num-partitions" in nc else n
+        p = _node_int(nc, "partition-id", 0, parts - 1)
+        return list(range(p * n // parts, (p + 1) * n // parts))
+    raise ValueError("this SuperNode has no data: start it with --node-config \"data-dir=/path\" (its "
+                     "clients' .npz files) or 'partition-ids=\"A-B\"' (a share of the config's federation)")
 
 
 def node_of(nodes: NodeCache, context: Context, cfg_text: str, full: bool = True) -> _Node:
@@ -152,21 +171,7 @@ def node_of(nodes: NodeCache, context: Context, cfg_text: str, full: bool = True
     else:
         whole = cfg.build_data()
         n = whole.seen.num_clients
-        if "partition-ids" in nc:
-            ks = _partitions(str(nc["partition-ids"]))
-        elif "partition-id" in nc:
-            # Flower's convention: partition p of P; with P < N clients, p holds the p-th of P contiguous
-            # blocks (P = N: client p alone)
-            p, parts = int(nc["partition-id"]), int(nc.get("num-partitions", n))
-            if not 0 <= p < parts <= n:
-                raise ValueError(f"partition-id={p} num-partitions={parts}: need 0 <= id < num-partitions <= "
-                                 f"{n} (the federation's seen clients)")
-            ks = list(range(p * n // parts, (p + 1) * n // parts))
-        else:
-            raise ValueError("this SuperNode has no data: start it with --node-config \"data-dir=/path\" (its "
-                             "clients' .npz files) or 'partition-ids=\"A-B\"' (a share of the config's federation)")
-        if any(not 0 <= k < n for k in ks):
-            raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {n} seen clients")
+        ks = node_clients(nc, n)
         ids = torch.tensor(ks, dtype=torch.long)
         data, source = whole.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
@@ -516,6 +521,8 @@ def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Fede
 # RunDirectory's hints name fedmtl run's options; a ServerApp's are run config keys
 _SERVER_HINTS = (("continue it with resume=True (--resume), replace it with overwrite=True (--overwrite), or choose "
                   "another out directory (--out)",
+                  "set fedmtl-overwrite = true in the run config to replace it, or choose another fedmtl-out"),
+                 ("replace it with overwrite=True (--overwrite), or choose another out directory (--out)",
                   "set fedmtl-overwrite = true in the run config to replace it, or choose another fedmtl-out"),
                  ("choose another out directory (--out)", "choose another fedmtl-out"))
 
