@@ -32,6 +32,7 @@ from .. import tree as T
 from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
+from ..machine import torch_device
 from ..model import Model
 from ..progress import Progress
 from ..report import atomic, plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json
@@ -120,7 +121,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:6])
     model = model.compiled(rc.compile)
-    device = torch.device(rc.device)
+    device = torch_device(rc.device)
     held, global_ids = data, None
     if group is not None:
         if data.seen.num_clients < group.world:
@@ -175,7 +176,7 @@ def run_experiment(
     if out is not None:  # before anything is built or touched: the directory must fit the command (every rank checks)
         if resume and overwrite:
             raise RunDirError("resume and overwrite (--resume, --overwrite) exclude each other")
-        check_resumable(Path(out), cfg.raw, None, resume, overwrite)
+        check_resumable(Path(out), cfg.raw, None, resume, overwrite, source=cfg.source)
         if writes:
             RunDirectory(out, resume, overwrite).in_use()
     out_dir, prog, data = prepare(cfg, out, resume, progress if writes else False, data)
@@ -303,7 +304,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         rep.base = base_digest(engine.model.module)
     if resume and ckpt is not None and ckpt.exists():
         saved = checkpoint.load(ckpt)
-        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds, rep.base)
+        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds, rep.base, cfg.source)
         log.info("resuming %s from round %d", rep.out_dir, saved["round"])
     if saved is not None and saved["round"] >= cfg.run.rounds:  # a finished run: its final evaluation, if kept
         rep.per_client = checkpoint.evaluation_of(saved)
