@@ -283,3 +283,54 @@ def test_results_without_a_checkpoint_are_not_advised_to_resume(cfg, tmp_path, c
     line = one_line(capsys.readouterr().err)
     assert "--resume" not in line and "--overwrite" in line
     assert main(["-q", "run", str(cfg), "--out", str(out), "--overwrite"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- Flower inputs
+
+
+def test_simulation_resources_are_bounded():
+    from fedmtl.flower.simulation import backend_config
+
+    for cpus, per_node, gpus in ((10**9, 1.0, 0.0), (4, float("nan"), 0.0), (4, 1.0, float("nan")), (4, 1e12, 0.0)):
+        with pytest.raises(ValueError, match="--cpus|--gpus"):
+            backend_config(cpus, per_node, gpus)
+
+
+def test_the_server_run_config_node_count_is_bounded():
+    from fedmtl.flower.apps import _count
+
+    assert _count("3") == 3 and _count(0) == 0
+    for bad in ("9" * 30, "-1", 10**7, True, "x"):
+        with pytest.raises(ValueError, match="fedmtl-num-nodes"):
+            _count(bad)
+
+
+def test_a_node_s_metadata_is_bounded_before_it_is_parsed():
+    from fedmtl.flower.apps import NodeError, _sha, federation_of
+
+    info = {"config_sha": _sha("c"), "feature_shape": [2], "feature_dtype": "float32", "num_classes": 2,
+            "meta": "[" + "1," * (1 << 20) + "1]", "client_ids": [0], "train_counts": [3]}
+    with pytest.raises(NodeError, match="unreadable dataset metadata: not a JSON text of at most") as e:
+        federation_of({1: info}, "c")
+    one_line(str(e.value), 300)
+
+
+def test_a_node_state_file_larger_than_a_state_is_refused_unread(cfg, tmp_path, caplog):
+    from flwr.app import Context, RecordDict
+
+    from fedmtl.flower.apps import NodeCache, _local_clients, _restore, _sha, node_of
+
+    text = cfg.read_text().replace('name = "fedavg"', 'name = "fedem"\nnum_components = 2')
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-ids": "0-1", "state-dir": str(tmp_path / "st")},
+                  state=RecordDict(), run_config={})
+    node = node_of(NodeCache(), ctx, text, full=False)
+    lc, _ = _local_clients(node, {"num_clients": 6, "total_train": 300.0, "local_epochs": 1, "rounds": 2,
+                                  "max_train": 60})
+    sub = tmp_path / "st" / _sha(text)[:16]
+    sub.mkdir(parents=True)
+    with open(sub / "client0.r0.pt", "wb") as f:
+        f.truncate(1 << 30)  # a sparse GiB where a state of a few hundred bytes belongs
+    with caplog.at_level("WARNING", logger="fedmtl"):
+        _restore(node, lc, ctx, text, 1)
+    assert "client 0: ignoring unusable state file" in caplog.text and "1073741824 bytes; a client state file is " \
+        "at most" in caplog.text

@@ -242,12 +242,15 @@ def _restore(node: _Node, lc: LocalClients, context: Context, cfg_text: str, bef
     if d is None:
         return
     one = T.take(template, 0)
+    # a client's state file holds its tensors and a few bytes of framing: a file much larger is not one (checked
+    # before it is read)
+    limit = 2 * sum(int(x.numel()) * x.element_size() for x in T.leaves(one)) + (1 << 20)
     for row, k in enumerate(node.ids.tolist()):
         for rnd, f in reversed(_versions(d, _sha(cfg_text)[:16], k)):
             if rnd >= before:
                 continue
             try:
-                check_file(f, 1 << 36, "client state")  # kind and size before reading: never a FIFO or a device
+                check_file(f, limit, "client state")  # kind and size before reading: never a FIFO or a device
                 got = torch.load(f, map_location="cpu", weights_only=True)
                 state = T.from_named(got["state"], one)
                 if not all(bool(torch.isfinite(x).all()) for x in T.leaves(state) if x.is_floating_point()):
@@ -507,6 +510,8 @@ def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Fede
         raise NodeError(f"the SuperNodes' clients must be numbered 0..N-1 without gaps: no node holds client(s) "
                         f"{missing[:10]} (ids go up to {max(owner)})")
     try:
+        if not isinstance(ref["meta"], str) or len(ref["meta"]) > MAX_META_CHARS:  # before it is parsed
+            raise ValueError(f"not a JSON text of at most {MAX_META_CHARS} characters")
         meta = json.loads(ref["meta"])
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
@@ -516,6 +521,9 @@ def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Fede
     fed = Federation(torch.tensor([counts[k] for k in range(n)], dtype=torch.long), tuple(ref["feature_shape"]),
                      int(ref["num_classes"]), meta)
     return fed, getattr(torch, str(ref["feature_dtype"])), owner
+
+
+MAX_META_CHARS = 1 << 20  # a node's dataset metadata (public_meta: a model's needs, a few declared keys)
 
 
 # RunDirectory's hints name fedmtl run's options; a ServerApp's are run config keys
@@ -601,7 +609,7 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     def _main(grid: Any, context: Context) -> None:
         text = cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
         o = opts or ServerOptions(out=str(context.run_config.get("fedmtl-out", "")),
-                                  num_nodes=int(context.run_config.get("fedmtl-num-nodes", 0)),
+                                  num_nodes=_count(context.run_config.get("fedmtl-num-nodes", 0)),
                                   overwrite=_flag(context.run_config.get("fedmtl-overwrite", False)))
         res = server_main(grid, text, o)
         if result is not None:
@@ -610,11 +618,20 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     return app
 
 
+def _count(v: Any) -> int:
+    """Run config ``fedmtl-num-nodes``: an integer in [0, 10^6] (its digits as a string too)."""
+    if isinstance(v, str) and re.fullmatch(r"\s*[0-9]{1,7}\s*", v):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10**6:
+        raise ValueError(f"run config fedmtl-num-nodes = {shown(v)}: expected an integer in 0-1000000")
+    return v
+
+
 def _flag(v: Any) -> bool:
     """A run config boolean (TOML ``true`` or, from ``--run-config``, the strings "true" / "false")."""
     if isinstance(v, str):
         if v.strip().lower() not in ("true", "false", "1", "0", ""):
-            raise ValueError(f"run config fedmtl-overwrite = {v!r}: expected true or false")
+            raise ValueError(f"run config fedmtl-overwrite = {shown(v)}: expected true or false")
         return v.strip().lower() in ("true", "1")
     return bool(v)
 
