@@ -38,12 +38,14 @@ METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        out = json.loads(path.read_text())
+    from .files import read_text
+
+    try:  # kind and size first: a FIFO or a device named summary.json is refused, not waited on
+        out = json.loads(read_text(path, 1 << 26, "run summary", ConfigError))
     except FileNotFoundError:
         raise ConfigError(f"{path.parent}: not a run directory (no summary.json; did the run finish?)") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: unreadable ({e})") from None
+        raise ConfigError(f"{path}: unreadable ({str(e)[:200]})") from None
     if not isinstance(out, dict) or not isinstance(out.get("final"), dict):
         raise ConfigError(f"{path}: not a fedmtl summary (no 'final' table)")
     return out
