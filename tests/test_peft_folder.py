@@ -22,16 +22,15 @@ W = "adapter_model.safetensors"
 C = "adapter_config.json"
 
 
-def _model() -> Model:
+def _base() -> nn.Sequential:
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
-    return Model.from_module(base, 3, adapters=CFG)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
-def _folder(tmp_path: Path) -> tuple[Path, Model, dict[str, torch.Tensor]]:
-    model = _model()
+def _folder(tmp_path: Path, cfg: AdapterConfig = CFG) -> tuple[Path, Model, dict[str, torch.Tensor]]:
+    model = Model.from_module(_base(), 3, adapters=cfg)
     params = {k: torch.randn_like(v) for k, v in model.init(0).items()}  # B non-zero: a trained adapter
-    return save_peft(params, CFG, tmp_path / "adapter"), model, params
+    return save_peft(params, cfg, tmp_path / "adapter"), model, params
 
 
 def _edit_config(folder: Path, **changes: object) -> None:
@@ -58,12 +57,14 @@ def test_save_peft_round_trips_through_load_peft_with_and_without_the_module(tmp
     assert all(back[k].dtype == torch.float32 and torch.allclose(back[k], params[k]) for k in params)
 
 
-def test_what_save_peft_writes_real_peft_loads_and_predicts_alike(tmp_path):
+@pytest.mark.parametrize("cfg", [CFG, AdapterConfig(rank=3, alpha=1.5, target=("2",), train=("4",))],
+                         ids=["adapters", "modules_to_save"])
+def test_what_save_peft_writes_real_peft_loads_and_predicts_alike(tmp_path, cfg):
     peft = pytest.importorskip("peft")
-    folder, model, params = _folder(tmp_path)
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
-    loaded = peft.PeftModel.from_pretrained(base, folder).eval()
+    folder, model, params = _folder(tmp_path, cfg)
+    back = load_peft(folder, module=model.module)
+    assert set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
+    loaded = peft.PeftModel.from_pretrained(_base(), folder).eval()
     x = torch.randn(5, 6)
     with torch.no_grad():
         assert torch.allclose(model.apply(params, x), loaded(x), atol=1e-5)
