@@ -39,10 +39,14 @@ def read_idx(path: str | Path) -> np.ndarray:
     try:  # kind and size first (a FIFO or a device is refused, never waited on); a gzip stream is bounded too
         if path.suffix == ".gz":
             check_file(path, limit, "IDX (gzip)", DataError)
+            chunks, total = [], 0
             with gzip.open(path) as g:
-                raw = g.read(limit + 1)
-            if len(raw) > limit:
-                raise DataError(f"{path}: decompresses to more than {limit} bytes")
+                while chunk := g.read(1 << 24):
+                    chunks.append(chunk)
+                    total += len(chunk)
+                    if total > limit:
+                        raise DataError(f"{path}: decompresses to more than {limit} bytes")
+            raw = b"".join(chunks)
         else:
             raw = read_bytes(path, limit, "IDX", DataError)
     except (OSError, EOFError) as e:
