@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,9 +162,6 @@ def load_peft(path: str | Path, prefix: str = "", module: nn.Module | None = Non
     a fedmtl ``Model``'s ``.module``) the tree is checked against its trainable parameters and converted to their
     dtypes.  Every check is listed in the module docstring; a failure is a ``PeftFolderError`` naming the file and
     the key."""
-    import os
-    import stat
-
     path = Path(path)
     try:
         st = os.stat(path)
@@ -177,7 +176,7 @@ def load_peft(path: str | Path, prefix: str = "", module: nn.Module | None = Non
     out: dict[str, Tensor] = {}
     leaves: dict[str, dict[str, Tensor]] = {}
     for key, t in stored.items():
-        where = f"{weights}: {brief(key)}"
+        where = f"{weights}: {brief(key, 160)}"  # (a name, cut only if absurdly long)
         name, leaf = _rename(key, str(weights))
         if leaf is None:
             if not _in_saved(name, saved):
