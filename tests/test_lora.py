@@ -14,7 +14,8 @@ import fedmtl
 from fedmtl import tree as T
 from fedmtl.config import ConfigError, apply_overrides, dumps, validate
 from fedmtl.model import Model, ModelError
-from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names, load_peft, save_peft
+from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names
+from fedmtl.models.peft_folder import load_peft, save_peft
 
 CONFIG = """
 [data]

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fedmtl.model import Model
-from fedmtl.models.lora import AdapterConfig, load_peft, save_peft
+from fedmtl.models.lora import AdapterConfig
+from fedmtl.models.peft_folder import load_peft, save_peft
 
 CFG = AdapterConfig(rank=2, alpha=4.0, target=("2", "4"))
 W = "adapter_model.safetensors"

@@ -206,14 +206,4 @@ def load_base(module: nn.Module, path: str | Path, key: str = "model.adapters.ba
     module.load_state_dict({k: conform(v, own[k], f"{key}: {path}: tensor {k!r}") for k, v in state.items()})
 
 
-def __getattr__(name: str) -> Any:
-    """``save_peft``, ``load_peft`` and ``PEFT_PREFIX`` live in ``fedmtl.models.peft_folder`` (still importable from
-    here)."""
-    if name in ("save_peft", "load_peft", "PEFT_PREFIX"):
-        from . import peft_folder
-
-        return getattr(peft_folder, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["AdapterConfig", "LoRALinear", "adapter_names", "apply_adapters", "base_digest", "load_base", "seeded_base"]
