@@ -46,6 +46,11 @@ def test_record_round_trip_of_stacked_tensors_and_namedtuples():
     wrong["components"]["fc.bias"] = torch.zeros(3, 3)
     with pytest.raises(RecordError, match="fc.bias"):
         record_to_tree(rec, wrong)
+    # a node's reply of another dtype is refused, never cast (float64 1e299 would become Inf in float32; ints truncate)
+    for bad in (torch.full((3, 2), 1e299, dtype=torch.float64), torch.ones(3, 2, dtype=torch.int64)):
+        forged = tree_to_record({**tree, "components": {**tree["components"], "fc.bias": bad}})
+        with pytest.raises(RecordError, match=rf"fc.bias.*{bad.dtype}.*expected.*float32"):
+            record_to_tree(forged, T.tmap(torch.zeros_like, tree))
 
 
 def test_scalar_records_keep_integers_exact():

@@ -49,7 +49,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"{path.parent}: not a run directory (no summary.json; did the run finish?)") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: unreadable ({e})") from None
+        raise ConfigError(f"{path}: unreadable ({str(e)[:200]})") from None
     if not isinstance(out, dict) or not isinstance(out.get("final"), dict):
         raise ConfigError(f"{path}: not a fedmtl summary (no 'final' table)")
     return out
