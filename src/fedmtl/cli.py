@@ -276,8 +276,10 @@ def _cmd_flower(args: argparse.Namespace) -> int:
             raise ConfigError("fedmtl flower worker needs --socket PATH (the SuperNode's node config fedmtl-worker)")
         from .flower.worker import Worker
 
+        worker = Worker(args.socket)
+        sock = worker.bind()  # every refusal (SocketRefused: one line, exit 2) comes before "serving"
         print(f"fedmtl flower worker: serving {args.socket}", flush=True)
-        Worker(args.socket).serve()
+        worker.serve(sock=sock)
         return 0
     if not args.config:
         raise ConfigError(f"fedmtl flower {args.action} needs a CONFIG")
