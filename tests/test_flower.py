@@ -565,3 +565,26 @@ def test_worker_refuses_a_bad_socket_path_in_one_line_before_serving(tmp_path, c
         assert path.read_text() == "precious"
     if case == "symlink":
         assert path.is_symlink()
+
+
+def test_worker_replaces_a_dead_workers_socket(tmp_path):
+    """A socket file left by a worker that died (nothing listens) is replaced, and the new worker listens there."""
+    import os
+    import socket as socketlib
+
+    from fedmtl.flower.worker import Worker
+
+    home = tmp_path / "w"
+    home.mkdir(mode=0o700)
+    os.chmod(home, 0o700)
+    path = home / "worker.sock"
+    dead = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # the file stays, nothing listens
+    sock = Worker(path).bind()
+    try:
+        with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as c:
+            c.connect(str(path))
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        sock.close()

@@ -165,3 +165,34 @@ def test_an_unreachable_tracking_server_costs_seconds_and_one_line(tmp_path):
     warned = [x for x in p.stderr.splitlines() if "WARNING" in x]
     assert len(warned) == 1 and "logger 'mlflow' failed to start" in warned[0], p.stderr
     assert took < 90 and (tmp_path / "r" / "summary.json").exists()
+
+
+def test_a_logger_whose_package_is_missing_is_refused_when_the_config_is_read():
+    """The guide's promise: a logger whose package is not installed is a config error naming the extra to install."""
+    from fedmtl.loggers import LOGGERS, register_logger
+
+    register_logger("absent-test", lambda run_dir, cfg, resume: None, needs="fedmtl_no_such_package",  # type: ignore
+                    extra="absent")
+    try:
+        with pytest.raises(ConfigError, match=r"'absent-test' needs the fedmtl_no_such_package package: pip install "
+                                              r"'fedmtl\[absent\]'"):
+            load("synthetic/fedavg", ['log.loggers=["absent-test"]'])
+    finally:
+        LOGGERS.pop("absent-test")
+
+
+def test_mlflow_request_bounds_are_set_only_around_its_calls_and_yield_to_the_environment(monkeypatch):
+    """MLflow's request timeout and retries are bounded (10 s, one retry) while the logger's calls run, the user's own
+    settings win, and nothing is left in the environment afterwards."""
+    from fedmtl.loggers import _bounded
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
+    with _bounded("http://h:5000"):
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10"
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
+        assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+        assert logging.getLogger("urllib3").getEffectiveLevel() >= logging.ERROR
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
+    with _bounded("file:///tmp/x"):
+        assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
