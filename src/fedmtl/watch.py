@@ -137,22 +137,30 @@ class _Fields:
             return None
         got = _number(v)
         if got is None or not got.is_integer() or not 0 <= got <= _MAX_COUNT:
-            return self._bad(where)
+            self.bad_field(where)
+            return None
         return int(got)
 
     def fraction(self, v: Any, where: str) -> float | None:
         if v is None or v == "":
             return None
         got = _number(v)
-        return got if got is not None and 0.0 <= got <= 1.0 else self._bad(where)
+        if got is None or not 0.0 <= got <= 1.0:
+            self.bad_field(where)
+            return None
+        return got
 
     def seconds(self, v: Any, where: str) -> float | None:
         if v is None:
             return None
         got = _number(v)
-        return got if got is not None and 0.0 <= got <= _MAX_SECONDS else self._bad(where)
+        if got is None or not 0.0 <= got <= _MAX_SECONDS:
+            self.bad_field(where)
+            return None
+        return got
 
-    def _bad(self, where: str) -> None:
+    def bad_field(self, where: str) -> None:
+        """Name ``where`` (once) as unreadable."""
         if where not in self.bad:
             self.bad.append(where)
         return None
@@ -184,12 +192,12 @@ def status(run: Path) -> Status:
     label, rounds = run.name, None
     cfg = _toml(run / "config.toml")
     if cfg is not None:
-        alg, data, rcfg = (cfg.get(t) if isinstance(cfg.get(t), dict) else {} for t in ("algorithm", "data", "run"))
+        alg, data, rcfg = (_table(cfg, t) for t in ("algorithm", "data", "run"))
         a, d = _label_text(alg.get("name")), _label_text(data.get("name"))
         if a and d:
             label = f"{a} on {d}"
         elif "name" in alg or "name" in data:
-            f._bad("config.toml name")
+            f.bad_field("config.toml name")
         rounds = f.count(rcfg.get("rounds"), "config.toml rounds") or None
     if run.parent != run and run.name.startswith("seed-"):
         label = f"{label} [{run.name}]"
@@ -198,7 +206,7 @@ def status(run: Path) -> Status:
         try:
             rows = list(csv.DictReader(io.StringIO(read_text(run / "metrics.csv", _LIMIT, "metrics", WatchError))))
         except (OSError, FileCheckError, WatchError, csv.Error):
-            f._bad("metrics.csv")
+            f.bad_field("metrics.csv")
     evals = [r for r in rows if _number(r.get(SEEN_TEST_ACC_MEAN)) is not None]
     last = evals[-1] if evals else {}
     summary, prog = _json(run / "summary.json", f), _json(run / "progress.json", f)
@@ -208,7 +216,7 @@ def status(run: Path) -> Status:
         final = summary.get("final", {})
         if not isinstance(final, dict):
             final = {}
-            f._bad("summary.json final")
+            f.bad_field("summary.json final")
         acc = f.fraction(final.get(SEEN_TEST_ACC_MEAN), f"summary.json {SEEN_TEST_ACC_MEAN}")
         p10 = f.fraction(final.get(SEEN_TEST_ACC_P10), f"summary.json {SEEN_TEST_ACC_P10}")
         acc_bad = acc is None and p10 is None and bool(summary.get("final"))
@@ -226,6 +234,11 @@ def status(run: Path) -> Status:
                   tuple(f.bad), acc_bad)
 
 
+def _table(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    got = cfg.get(name)
+    return got if isinstance(got, dict) else {}
+
+
 def _toml(path: Path) -> dict[str, Any] | None:
     try:
         return tomllib.loads(read_text(path, 1 << 20, "run configuration", WatchError))
@@ -239,10 +252,10 @@ def _json(path: Path, fields: _Fields) -> dict[str, Any]:
     except (OSError, FileCheckError, WatchError):  # not there (yet), being replaced, or too large
         return {}
     except (ValueError, RecursionError):  # not JSON (a value too deep, too long a number)
-        fields._bad(path.name)
+        fields.bad_field(path.name)
         return {}
     if not isinstance(out, dict):
-        fields._bad(path.name)
+        fields.bad_field(path.name)
         return {}
     return out
 
