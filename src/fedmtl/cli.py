@@ -271,8 +271,10 @@ def _cmd_flower(args: argparse.Namespace) -> int:
             raise ConfigError("fedmtl flower worker needs --socket PATH (the SuperNode's node config fedmtl-worker)")
         from .flower.worker import Worker
 
+        worker = Worker(args.socket)
+        sock = worker.bind()  # every refusal (SocketRefused: one line, exit 2) comes before "serving"
         print(f"fedmtl flower worker: serving {args.socket}", flush=True)
-        Worker(args.socket).serve()
+        worker.serve(sock=sock)
         return 0
     if not args.config:
         raise ConfigError(f"fedmtl flower {args.action} needs a CONFIG")
@@ -458,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(exit 1)")
     w.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (--out of fedmtl run, fedmtl-out of a Flower "
                    "run); a run with several seeds is followed seed by seed")
-    w.add_argument("--interval", type=float, default=2.0, help="seconds between two reads (default 2)")
+    w.add_argument("--interval", type=float, default=2.0, help="seconds between two reads, 0.01 to 3600 "
+                   "(default 2)")
     w.add_argument("--once", action="store_true", help="print the run's state now and exit")
     w.set_defaults(fn=_cmd_watch)
 

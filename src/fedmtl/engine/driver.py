@@ -323,7 +323,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         if cfg.log.names:
             from ..loggers import open_loggers
 
-            rep.loggers = open_loggers(rep.out_dir, cfg, saved is not None)
+            rep.loggers = open_loggers(rep.out_dir, cfg, saved is not None, rep.label)
     milestones = cfg.optim.milestone_rounds(cfg.run.rounds)
     if milestones:
         prog.line(f"{rep.label}: learning rate {cfg.optim.lr:g}, x{cfg.optim.lr_gamma:g} from round(s) "
@@ -403,13 +403,9 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
 def _log(rep: Replica, what: str, *args: Any) -> None:
     """Call ``what`` on every logger of ``rep``; a logger that fails (an unreachable tracking server, a full disk of
     its own) is dropped with a warning naming it: the run and its run directory go on."""
-    for lg in list(rep.loggers):
-        try:
-            getattr(lg, what)(*args)
-        except Exception as e:  # noqa: BLE001 (a logger's failure must not cost the run)
-            log.warning("%s: logger %s failed (%s: %s); the run goes on without it", rep.label, type(lg).__name__,
-                        type(e).__name__, e)
-            rep.loggers.remove(lg)
+    from ..loggers import log_all
+
+    log_all(rep.loggers, what, rep.label, *args)
 
 
 def _write_live(rep: Replica) -> None:
