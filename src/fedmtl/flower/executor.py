@@ -121,6 +121,8 @@ class FlowerClients:
         self.template: Tree = None
         self.state_template: Tree = None
         self.round = 0  # rounds completed: evaluation reads the client states written before it
+        #: the rounds' secure aggregation (``fedmtl.flower.secagg.SecureRounds``); None: updates travel per client
+        self.secure: Any = None
 
     def start(self, ctx: Context, server0: Tree, resume: dict[str, Any] | None = None, round_idx: int = 0) -> None:
         self.ctx, self.round = ctx, round_idx
@@ -155,6 +157,10 @@ class FlowerClients:
         return to_config({**context_config(self.ctx), **extra})
 
     def train(self, payload: Tree, ids: Tensor, orders: Orders, lr: float, round_idx: int) -> TrainOut:
+        if self.secure is not None:
+            out: TrainOut = self.secure.train(self, payload, ids, orders, lr, round_idx)
+            self.round = round_idx + 1
+            return out
         prec = tree_to_record(payload)
         groups = self._by_node(ids)
         msgs = {nid: Message(RecordDict({

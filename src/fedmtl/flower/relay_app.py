@@ -28,7 +28,21 @@ MAGIC = b"FMW1"
 MAX_HEADER = 1 << 20
 TIMEOUT_S = 3600.0
 
-app = ClientApp()
+
+
+def secure_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """The ClientApp mod of secure aggregation: a train message of the SecAgg+ protocol (it carries Flower's
+    ``secaggplus_configs`` record) goes through Flower's ``secaggplus_mod``, which keeps the node's keys in the
+    run's ``context.state`` and masks what the train handler replies; any other message passes as it is."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if msg.metadata.message_type == "train" and RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[secure_mod])
 _local: list[Any] = []  # the in-process app, built on first use where no worker is configured
 
 
@@ -54,7 +68,7 @@ def relay(msg: Message, context: Context) -> Message:
         if not _local:
             from fedmtl.flower import make_client_app
 
-            _local.append(make_client_app())
+            _local.append(make_client_app(mods=False))  # this app's mods already ran
         answer: Message = _local[0](message=msg, context=context)
         return answer
     head = json.dumps({"node_config": _plain(context.node_config),
