@@ -1,13 +1,14 @@
 """``WireGrid``: a ServerApp ``Grid`` whose SuperNodes live in this process, for tests and measurements of the
 Flower apps without a SuperLink.  Every message crosses a serialization boundary both ways (Flower's protobuf, as
-on the wire: nothing is shared between the server and a node, and ``bytes_out`` / ``bytes_in`` count what a
-SuperLink would carry), then passes through the ClientApp's mods (``relay_app.secure_mod``) and the handler of its
-type, with a ``Context`` per node kept across messages as a SuperNode keeps it; an exception becomes an error reply,
-as on a SuperNode."""
+on the wire: nothing is shared between the server and a node; ``bytes_out`` / ``bytes_in`` count what a SuperLink
+would carry, ``bytes_by_type`` the same per message type), then passes through the ClientApp's mods
+(``relay_app.secure_mod``) and the handler of its type, with a ``Context`` per node kept across messages as a
+SuperNode keeps it; an exception becomes an error reply, as on a SuperNode."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -43,6 +44,7 @@ class WireGrid:
         self.pushed: list[Message] = []
         self.received: list[Message] = []
         self.bytes_out = self.bytes_in = 0
+        self.bytes_by_type: dict[str, int] = {}
         self._count = 0
 
     def get_node_ids(self) -> list[int]:
@@ -56,6 +58,8 @@ class WireGrid:
             self.pushed.append(msg)
             got, size = _wire(msg)
             self.bytes_out += size
+            kind = msg.metadata.message_type
+            self.bytes_by_type[kind] = self.bytes_by_type.get(kind, 0) + size
             nid = msg.metadata.dst_node_id
             handler = self.HANDLERS[msg.metadata.message_type]
 
@@ -68,6 +72,7 @@ class WireGrid:
                 rep = Message(Error(1, f"{type(e).__name__}: {e}"), reply_to=got)
             rep, size = _wire(rep)
             self.bytes_in += size
+            self.bytes_by_type[kind] += size
             self.replies[msg.metadata.message_id] = rep
             ids.append(msg.metadata.message_id)
         return ids
@@ -78,4 +83,21 @@ class WireGrid:
         return out
 
 
-__all__ = ["WireGrid"]
+@contextmanager
+def server_identity(run_id: int = 1) -> Iterator[None]:
+    """The identity Flower gives a ServerApp process (a new ``Message`` reads its run, node and task ids), for a
+    ServerApp run in this process over a ``WireGrid``; restored at exit."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    names = ("_run_id", "_node_id", "_task_id")
+    saved = {n: TaskIdentity.__dict__.get(n) for n in names}
+    for n, v in zip(names, (run_id, 0, 1), strict=True):
+        setattr(TaskIdentity, n, v)
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(TaskIdentity, n, v)
+
+
+__all__ = ["WireGrid", "server_identity"]
