@@ -2,8 +2,8 @@
 FedAvg round, against the same round without it, on the same workload.
 
 Workload: FedEM's synthetic federation with ``clients`` clients in contiguous blocks over ``nodes`` SuperNodes
-(``dim`` features, linear model, batch 128, one local epoch, every client every round), torch threads fixed (``--threads``, also
-``OMP_NUM_THREADS`` of every process started).  Two paths, each timed with and without SecAgg+:
+(``dim`` features, linear model, batch 128, one local epoch, every client every round), torch threads fixed
+(``--threads``, also ``OMP_NUM_THREADS`` of every process started).  Two paths, each timed with and without SecAgg+:
 
 * ``wire_*``: the ServerApp over ``fedmtl.flower.loopback.WireGrid`` (the nodes in this process, every message
   through Flower's protobuf both ways): seconds per round, and bytes per round of the training exchanges (to and from
@@ -131,7 +131,10 @@ def run(out: str | Path, clients: int = 30, nodes: int = 3, rounds: int = 5, thr
     data = cfg.build_data()
     params = sum(int(p.numel()) for p in cfg.build_model(data.feature_shape, data.num_classes).module.parameters())
     del data
+    from importlib.metadata import version
+
     res: dict[str, Any] = {"clients": clients, "nodes": nodes, "rounds": rounds, "algorithm": "fedavg",
+                           "torch": torch.__version__, "flwr": version("flwr"), "cpus": os.cpu_count(),
                            "torch_threads": torch.get_num_threads(), "model_parameters": params,
                            "secagg": {"clipping_range": 8.0, "quantization_range": 1 << 22, "num_shares": nodes,
                                       "reconstruction_threshold": nodes // 2 + 1}}

@@ -78,19 +78,21 @@ def _simulated_round(text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, d
 
 
 @pytest.mark.parametrize("alg,extra,k,tables", [
-    ("fedavg", "", 0, ""), ("fedprox", "mu = 0.1", 0, ""), ("ditto", "", 0, ""), ("fedem", "num_components = 2", 3, ""),
+    ("fedavg", "", 0, ""), ("fedprox", "mu = 0.1", 0, ""), ("ditto", "", 0, ""), ("fedem", "num_components = 2", 2, ""),
     ("fedavg", "", 0, "\n[privacy]\nclip_norm = 0.5\nnoise_multiplier = 0.3\nsampling = \"fixed\"\n"
                       "reproducible_noise = true\n"),
 ], ids=["fedavg", "fedprox", "ditto", "fedem-sampled", "dp-fedavg"])
 def test_secure_round_equals_the_simulator_within_the_quantization_bound(alg, extra, k, tables, monkeypatch, caplog):
     """One round over three SuperNodes with SecAgg+ gives the simulator's server state (FedAvg's and FedProx's
-    model, Ditto's global model, FedEM's components with 3 of 5 clients sampled, so one node masks zeros; DP-FedAvg
+    model, Ditto's global model, FedEM's components with 2 of 5 clients sampled, so a node masks zeros; DP-FedAvg
     clipped on the nodes, noised on the server) to within ``mean_error_bound``: 2 n (C + |m|) / (Q A) with n = 3
     nodes, C = 1, Q = 2^16.  The error is not zero (the sum was quantized) and nothing was clipped."""
     text = _text(alg, extra, k, tables=tables)
     res = server_main(WireGrid(text, THREE), text, ServerOptions(num_nodes=3))
     st, seen = _simulated_round(text, monkeypatch)
     assert "clipped" not in caplog.text
+    if k:  # 2 of 5 clients sampled: a node had none and masked zeros
+        assert any(set(block).isdisjoint(seen["ids"].tolist()) for block in ([0, 1], [2, 3], [4])), seen["ids"]
     assert res.history[0]["dropped"] == 0 and res.history[0]["excluded"] == 0
     diffs, bound = [], 0.0
     for a, b, p in zip(T.leaves(res.server), T.leaves(st.server), T.leaves(T.to(seen["payload"], "cpu")),
@@ -151,6 +153,25 @@ def test_dropped_node_within_the_threshold_does_not_stop_the_round_and_the_serve
         plain = np.concatenate([((v.numpy().ravel() + 1.0) * (1 << 15)) for v in sums.values()])
         assert ((plain >= 0) & (plain <= 1 << 16)).all()
         assert not any(np.allclose(vec[1:].astype(np.float64), plain, atol=2) for vec in masked)
+
+
+def test_too_many_dropped_nodes_leave_the_round_without_update_and_the_run_goes_on(monkeypatch, caplog):
+    """Three SuperNodes (threshold 2); two crash in the first round: the protocol cannot unmask, so that round has no
+    update (every client dropped, the model unchanged, logged) and the next round runs normally."""
+    monkeypatch.setenv("FEDMTL_FLOWER_FAIL", "0:0,4:0")
+    text = _text("fedavg", rounds=2)
+    res = server_main(WireGrid(text, THREE), text, ServerOptions(num_nodes=3))
+    assert [h["dropped"] for h in res.history] == [5, 0], res.history
+    assert "secure aggregation halted" in caplog.text
+
+
+def test_entries_beyond_the_clipping_range_are_clipped_and_logged(caplog):
+    """A clipping range far below the updates' deviations: the nodes clip, and the server's log names the count and
+    flower.clipping_range (the round still runs)."""
+    text = _text("fedavg", c=1e-4)
+    res = server_main(WireGrid(text, THREE), text, ServerOptions(num_nodes=3))
+    assert res.history[0]["dropped"] == 0
+    assert "raise flower.clipping_range" in caplog.text and "secure aggregation clipped" in caplog.text
 
 
 def test_a_node_configured_for_secure_aggregation_refuses_a_plain_train_message():

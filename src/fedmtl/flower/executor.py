@@ -6,8 +6,9 @@ model, NaN exclusion, aggregation, evaluation, checkpoints, resume).
 node gets one ``train`` message: the payload (an ``ArrayRecord`` of named tensors), the ids of its sampled
 clients, their epoch orders and straggler limits (so each runs exactly the batches a simulation would) and
 the scalars of the algorithm's context.  The node runs them with its local executor and replies their
-updates, stacked in the order asked.  Updates travel per client, never pre-summed on the node, for every
-algorithm: the server's aggregate is the algorithm's own (FedEM's responsibilities, Clustered FL's per-cluster
+updates, stacked in the order asked.  Updates travel per client, never pre-summed on the node (unless
+``flower.secure_aggregation`` is on: then ``fedmtl.flower.secagg`` runs the round and the server receives only the
+sum over nodes): the server's aggregate is the algorithm's own (FedEM's responsibilities, Clustered FL's per-cluster
 means, MOCHA's dual sums) and it must see each update to exclude non-finite ones exactly as a simulation does.
 
 A node whose reply carries an error, never arrives within ``round_timeout`` seconds or cannot be decoded

@@ -153,7 +153,6 @@ class SecureRounds:
         from flwr.app import ArrayRecord, ConfigRecord
         from flwr.app import Context as FlowerContext
         from flwr.app import RecordDict as Records
-        from flwr.common import parameters_to_ndarrays
         from flwr.server.compat.legacy_context import LegacyContext
         from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
@@ -179,9 +178,13 @@ class SecureRounds:
         wf = _workflow(contents, num_shares=shares, reconstruction_threshold=threshold, max_weight=1.0,
                        clipping_range=self.cfg.clipping_range, quantization_range=self.cfg.quantization_range,
                        timeout=fc.round_timeout)
-        wf(_Grid(fc.grid, fc.round_timeout), ctx)
-
         k = len(ids)
+        try:
+            wf(_Grid(fc.grid, fc.round_timeout), ctx)
+        except (ValueError, TypeError, IndexError, KeyError) as e:  # a node's malformed masked vector or keys
+            log.warning("round %d: secure aggregation failed (%s: %s): the round has no update", round_idx,
+                        type(e).__name__, str(e)[:200])
+            strategy.results = None
         template = flat(fc.template)
         updates = T.tmap(lambda x: x.clone(), T.broadcast(T.zeros_like(fc.template), k)) if template else fc.template
         losses = torch.full((k,), float("nan"))
@@ -191,36 +194,19 @@ class SecureRounds:
             log.warning("round %d: secure aggregation halted (fewer SuperNodes than flower.reconstruction_threshold = "
                         "%d answered): the round has no update", round_idx, threshold)
             return TrainOut(updates, losses, ok, failed)
-        n = len(strategy.results)
-        arrays = parameters_to_ndarrays(strategy.results[0][1].parameters)
-        names = [*template, WEIGHT_KEY]
-        if len(arrays) != len(names):
-            raise RecordError(f"round {round_idx}: secure aggregation recovered {len(arrays)} arrays, expected "
-                              f"{len(names)}")
-        sums = {name: torch.from_numpy(np.asarray(arr, dtype=np.float64) * n) for name, arr in zip(names, arrays,
-                                                                                                 strict=True)}
+        try:
+            sums, reports = _decode(strategy.results, template, groups, ids)
+        except (RecordError, KeyError, TypeError, ValueError, RuntimeError) as e:
+            # a node's vector is in the sum already: a malformed report or sum makes the whole round unusable
+            log.warning("round %d: secure aggregation: %s; the round has no update", round_idx, str(e)[:300])
+            return TrainOut(updates, losses, ok, failed)
         clipped = 0
-        for proxy, fitres in strategy.results:
-            nid = int(proxy.node_id)
-            pos = groups.get(nid, [])
-            try:
-                text = str(fitres.metrics["fedmtl"])
-                if len(text) > MAX_REPORT:
-                    raise RecordError(f"a report of {len(text)} characters")
-                rep = json.loads(text)
-                if [int(c) for c in rep["clients"]] != [int(ids[i]) for i in pos]:
-                    raise RecordError("the reply's clients are not the ones asked")
-                fin = torch.tensor([bool(f) for f in rep["finite"]], dtype=torch.bool).reshape(len(pos))
-                loss = torch.tensor([float(v) for v in rep["loss"]], dtype=torch.float64).reshape(len(pos))
-                clipped += int(rep["clipped"])
-            except (RecordError, KeyError, TypeError, ValueError, RuntimeError) as e:
-                # its masked vector is in the sum already: the round's sum cannot be trusted
-                raise RecordError(f"round {round_idx}: SuperNode {nid} sent a malformed secure-aggregation report: "
-                                  f"{str(e)[:200]}") from None
-            where = torch.tensor(pos, dtype=torch.long)
+        for nid, (fin, loss, nclip) in reports.items():
+            where = torch.tensor(groups.get(nid, []), dtype=torch.long)
             failed[where] = False
             ok[where] = fin
             losses[where] = torch.where(fin, loss, torch.tensor(float("nan"), dtype=torch.float64)).float()
+            clipped += nclip
         if clipped:
             log.warning("round %d: secure aggregation clipped %d entries of the nodes' weighted updates to "
                         "[-%g, %g]: raise flower.clipping_range", round_idx, clipped, self.cfg.clipping_range,
@@ -235,6 +221,37 @@ class SecureRounds:
             for dst, src in zip(T.leaves(updates), T.leaves(one), strict=True):
                 dst.index_copy_(0, valid, src.unsqueeze(0).expand(len(valid), *src.shape).to(dst.dtype))
         return TrainOut(updates, losses, ok, failed)
+
+
+def _decode(results: list[tuple[Any, Any]], template: dict[str, Tensor], groups: dict[int, list[int]],
+            ids: Tensor) -> tuple[dict[str, Tensor], dict[int, tuple[Tensor, Tensor, int]]]:
+    """The unmasked sums over the ``n`` nodes in ``results`` (Flower's mean over them times n), named like
+    ``node_contribution``'s output; and per node id its clients' finite flags, losses and clipped entries."""
+    from flwr.common import parameters_to_ndarrays
+
+    n = len(results)
+    arrays = parameters_to_ndarrays(results[0][1].parameters)
+    names = [*template, WEIGHT_KEY]
+    sizes = [int(t.numel()) for t in template.values()] + [1]
+    if [int(np.asarray(a).size) for a in arrays] != sizes:
+        raise RecordError(f"the unmasked sum has arrays of sizes {[int(np.asarray(a).size) for a in arrays][:8]}, "
+                          f"expected {sizes[:8]}")
+    sums = {name: torch.from_numpy(np.asarray(arr, dtype=np.float64) * n) for name, arr in zip(names, arrays,
+                                                                                             strict=True)}
+    reports = {}
+    for proxy, fitres in results:
+        nid = int(proxy.node_id)
+        pos = groups.get(nid, [])
+        text = str(fitres.metrics["fedmtl"])
+        if len(text) > MAX_REPORT:
+            raise RecordError(f"SuperNode {nid} sent a report of {len(text)} characters")
+        rep = json.loads(text)
+        if [int(c) for c in rep["clients"]] != [int(ids[i]) for i in pos]:
+            raise RecordError(f"SuperNode {nid} reported other clients than the ones asked")
+        fin = torch.tensor([bool(f) for f in rep["finite"]], dtype=torch.bool).reshape(len(pos))
+        loss = torch.tensor([float(v) for v in rep["loss"]], dtype=torch.float64).reshape(len(pos))
+        reports[nid] = (fin, loss, int(rep["clipped"]))
+    return sums, reports
 
 
 __all__ = ["SecureRounds", "is_protocol_message", "node_reply"]
