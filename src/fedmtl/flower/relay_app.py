@@ -10,6 +10,10 @@ own start.  Without it, the message is handled in this process by ``fedmtl.flowe
 The exchange: one Unix-socket connection per message; a frame ``b"FMW1"``, the 8-byte length of a JSON header
 (node config, run config), the header, the 8-byte length of the message as Flower's protobuf, the message; the
 reply frame holds ``{"ok": true}`` and the reply's content as Flower's protobuf, or ``{"ok": false, "error": ...}``.
+
+Under secure aggregation (``flower.secure_aggregation = true``) this app's ``secure_mod`` runs Flower's SecAgg+
+client side here, keeping the node's protocol keys in the run's context state; only the training stage reaches the
+worker, whose reply the mod masks before it leaves the node.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 MAGIC = b"FMW1"
 MAX_HEADER = 1 << 20
 TIMEOUT_S = 3600.0
-
 
 
 def secure_mod(msg: Message, context: Context, call_next: Any) -> Message:
