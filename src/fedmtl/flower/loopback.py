@@ -90,14 +90,14 @@ def server_identity(run_id: int = 1) -> Iterator[None]:
     from flwr.supercore.task_identity import TaskIdentity
 
     names = ("_run_id", "_node_id", "_task_id")
-    saved = {n: TaskIdentity.__dict__.get(n) for n in names}
+    saved: dict[str, Any] = {n: TaskIdentity.__dict__.get(n) for n in names}
     for n, v in zip(names, (run_id, 0, 1), strict=True):
         setattr(TaskIdentity, n, v)
     try:
         yield
     finally:
-        for n, v in saved.items():
-            setattr(TaskIdentity, n, v)
+        for n, old in saved.items():
+            setattr(TaskIdentity, n, old)
 
 
 __all__ = ["WireGrid", "server_identity"]
