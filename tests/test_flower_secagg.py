@@ -218,6 +218,20 @@ def test_algorithms_that_need_individual_updates_are_refused_before_any_node_is_
     assert grid.pushed == []
 
 
+def test_too_few_nodes_for_secure_aggregation_are_refused_in_one_line(tmp_path, capsys):
+    """``fedmtl flower simulate --nodes 2`` and ``fedmtl flower app --nodes 2`` with secure aggregation: one line, exit
+    2, nothing started or written."""
+    from fedmtl.cli import main
+
+    path = tmp_path / "exp.toml"
+    path.write_text(FLOWER_CONFIG.format(alg="fedavg", extra="", k=0) + "\n[flower]\nsecure_aggregation = true\n")
+    for action in ("simulate", "app"):
+        assert main(["flower", action, str(path), "--nodes", "2", "--out", str(tmp_path / action)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "at least 3 SuperNodes" in err and str(path) in err, err
+        assert not (tmp_path / action).exists()
+
+
 def test_flower_table_is_validated_with_the_key_named():
     """[flower]'s numbers have declared ranges and the protocol's own constraints; with too few nodes, or so many
     that the masked sum overflows 2^32, a run is refused."""
