@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "peers": "a peer library's workload (FMNIST, 20 Dirichlet clients, user modules) vs per-client loops",
     "scale": "round time and memory from 10^3 to 10^6 clients (FedAvg, FedEM, Ditto)",
     "flower": "FedAvg round: vmap vs Flower simulation vs 2-node deployment",
+    "secagg": "FedAvg round over Flower with vs without secure aggregation (SecAgg+): seconds and bytes per round",
     "networked": "GTV solver vs CVXPY on SBM graphs of 1e3 / 1e4 / 1e5 nodes",
     "distributed": "one simulation on 1 and 2 torchrun ranks: the models CNN and a 10^5-client Ditto population",
     "adapters": "LoRA adapters: upload and state per client vs the full model; 100 clients' adapters vectorized vs a "

@@ -16,6 +16,8 @@
     [log]        fields of fedmtl.loggers.LogConfig (loggers = ["tensorboard", "mlflow"]: per-round metric logs)
     [server_opt] fields of fedmtl.server_opt.ServerOptConfig (name = sgd | avgm | adam | yogi | adagrad, lr, beta1,
                  beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
+    [flower]     fields of fedmtl.secure_aggregation.FlowerConfig (secure_aggregation = true: SecAgg+ over Flower;
+                 num_shares, reconstruction_threshold, clipping_range, quantization_range)
 
 Unknown tables or keys, wrong value types, values outside a field's ``Literal[...]`` choices and numbers outside a
 key's declared range (``fedmtl.schema``; ``fedmtl list --table NAME``) raise ``ConfigError`` naming the key and the
@@ -54,16 +56,18 @@ from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
 from .schema import MAX_ITEMS, Range, check_number, describe_type, range_of, shown, strip, type_hints
+from .secure_aggregation import FlowerConfig, refusal
 
 TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
-          "server_opt", "async")
+          "server_opt", "async", "flower")
 
 
 def table_targets() -> dict[str, Any]:
     """The constructor behind each fixed config table (``[algorithm]``, ``[data]`` and ``[model]`` depend on the
     name they hold)."""
     return {"optim": SGD, "run": RunConfig, "systems": SystemsModel, "robust": RobustConfig, "attack": AttackConfig,
-            "privacy": PrivacyConfig, "log": LogConfig, "server_opt": ServerOptConfig, "async": AsyncConfig}
+            "privacy": PrivacyConfig, "log": LogConfig, "server_opt": ServerOptConfig, "async": AsyncConfig,
+            "flower": FlowerConfig}
 
 
 class ConfigError(ValueError):
@@ -198,6 +202,7 @@ class ExperimentConfig:
     log: LogConfig = field(default_factory=LogConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+    flower: FlowerConfig = field(default_factory=FlowerConfig)
 
     def with_seed(self, seed: int) -> ExperimentConfig:
         """This config as the single-seed run ``seed`` (``run.seed = seed``, no ``run.seeds``): one replica of
@@ -362,6 +367,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         logc = LogConfig(**_check_table(tables["log"], LogConfig, f"{source}: [log]"))
         sopt = ServerOptConfig(**_check_table(tables["server_opt"], ServerOptConfig, f"{source}: [server_opt]"))
         asyn = AsyncConfig(**_check_table(tables["async"], AsyncConfig, f"{source}: [async]"))
+        flower = FlowerConfig(**_check_table(tables["flower"], FlowerConfig, f"{source}: [flower]"))
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -385,6 +391,11 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["server_opt"] = dataclasses.asdict(sopt)
     if tables["async"]:
         resolved["async"] = dataclasses.asdict(asyn)
+    if tables["flower"]:
+        resolved["flower"] = dataclasses.asdict(flower)
+        why = refusal(aname, robust, attack) if flower.secure_aggregation else None
+        if why is not None:  # refused before any data is built or any node contacted
+            raise ConfigError(f"{source}: {why}")
     # recorded only when given (as [robust]): configs without them keep their resolved form (and checkpoints match)
     if not run.seeds:
         resolved["run"].pop("seeds")
@@ -395,7 +406,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
     if "privacy" in resolved and not privacy.reproducible_noise:
         resolved["privacy"].pop("reproducible_noise")
     return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc,
-                            sopt, asyn)
+                            sopt, asyn, flower=flower)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -331,16 +331,26 @@ def handle_query(msg: Message, context: Context, cfg_text: str, nodes: NodeCache
 def handle_train(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) -> Message:
     """Train this node's sampled clients (one message per node per round) with the local executor; reply their
     updates stacked in the order asked, their losses and which of them are finite."""
+    from . import secagg
+
     node = node_of(nodes, context, cfg_text, full=False)
     conf = from_record(msg.content["config"])  # type: ignore[arg-type]
     ids, r = _asked(node, conf), int(conf["round"])
+    secure = secagg.is_protocol_message(msg)
+    if node.cfg.flower.secure_aggregation and not secure:
+        raise ValueError("this SuperNode's config sets flower.secure_aggregation = true: it sends updates only "
+                         "masked by SecAgg+, and this train message is not part of that protocol")
     _maybe_fail(ids.tolist(), r)
     lc, server0 = _local_clients(node, conf)
     _restore(node, lc, context, cfg_text, r)
     payload = record_to_tree(msg.content["payload"], node.alg.payload(server0), leading=True)  # type: ignore[arg-type]
+    if secure and not ids.numel():  # a node without sampled clients masks zeros: every node takes part
+        return secagg.node_reply(node.cfg, node.alg, _alg_context(node, conf), server0, payload, None, ids, conf, msg)
     out = lc.train(payload, ids, orders_of(msg.content["order"]), float(conf["lr"]), r)  # type: ignore[arg-type]
     # a client never keeps a state whose update the server will reject (LocalClients writes finite ones only)
     _save(node, lc, context, cfg_text, lc.rows_of(ids[out.ok]), r)
+    if secure:
+        return secagg.node_reply(node.cfg, node.alg, _alg_context(node, conf), server0, payload, out, ids, conf, msg)
     losses = torch.where(out.ok, out.losses.detach().double().cpu(), torch.zeros(()))
     content = RecordDict({
         "update": tree_to_record(out.updates),
@@ -408,12 +418,15 @@ def handle_mix(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) 
                                "config": to_config({"clients": node.ids.tolist()})}), reply_to=msg)
 
 
-def make_client_app(cfg_text: str | None = None, runs: RunCaches | None = None) -> Any:
+def make_client_app(cfg_text: str | None = None, runs: RunCaches | None = None, mods: bool = True) -> Any:
     """A ``ClientApp``; without ``cfg_text`` the config comes from the run config key ``fedmtl-config``.  ``runs``:
-    where the app keeps its warm nodes (default: this process's, ``PROCESS_RUNS``)."""
+    where the app keeps its warm nodes (default: this process's, ``PROCESS_RUNS``).  ``mods``: with the secure
+    aggregation mod (``relay_app.secure_mod``; off for an app that another app's mods already wrap)."""
     from flwr.clientapp import ClientApp
 
-    app = ClientApp()
+    from .relay_app import secure_mod
+
+    app = ClientApp(mods=[secure_mod] if mods else None)
 
     def text(context: Context) -> str:
         return cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
@@ -585,6 +598,12 @@ def _serve(grid: Any, cfg_text: str, cfg: ExperimentConfig, alg: Algorithm, opts
     # the model skeleton from what the nodes report: the server never reads client data
     model = cfg.build_model(fed.feature_shape, fed.num_classes, fed.meta)
     clients = FlowerClients(grid, owner, alg, fed.feature_shape, dtype, opts.round_timeout)
+    if cfg.flower.secure_aggregation:  # every round's updates are summed by SecAgg+ (fedmtl.flower.secagg)
+        from .secagg import SecureRounds
+
+        cfg.flower.protocol(len(infos))  # enough nodes, no overflow: refused before the first round
+        clients.secure = SecureRounds(cfg.flower, fed.train_counts, cfg.privacy.enabled, cfg.privacy.clip_norm)
+        prog.line(f"flower server: secure aggregation (SecAgg+) over {len(infos)} SuperNodes")
     if cfg.attack.kind == "labelflip" and cfg.attack.active:
         raise NodeError("attack.kind = 'labelflip' poisons the attackers' data, which only a simulation holds")
     engine = Engine(alg, model, clients, fed, RunSpec.of(cfg))

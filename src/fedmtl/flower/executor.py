@@ -6,8 +6,9 @@ model, NaN exclusion, aggregation, evaluation, checkpoints, resume).
 node gets one ``train`` message: the payload (an ``ArrayRecord`` of named tensors), the ids of its sampled
 clients, their epoch orders and straggler limits (so each runs exactly the batches a simulation would) and
 the scalars of the algorithm's context.  The node runs them with its local executor and replies their
-updates, stacked in the order asked.  Updates travel per client, never pre-summed on the node, for every
-algorithm: the server's aggregate is the algorithm's own (FedEM's responsibilities, Clustered FL's per-cluster
+updates, stacked in the order asked.  Updates travel per client, never pre-summed on the node (unless
+``flower.secure_aggregation`` is on: then ``fedmtl.flower.secagg`` runs the round and the server receives only the
+sum over nodes): the server's aggregate is the algorithm's own (FedEM's responsibilities, Clustered FL's per-cluster
 means, MOCHA's dual sums) and it must see each update to exclude non-finite ones exactly as a simulation does.
 
 A node whose reply carries an error, never arrives within ``round_timeout`` seconds or cannot be decoded
@@ -121,6 +122,8 @@ class FlowerClients:
         self.template: Tree = None
         self.state_template: Tree = None
         self.round = 0  # rounds completed: evaluation reads the client states written before it
+        #: the rounds' secure aggregation (``fedmtl.flower.secagg.SecureRounds``); None: updates travel per client
+        self.secure: Any = None
 
     def start(self, ctx: Context, server0: Tree, resume: dict[str, Any] | None = None, round_idx: int = 0) -> None:
         self.ctx, self.round = ctx, round_idx
@@ -155,6 +158,10 @@ class FlowerClients:
         return to_config({**context_config(self.ctx), **extra})
 
     def train(self, payload: Tree, ids: Tensor, orders: Orders, lr: float, round_idx: int) -> TrainOut:
+        if self.secure is not None:
+            out: TrainOut = self.secure.train(self, payload, ids, orders, lr, round_idx)
+            self.round = round_idx + 1
+            return out
         prec = tree_to_record(payload)
         groups = self._by_node(ids)
         msgs = {nid: Message(RecordDict({

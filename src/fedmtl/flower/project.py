@@ -108,6 +108,8 @@ def write_project(cfg: ExperimentConfig, out: str | Path, num_nodes: int, home: 
     """Write the project for ``cfg`` whose server waits for ``num_nodes`` SuperNodes; its DEPLOY.md and
     ``flwr-config.toml`` put the certificates, the SuperLink's database and the runs under ``home`` (default: the
     current directory, where the operator runs the steps)."""
+    if cfg.flower.secure_aggregation:
+        cfg.flower.protocol(num_nodes)  # SecAgg+ needs at least 3 nodes and no overflow: refused before writing
     home = Path(home if home is not None else Path.cwd()).resolve()
     out = Path(out)
     pkg = out / "fedmtl_app"

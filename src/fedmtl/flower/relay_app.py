@@ -10,6 +10,10 @@ own start.  Without it, the message is handled in this process by ``fedmtl.flowe
 The exchange: one Unix-socket connection per message; a frame ``b"FMW1"``, the 8-byte length of a JSON header
 (node config, run config), the header, the 8-byte length of the message as Flower's protobuf, the message; the
 reply frame holds ``{"ok": true}`` and the reply's content as Flower's protobuf, or ``{"ok": false, "error": ...}``.
+
+Under secure aggregation (``flower.secure_aggregation = true``) this app's ``secure_mod`` runs Flower's SecAgg+
+client side here, keeping the node's protocol keys in the run's context state; only the training stage reaches the
+worker, whose reply the mod masks before it leaves the node.
 """
 
 from __future__ import annotations
@@ -28,7 +32,20 @@ MAGIC = b"FMW1"
 MAX_HEADER = 1 << 20
 TIMEOUT_S = 3600.0
 
-app = ClientApp()
+
+def secure_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """The ClientApp mod of secure aggregation: a train message of the SecAgg+ protocol (it carries Flower's
+    ``secaggplus_configs`` record) goes through Flower's ``secaggplus_mod``, which keeps the node's keys in the
+    run's ``context.state`` and masks what the train handler replies; any other message passes as it is."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if msg.metadata.message_type == "train" and RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[secure_mod])
 _local: list[Any] = []  # the in-process app, built on first use where no worker is configured
 
 
@@ -54,7 +71,7 @@ def relay(msg: Message, context: Context) -> Message:
         if not _local:
             from fedmtl.flower import make_client_app
 
-            _local.append(make_client_app())
+            _local.append(make_client_app(mods=False))  # this app's mods already ran
         answer: Message = _local[0](message=msg, context=context)
         return answer
     head = json.dumps({"node_config": _plain(context.node_config),

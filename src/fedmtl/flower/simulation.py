@@ -66,6 +66,11 @@ def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: in
                          "reserve GPUs and compute on the CPU (--device cuda, or --set run.device=cuda)")
     backend = backend_config(cpus, cpus_per_node, gpus_per_node, ray_address)
     nodes = nodes or n
+    if cfg.flower.secure_aggregation:
+        try:
+            cfg.flower.protocol(nodes)  # enough nodes for SecAgg+, no overflow: refused before Ray starts
+        except ValueError as e:
+            raise ValueError(f"--nodes {nodes}: {e}") from None
     result: dict[str, Any] = {}
     opts = ServerOptions(out=str(out), num_nodes=nodes, round_timeout=round_timeout)
     run_simulation(make_server_app(cfg_text, opts, result), make_client_app(cfg_text), num_supernodes=nodes,
