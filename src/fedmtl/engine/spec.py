@@ -13,6 +13,7 @@ from ..robust.attacks import AttackConfig
 from ..schema import Annotated, Range, check_fields
 from .async_spec import AsyncConfig
 from .executors import ExecutorName
+from .resident import DataOnDevice
 from .server_opt import ServerOptConfig
 from .systems import SystemsModel
 
@@ -50,6 +51,10 @@ class RunConfig:
     compile: bool = False
     #: cpu, cuda or cuda:<i>
     device: str = "cpu"
+    #: keep every client's examples on the device, moved there once in their stored dtype (true); on the host, each
+    #: call's batches copied over (false); or resident where they take at most half the device's free memory (auto).
+    #: No effect on a CPU and none on the numbers
+    data_on_device: DataOnDevice = "auto"
     #: evaluate every this many rounds (and after the last)
     eval_every: Annotated[int, Range(1, 10**7)] = 10
     #: checkpoint every this many rounds (0 = never)
@@ -69,6 +74,8 @@ class RunConfig:
         check_fields(self, "run")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"run.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if not (isinstance(self.data_on_device, bool) or self.data_on_device == "auto"):
+            raise ValueError(f"run.data_on_device must be true, false or 'auto', got {self.data_on_device!r:.80}")
         if self.drop_last and self.local_epochs > 1:
             # later epochs would visit examples the first epoch dropped, outside the first epoch's index space (the
             # per-example state some methods keep, FedEM's responsibilities): one epoch per round only
