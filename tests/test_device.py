@@ -166,3 +166,25 @@ def test_adapters_on_the_device_equal_their_cpu_runs(runner, alg):
         return simulator(a, data, m, runner=runner, batch_size=4, device=dev)
 
     _device_equals_cpu(engine, f"{alg} adapters")
+
+
+@pytest.mark.parametrize("runner", ["stacked", "vmap", "loop"])
+@pytest.mark.parametrize("alg", ["fedavg", "fedem"])
+def test_a_federation_resident_on_the_device_equals_one_on_the_host(alg, runner):
+    """``run.data_on_device``: the examples held on the device (moved once, in their stored dtype) and held on the host
+    (each call's batches copied over) give the same run; the resident copy keeps the uint8 images and the host
+    offsets.  On a CPU both settings hold the data where it is."""
+    data = _image_data()
+    out = {}
+    for resident in (True, False):
+        m = build_model("mlp", data.feature_shape, data.num_classes, data.meta)
+        eng = simulator(FedAvg() if alg == "fedavg" else FedEM(num_components=2), data, m, runner=runner,
+                        batch_size=4, device=DEVICE, data_on_device=resident)
+        held = eng.clients.data.seen.train
+        assert held.x.dtype == torch.uint8 and held.offsets.device.type == "cpu"
+        assert held.x.device.type == (torch.device(DEVICE).type if resident else "cpu")
+        st, rows = run_rounds(eng, 2)
+        out[resident] = (st.server, [r["train_loss"] for r in rows], summarize(eng.evaluate(st)))
+    _close(out[False][0], out[True][0], f"{alg} {runner} server state", atol=1e-6)
+    np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-6, rtol=1e-6)
+    _summaries_close(out[False][2], out[True][2], f"{alg} {runner} evaluation", atol=1e-6)

@@ -403,6 +403,8 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["optim"].pop("lr_milestone_rounds")
     if not run.drop_last:
         resolved["run"].pop("drop_last")
+    if run.data_on_device == "auto":
+        resolved["run"].pop("data_on_device")
     if "privacy" in resolved and not privacy.reproducible_noise:
         resolved["privacy"].pop("reproducible_noise")
     return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc,

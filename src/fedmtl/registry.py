@@ -235,10 +235,13 @@ def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
         tp = hints.get(name, Any)
         rng = range_of(tp)
         base = strip(tp)
-        optional = ""
+        optional, choices = "", ""
         if typing.get_origin(base) in (typing.Union, types.UnionType):  # tuple | list, float | None: the first
             args = typing.get_args(base)
             optional = " or None" if type(None) in args else ""
+            if any(typing.get_origin(a) is typing.Literal for a in args):  # bool | Literal["auto"]: every choice
+                choices = " | ".join(" | ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is typing.Literal
+                                     else getattr(a, "__name__", str(a)) for a in args if a is not type(None))
             base = next(a for a in args if a is not type(None))
             rng = rng or range_of(base)
             base = strip(base)
@@ -252,6 +255,7 @@ def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
         if rng is not None:
             where = rng.text() if rng.text()[0] in "<>" else f"in {rng.text()}"
             text += f" {where}" if base in (int, float) else f" of values {where}"
+        text = choices or text
         text += optional
         shown = repr(default) if isinstance(default, str) and default != "(required)" else \
             str(default).lower() if isinstance(default, bool) else str(default)

@@ -545,7 +545,7 @@ def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, 
 
 def round_batches(
     split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None = None,
-    drop_last: bool = False,
+    drop_last: bool = False, tables_on_host: bool = False,
 ) -> Batches:
     """Padded training batches for clients ``clients[rows]``: x (K, E*S, B, ...), masks, positions.
 
@@ -553,8 +553,12 @@ def round_batches(
     the clients of this batched call.  ``steps`` S is the number of steps per epoch (default: enough
     for the largest selected client).  ``drop_last``: each epoch's last partial batch is left out (the examples
     at the end of that epoch's permutation: random ones, as a shuffling ``DataLoader(drop_last=True)`` drops).
+    x and y are gathered where the split's examples are (a device-resident federation's: on its device); the other
+    fields are built there too, or with ``tables_on_host`` left on the host, where the caller reads them without
+    waiting for the device (``executors.TrainBatches``) before it moves them.
     """
     dev = split.x.device
+    tdev = torch.device("cpu") if tables_on_host else dev
     sel, n_all, kk, epochs, s, batch_size, width, j, valid, local = _slots(split, clients, orders, rows, batch_size,
                                                                            steps, drop_last)
     pos = _first_epoch_pos(kk, epochs, width, j, valid, local)  # each example's place in the first epoch's order
@@ -565,11 +569,12 @@ def round_batches(
     out = Batches(
         x=x,
         y=y,
-        mask=mask.to(dev, torch.float32),
-        pos=pos.reshape(kk, epochs * s, batch_size).to(dev),
-        n=n_all.to(dev, torch.float32),
-        limit=(torch.full((kk,), epochs * s, dtype=torch.long) if orders.limit is None else orders.limit[rows]).to(dev),
-        idx=local.reshape(kk, epochs * s, batch_size).to(dev),
+        mask=mask.to(tdev, torch.float32),
+        pos=pos.reshape(kk, epochs * s, batch_size).to(tdev),
+        n=n_all.to(tdev, torch.float32),
+        limit=(torch.full((kk,), epochs * s, dtype=torch.long) if orders.limit is None
+               else orders.limit[rows]).to(tdev),
+        idx=local.reshape(kk, epochs * s, batch_size).to(tdev),
     )
     return out
 
@@ -579,7 +584,7 @@ def ragged_batches(split: Split, clients: Tensor, orders: Orders, row: int, batc
     """One client's batches without padding (the loop runner): x, y, mask, pos are lists of (b_s, ...)
     tensors whose last batch of each epoch holds only the remaining examples, as a DataLoader gives.
     Numerically identical to the padded batches (padding rows have zero weight)."""
-    b = round_batches(split, clients, orders, torch.tensor([row]), batch_size, drop_last=drop_last)
+    b = round_batches(split, clients, orders, torch.tensor([row]), batch_size, drop_last=drop_last, tables_on_host=True)
     n = int(usable_counts(b.n[:1].long().cpu(), batch_size, drop_last)[0])
     steps = int(steps_per_epoch(torch.tensor(n), batch_size))
     if steps == 0:  # drop_last and fewer examples than a batch: one masked step that is never live (limit 0)

@@ -43,6 +43,7 @@ from .clients import Clients, LocalClients, evaluate_together, train_together
 from .distributed import DistributedClients, Group, owned, shard
 from .evaluation import SEEN_TEST_ACC_MEAN, summarize
 from .executors import Executor, StackedExecutor, make_executor
+from .resident import place
 from .round import Engine, EngineState, Federation
 from .rundir import COMMIT, NEXT, RunDirectory, RunDirError, check_resumable
 from .spec import RunSpec
@@ -128,6 +129,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
             raise ValueError(f"{data.seen.num_clients} seen clients for {group.world} ranks: every rank needs at "
                              "least one client (fewer ranks)")
         held, global_ids = shard(data, group.rank, group.world), owned(data.seen.num_clients, group.rank, group.world)
+    held = place(held, device, rc.data_on_device)  # on a GPU: moved there once, in the stored dtype
     local = LocalClients(
         alg, held, make_executor(rc.runner, model, device, rc.chunk_size, rc.bucketing), device,
         rc.batch_size, rc.eval_chunk_elems, rc.client_store,

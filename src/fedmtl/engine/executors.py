@@ -41,6 +41,7 @@ from ..data.federated import (
 )
 from ..model import Model
 from ..optim import Batches, ClientBatches, with_all_live
+from .resident import to_device
 
 ExecutorName = Literal["auto", "stacked", "vmap", "loop"]
 
@@ -58,7 +59,8 @@ class TrainBatches:
     def padded(self, pos: Tensor) -> Batches:
         """The clients at ``pos`` padded to one shape, with the steps live for all of them (``Batches.all_live``)
         read on the host before the batches move to the device."""
-        b = round_batches(self.split, self.rows, self.orders, pos, self.batch_size, drop_last=self.drop_last)
+        b = round_batches(self.split, self.rows, self.orders, pos, self.batch_size, drop_last=self.drop_last,
+                          tables_on_host=True)
         return T.to(with_all_live(b), self.device)
 
     def ragged(self, i: int) -> Batches:
@@ -83,14 +85,16 @@ class TrainBatches:
         """The ``stacked`` executor's batches of the clients at ``pos`` (sorted by live steps, most first;
         ``data.federated.client_batches``; with their first epochs where asked), features through ``transform``
         (into ``workspace`` where the transform can write into storage it is given: ``ImageNormalize.into``), on
-        the device."""
+        the device: the features travel in their stored dtype (where the federation is not resident there,
+        ``engine.resident``) and are converted there."""
         d = client_batches(self.split, self.rows, self.orders, pos, self.batch_size, self.drop_last, first_epoch)
 
-        def features(x: Tensor, ws: Workspace | None) -> Tensor:  # (N, B, ...) through the transform
+        def features(x: Tensor, ws: Workspace | None) -> Tensor:  # (N, B, ...) through the transform, on the device
+            x = to_device(x, self.device)  # in the stored dtype (uint8 images): converted on the device, not the host
             if transform is None:
                 return x
             into = getattr(transform, "into", None)
-            if into is not None and ws is not None and x.device == self.device:
+            if into is not None and ws is not None:
                 flat = into(x.reshape(-1, *x.shape[2:]), ws.take(x.numel(), x.device))
             else:
                 flat = transform(x.reshape(-1, *x.shape[2:]))

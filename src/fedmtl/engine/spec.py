@@ -14,6 +14,7 @@ from ..robust.attacks import AttackConfig
 from ..schema import Annotated, Range, check_fields, shown
 from .async_spec import AsyncConfig
 from .executors import ExecutorName
+from .resident import DataOnDevice
 from .server_opt import ServerOptConfig
 from .systems import SystemsModel
 
@@ -57,6 +58,10 @@ class RunConfig:
     compile: bool = False
     #: cpu, cuda or cuda:<i> (i the index of one of the machine's GPUs)
     device: str = "cpu"
+    #: keep every client's examples on the device, moved there once in their stored dtype (true); on the host, each
+    #: call's batches copied over (false); or resident where they take at most half the device's free memory (auto).
+    #: No effect on a CPU and none on the numbers
+    data_on_device: DataOnDevice = "auto"
     #: evaluate every this many rounds (and after the last)
     eval_every: Annotated[int, Range(1, 10**7)] = 10
     #: checkpoint every this many rounds (0 = never)
@@ -75,6 +80,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_fields(self, "run")
         check_device(self.device)
+        if not (isinstance(self.data_on_device, bool) or self.data_on_device == "auto"):
+            raise ValueError(f"run.data_on_device must be true, false or 'auto', got {shown(self.data_on_device)}")
         if self.drop_last and self.local_epochs > 1:
             # later epochs would visit examples the first epoch dropped, outside the first epoch's index space (the
             # per-example state some methods keep, FedEM's responsibilities): one epoch per round only

