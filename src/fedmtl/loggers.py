@@ -40,6 +40,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .schema import brief
+
 log = logging.getLogger("fedmtl")
 
 
@@ -100,14 +102,8 @@ class LogConfig:
         return list(dict.fromkeys([*self.loggers, *(["tensorboard"] if self.tensorboard else [])]))
 
 
-def _short(text: str, n: int = 80) -> str:
-    """``text`` on one line, cut to ``n`` characters ("..." marks the cut)."""
-    one = " ".join(str(text).split())
-    return one if len(one) <= n else one[:n - 3] + "..."
-
-
 def _failure(e: BaseException) -> str:
-    return f"{type(e).__name__}: {_short(str(e), 160)}"
+    return f"{type(e).__name__}: {brief(str(e), 160)}"
 
 
 def open_loggers(run_dir: Path, cfg: Any, resume: bool, label: str = "") -> list[RunLogger]:
@@ -208,7 +204,7 @@ def tracking_uri(raw: str, where: str) -> str:
 
     if scheme in {ep.name for ep in entry_points(group="mlflow.tracking_store")}:
         return raw
-    raise ValueError(f"{where} {_short(raw)!r}: MLflow has no tracking store for the scheme {_short(scheme, 20)!r} "
+    raise ValueError(f"{where} {brief(raw)!r}: MLflow has no tracking store for the scheme {brief(scheme, 20)!r} "
                      f"(a path, file:, http(s):, sqlite:, postgresql:, mysql:, mssql: or databricks)")
 
 

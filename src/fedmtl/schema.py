@@ -41,6 +41,14 @@ MAX_ITEMS = 10_000
 SHOWN_CHARS = 80
 
 
+def brief(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``value`` on one line (a string as it is, anything else by its bounded repr), whitespace collapsed and cut to
+    ``limit`` characters, "..." marking the cut: for exception texts and names inside a message."""
+    text = value if isinstance(value, str) else shown(value, limit)
+    text = " ".join(text[: 4 * limit].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def shown(value: Any, limit: int = SHOWN_CHARS, bare: bool = False) -> str:
     """``repr(value)`` cut to about ``limit`` characters, with the full length where cut: the one way an error
     message echoes a value a user or a node gave, so that a 900 KB string or a list of 10^5 items makes a line of

@@ -12,7 +12,7 @@
 
 Errors are ``WeightsError`` (a ``ValueError``: the command line reports it in one line, exit code 2) unless the
 caller passes its own class; each names the file and the tensor, and values quoted in them are cut short
-(``brief``).
+(``fedmtl.schema.brief``).
 """
 
 from __future__ import annotations
@@ -23,19 +23,13 @@ import torch
 from torch import Tensor
 
 from .files import check_file
+from .schema import brief
 
-__all__ = ["WeightsError", "brief", "check_floating", "conform", "read_safetensors"]
+__all__ = ["WeightsError", "check_floating", "conform", "read_safetensors"]
 
 
 class WeightsError(ValueError):
     """Weights that cannot be used: an unreadable file, or a tensor of the wrong kind, shape or values."""
-
-
-def brief(value: object, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters (the cut marked with "...")."""
-    text = value if isinstance(value, str) else repr(value)
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_safetensors(path: str | Path, what: str, error: type[Exception] = WeightsError,

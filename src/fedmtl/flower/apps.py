@@ -31,6 +31,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,15 +419,14 @@ def handle_mix(msg: Message, context: Context, cfg_text: str, nodes: NodeCache) 
                                "config": to_config({"clients": node.ids.tolist()})}), reply_to=msg)
 
 
-def make_client_app(cfg_text: str | None = None, runs: RunCaches | None = None, mods: bool = True) -> Any:
+def make_client_app(cfg_text: str | None = None, runs: RunCaches | None = None, mods: Sequence[Any] = ()) -> Any:
     """A ``ClientApp``; without ``cfg_text`` the config comes from the run config key ``fedmtl-config``.  ``runs``:
-    where the app keeps its warm nodes (default: this process's, ``PROCESS_RUNS``).  ``mods``: with the secure
-    aggregation mod (``relay_app.secure_mod``; off for an app that another app's mods already wrap)."""
+    where the app keeps its warm nodes (default: this process's, ``PROCESS_RUNS``).  ``mods``: Flower mods
+    around the handlers, e.g. the secure aggregation mod ``relay_app.secure_mod`` (none where another app's mods
+    already wrap this one, as in the relay app's in-process fallback)."""
     from flwr.clientapp import ClientApp
 
-    from .relay_app import secure_mod
-
-    app = ClientApp(mods=[secure_mod] if mods else None)
+    app = ClientApp(mods=list(mods) or None)
 
     def text(context: Context) -> str:
         return cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])

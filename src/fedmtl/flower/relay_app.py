@@ -71,7 +71,7 @@ def relay(msg: Message, context: Context) -> Message:
         if not _local:
             from fedmtl.flower import make_client_app
 
-            _local.append(make_client_app(mods=False))  # this app's mods already ran
+            _local.append(make_client_app())  # no mods: this app's own already ran
         answer: Message = _local[0](message=msg, context=context)
         return answer
     head = json.dumps({"node_config": _plain(context.node_config),

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..engine.driver import RunResult
 from .apps import ServerOptions, config_from_text, make_client_app, make_server_app
+from .relay_app import secure_mod
 
 #: the most CPUs (or GPUs, or per-node reservations) a simulation asks Ray for
 MAX_CPUS = 4096
@@ -73,8 +74,8 @@ def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: in
             raise ValueError(f"--nodes {nodes}: {e}") from None
     result: dict[str, Any] = {}
     opts = ServerOptions(out=str(out), num_nodes=nodes, round_timeout=round_timeout)
-    run_simulation(make_server_app(cfg_text, opts, result), make_client_app(cfg_text), num_supernodes=nodes,
-                   backend_config=backend)
+    run_simulation(make_server_app(cfg_text, opts, result), make_client_app(cfg_text, mods=[secure_mod]),
+                   num_supernodes=nodes, backend_config=backend)
     if "result" not in result:
         raise RuntimeError("the Flower simulation ended without a result (see the log above)")
     return result["result"]

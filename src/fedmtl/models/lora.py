@@ -193,7 +193,8 @@ def load_base(module: nn.Module, path: str | Path, key: str = "model.adapters.ba
     errors).  The file's kind and size are checked before it is opened, and every tensor's dtype kind, shape and
     values after conversion to the module's dtype (``fedmtl.weights.conform``): a ``WeightsError`` names the file
     and the tensor."""
-    from ..weights import WeightsError, brief, conform, read_safetensors
+    from ..schema import brief
+    from ..weights import WeightsError, conform, read_safetensors
 
     path = Path(path)
     state = read_safetensors(path, key)

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from ..files import read_text
-from ..weights import WeightsError, brief, check_floating, conform, read_safetensors
+from ..schema import brief
+from ..weights import WeightsError, check_floating, conform, read_safetensors
 
 if TYPE_CHECKING:
     from .lora import AdapterConfig
