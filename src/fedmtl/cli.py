@@ -135,15 +135,16 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from .data.federated import describe
 
     if len(args.what) == 2 and args.what[0] == "export":
-        from .data.npz import export, parse_range
+        from .data.npz import check_target, export, parse_range
 
         if not args.out:
             raise ConfigError("fedmtl data export: --out DIR is required")
+        check_target(args.out, args.overwrite)  # before the data is built
         cfg = load(args.what[1], args.set)
         data = cfg.build_data()
         n = data.seen.num_clients
         ids = parse_range(args.clients, n) if args.clients else list(range(n))
-        export(data, args.out, ids)
+        export(data, args.out, ids, overwrite=args.overwrite)
         print(f"written: {args.out}/dataset.json and {len(ids)} client_<k>.npz files (clients "
               f"{ids[0]}-{ids[-1]} of {n})")
         return 0
@@ -440,10 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="print a config's dataset statistics, or 'export' it as per-client .npz files "
                                     "(the node-local format of a Flower SuperNode's data-dir)",
                        usage="fedmtl data CONFIG [--set TABLE.KEY=VALUE ...]\n"
-                             "       fedmtl data export CONFIG --out DIR [--clients 0-49] [--set TABLE.KEY=VALUE ...]")
+                             "       fedmtl data export CONFIG --out DIR [--clients 0-49] [--overwrite] "
+                             "[--set TABLE.KEY=VALUE ...]")
     d.add_argument("what", nargs="+", metavar="CONFIG", help="a config (statistics), or: export CONFIG")
     d.add_argument("--out", help="export: the data directory to write")
     d.add_argument("--clients", help="export: which seen clients, e.g. 0-49 or 0,3,7 (default: all)")
+    d.add_argument("--overwrite", action="store_true", help="export: replace the export DIR already holds (its "
+                   "other clients' files removed)")
     d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     _plugins_arg(d)
     d.set_defaults(fn=_cmd_data)
