@@ -7,12 +7,13 @@ group ``fedmtl.plugins`` at start and from ``--import MODULE`` (repeatable) on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn, TypeVar, overload
@@ -53,7 +54,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"run.device={args.device}")
     if args.seeds:
         overrides.append(f"run.seeds=[{parse_seeds(args.seeds)}]")
-    cfg = load(args.config, overrides)
+    from .engine.distributed import launched
+
+    with _sigterm_deferred():  # a rank torchrun stops because another refused the same input refuses it too
+        cfg = load(args.config, overrides)
+        _refuse_seeds_under_torchrun(args, cfg, launched())
     out = args.out or str(Path("runs") / Path(args.config).stem)
     keys = HEADLINE
     if cfg.run.seeds:
@@ -68,7 +73,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 ci = f"[{100 * st['ci95_low']:.2f}, {100 * st['ci95_high']:.2f}]" if st["ci95_low"] is not None else ""
                 print(f"  {k:28s} {100 * st['mean']:7.2f} +- {100 * st['std']:5.2f}  {ci}")
         return 0
-    from .engine.distributed import Group, launched
+    from .engine.distributed import Group
 
     if args.executor == "distributed" or launched():  # a rank of a torchrun job
         group = Group.start(cfg.run.device, args.dist_timeout)
@@ -90,6 +95,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if k in final:
             print(f"  {k:28s} {100 * final[k]:7.2f}")
     return 0
+
+
+def _refuse_seeds_under_torchrun(args: argparse.Namespace, cfg: Any, ranked: bool) -> None:
+    """Several seeds are one process's batched computation: a rank of a torchrun job refuses them (every rank the
+    same way) before anything is written."""
+    if cfg.run.seeds and (args.executor == "distributed" or ranked):
+        seeds = ", ".join(map(str, cfg.run.seeds))
+        raise ConfigError(f"{args.config}: several seeds (--seeds / run.seeds = [{_cut(seeds, 60)}]) do not run under "
+                          "torchrun: start one torchrun job per seed (--set run.seed=S --out DIR/seed-S), or run the "
+                          "seeds in one process (fedmtl run --seeds ...)")
+
+
+def _cut(text: str, width: int = 80) -> str:
+    """``text`` cut to ``width`` characters, ending in "..." where it was cut."""
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _positive_seconds(text: str) -> float:
@@ -583,6 +603,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedmtl: interrupted{_resume_hint(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _Terminated:
+        from .engine.distributed import launched
+
+        if getattr(args, "command", "") == "run" and launched():
+            # torchrun stops every rank with SIGTERM once one rank has failed (or it was itself told to stop): for a
+            # rank, a SIGTERM is the distributed run stopping, whichever reached it first
+            print(f"fedmtl: distributed run stopped: torchrun stopped this rank (SIGTERM: another rank failed, or the "
+                  f"job was stopped){_resume_hint(args)} (the same torchrun command)", file=sys.stderr)
+            return EXIT_RANK_LOST
         print(f"fedmtl: terminated (SIGTERM){_resume_hint(args)}", file=sys.stderr)
         return EXIT_TERMINATED
     except BrokenPipeError:  # the reader went away (fedmtl list | head): nothing more to say
@@ -601,13 +629,33 @@ def main(argv: list[str] | None = None) -> int:
 # Exit codes (README, "Command line"): 0 success; 1 an unexpected error (a bug: a traceback is printed);
 # 2 invalid input (config, data, model/data mismatch, run directory in use or holding results, unusable
 # checkpoint), one line naming the file and key; 3 the operating system refused a write (out of disk space,
-# permissions), one line naming the file and the checkpoint to resume from; 4 a distributed run lost a rank;
-# 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).  After 3, 4, 130 and 143 the last checkpoint is intact.
+# permissions), one line naming the file and the checkpoint to resume from; 4 a distributed run lost a rank (or
+# torchrun stopped this rank with SIGTERM); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).  After 3, 4, 130
+# and 143 the last checkpoint is intact.
 EXIT_INPUT, EXIT_OS, EXIT_RANK_LOST, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 4, 130, 143
 
 
 class _Terminated(BaseException):
     pass
+
+
+@contextlib.contextmanager
+def _sigterm_deferred() -> Iterator[None]:
+    """Hold a SIGTERM back while a command checks its input: a refusal raised meanwhile wins over it (each rank of a
+    torchrun job that refuses its input says why, even when torchrun stops it because another rank refused first);
+    otherwise it is raised at the end."""
+    pending: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if pending:
+        raise _Terminated()
 
 
 def _terminated(signum: int, frame: object) -> None:
