@@ -160,7 +160,7 @@ def test_sweep_runs_each_value_and_plots(tmp_path):
 
 def test_sweep_with_seeds_runs_and_continues(tmp_path):
     """``fedmtl sweep --seeds`` (the Figure 1 commands): every setting with every seed, mean and std per setting;
-    run again, the finished settings are resumed, not refused or re-run."""
+    run again with --resume, the finished settings are resumed, not re-run (without it: refused)."""
     p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
     out = tmp_path / "sweep"
     args = ["sweep", str(p), "--set", "run.sampling_rate=0.5,1.0", "--seeds", "1-2", "--out", str(out), "-q"]
@@ -168,7 +168,8 @@ def test_sweep_with_seeds_runs_and_continues(tmp_path):
     s = json.loads((out / "sweep.json").read_text())
     assert [r["run.sampling_rate"] for r in s["results"]] == [0.5, 1.0]
     assert all("seen_test_acc_mean_std" in r for r in s["results"])
-    assert main(args) == 0
+    assert main(args) == EXIT_INPUT
+    assert main([*args, "--resume"]) == 0
     assert json.loads((out / "sweep.json").read_text())["results"] == s["results"]
 
 

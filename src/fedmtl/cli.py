@@ -145,7 +145,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     out = args.out or str(Path("runs") / f"sweep-{Path(args.config).stem}")
     sets = list(args.set) + ([f"run.seeds=[{parse_seeds(args.seeds)}]"] if args.seeds else [])
-    run_sweep(args.config, sets, out)
+    run_sweep(args.config, sets, out, resume=args.resume, overwrite=args.overwrite)
     print(f"written: {out}/sweep.json, sweep.csv, sweep.png")
     return 0
 
@@ -233,8 +233,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .comparison import compare
+    from .comparison import OUTPUTS, compare
+    from .engine.rundir import check_output
 
+    check_output(args.out, overwrite=args.overwrite, names=OUTPUTS)
     compare(args.runs, args.out, args.metric)
     print(f"written: {args.out}/compare.md, compare.json, curves.png, clients.png")
     return 0
@@ -261,12 +263,21 @@ def _cmd_tables(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_reproduction_out(args: argparse.Namespace) -> None:
+    """A reproduction's --out that already holds files: continued with --resume (its finished runs read back, the
+    interrupted ones continued), replaced with --overwrite (every run started over), else refused."""
+    from .engine.rundir import check_output
+
+    check_output(args.out, overwrite=args.overwrite, resume=args.resume)
+
+
 def _cmd_main(args: argparse.Namespace) -> int:
-    from .experiments.common import summary_figure
+    from .experiments.common import starting_over, summary_figure
     from .experiments.fedem import main_job
     from .report import quick_mode, run_figures
 
-    with quick_mode(args.quick), run_figures(False):
+    _check_reproduction_out(args)
+    with quick_mode(args.quick), run_figures(False), starting_over(args.overwrite):
         main_job(Path(args.out), quick=args.quick)
         summary_figure(Path(args.out), "FedEM synthetic data: final test accuracy across clients")
     return 0
@@ -274,13 +285,14 @@ def _cmd_main(args: argparse.Namespace) -> int:
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     from .experiments import SUMMARIES, reproduction
-    from .experiments.common import summary_figure
+    from .experiments.common import starting_over, summary_figure
     from .report import quick_mode, run_figures
 
+    _check_reproduction_out(args)
     t0 = time.perf_counter()
     # the runs draw no figure of their own: the reproduction's tables and figures, and one summary figure (every
     # dataset's methods, average and bottom-decile accuracy, mean +- std over seeds)
-    with quick_mode(args.quick), run_figures(False):
+    with quick_mode(args.quick), run_figures(False), starting_over(args.overwrite):
         reproduction(args.name)(Path(args.out), quick=args.quick)
         summary_figure(Path(args.out), f"{args.name}: {SUMMARIES.get(args.name, '')}".rstrip(": "))
     written = sorted(p.name for p in Path(args.out).iterdir() if p.suffix in (".md", ".json", ".png", ".csv"))
@@ -314,17 +326,26 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     if not 0 <= args.nodes <= n:
         raise ConfigError(f"--nodes {args.nodes}: between 1 and {args.config}'s {n} seen clients")
     if args.action == "app":
-        from .flower.project import write_project
+        from .engine.rundir import check_output
+        from .flower.project import PROJECT_FILES, write_project
 
+        if args.resume:
+            raise ConfigError("fedmtl flower app: --resume is for simulate (an app project is written whole; "
+                              "--overwrite replaces one)")
+        check_output(args.out or "flower-app", overwrite=args.overwrite, names=PROJECT_FILES)
         out = write_project(cfg, args.out or "flower-app", args.nodes or n)
         print(f"wrote a Flower app project to {out} (flwr run {out}); deployment recipe: {out / 'DEPLOY.md'}")
         return 0
     import os
 
+    from .engine.rundir import RESULTS, check_output
     from .flower.simulation import simulate
 
+    if args.out:  # the ServerApp continues a checkpoint it finds: only with --resume here
+        check_output(args.out, overwrite=args.overwrite, resume=args.resume, names=RESULTS)
     res = simulate(dumps(cfg.raw), n, args.out or "", cpus=args.cpus or os.cpu_count() or 1, nodes=args.nodes,
-                   cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node, ray_address=args.ray_address)
+                   cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node, ray_address=args.ray_address,
+                   overwrite=args.overwrite)
     print(json.dumps(res.final, indent=1))
     return 0
 
@@ -454,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=V1,V2,...")
     sw.add_argument("--out")
     sw.add_argument("--seeds", help="run every setting with each of these seeds (e.g. 1-3); the plot shows bands")
+    _again_args(sw, "an interrupted sweep (settings with a checkpoint continue)", "every setting starts over")
     _plugins_arg(sw)
     _output_args(sw)
     sw.set_defaults(fn=_cmd_sweep)
@@ -477,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (fedmtl run, with or without --seeds)")
     cp.add_argument("--metric", default=SEEN_TEST_ACC_MEAN, help="the metric to sort by and to plot per round")
     cp.add_argument("--out", required=True)
+    cp.add_argument("--overwrite", action="store_true", help="replace the comparison --out already holds")
     _output_args(cp)
     cp.set_defaults(fn=_cmd_compare)
 
@@ -509,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
     m.add_argument("--quick", action="store_true", help="20 rounds, a smoke run")
+    _again_args(m, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(m)
     m.set_defaults(fn=_cmd_main)
 
@@ -521,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("name", choices=sorted(REPRODUCTIONS), metavar="NAME", help="one of the experiments above")
     rp.add_argument("--out", required=True)
     rp.add_argument("--quick", action="store_true", help="a short smoke version")
+    _again_args(rp, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(rp)
     rp.set_defaults(fn=_cmd_reproduce)
 
@@ -537,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "clients (default: one per client)")
     fl.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     fl.add_argument("--out", help="simulate: run directory; app: project directory (default flower-app)")
+    again = fl.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="simulate: continue the run --out holds")
+    again.add_argument("--overwrite", action="store_true", help="simulate: replace the run --out holds; app: replace "
+                       "the project --out holds")
     fl.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
     fl.add_argument("--cpus", type=int, default=0, help="simulate: CPUs of the Ray cluster started for the run "
                     "(default: this machine's)")
@@ -552,6 +581,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_parser(sub)
     return p
+
+
+def _again_args(p: argparse.ArgumentParser, resume: str, overwrite: str) -> None:
+    """--resume and --overwrite of a command that writes a folder: without either, one that holds files is refused."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help=f"continue {resume}")
+    g.add_argument("--overwrite", action="store_true", help=f"replace what --out holds: {overwrite}")
 
 
 def _output_args(p: argparse.ArgumentParser, sub: bool = True) -> None:

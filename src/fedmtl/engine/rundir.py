@@ -149,6 +149,26 @@ class RunDirectory:
         self.release()
 
 
+def check_output(path: str | Path, *, overwrite: bool, resume: bool | None = None,
+                 names: tuple[str, ...] | None = None) -> None:
+    """Refuse, before anything is built or written, a command whose output folder ``path`` already holds files
+    (``names``: only these count; None: any entry), unless it continues them (``resume``; None: the command cannot)
+    or replaces them (``overwrite``).  The one rule of every command that writes a folder: nothing is overwritten
+    without ``--overwrite``."""
+    path = Path(path)
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite exclude each other")
+    if overwrite or resume or not path.exists():
+        return
+    if not path.is_dir():
+        raise RunDirError(f"{path} is not a directory; choose another out directory (--out)")
+    have = sorted(p.name for p in path.iterdir() if names is None or p.name in names)
+    if have:
+        cont = "continue it with --resume, " if resume is not None else ""
+        raise RunDirError(f"{path} already holds {', '.join(have[:3])}{' ...' if len(have) > 3 else ''}; nothing "
+                          f"was changed: {cont}replace it with --overwrite, or choose another out directory (--out)")
+
+
 def is_out_of_space(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
@@ -281,5 +301,5 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
     return lay
 
 
-__all__ = ["COMMIT", "NEXT", "Layout", "RunDirError", "RunDirectory", "alive", "check_resumable", "config_diff",
-           "is_out_of_space", "layout", "resume_command", "seed_dirs"]
+__all__ = ["COMMIT", "NEXT", "Layout", "RunDirError", "RunDirectory", "alive", "check_output", "check_resumable",
+           "config_diff", "is_out_of_space", "layout", "resume_command", "seed_dirs"]
