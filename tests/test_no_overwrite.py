@@ -166,3 +166,41 @@ def test_flower_simulate(cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
     out = tmp_path / "r"
     assert main(["run", str(cfg), "--out", str(out), "-q"]) == 0
     refused(["flower", "simulate", str(cfg), "--out", str(out), "--nodes", "2"], out, capsys)
+
+
+@pytest.mark.parametrize("seeds", [[], ["--seeds", "1,2"]])
+def test_run_overwrite_that_cannot_start_keeps_the_results(cfg: Path, tmp_path: Path, seeds: list[str],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """--overwrite with a model that does not fit the data: refused after the data is built, and the results the
+    directory held are still there, byte-identical (they are deleted only once the new run is built)."""
+    out = tmp_path / "r"
+    assert main(["run", str(cfg), "--out", str(out), "-q", *seeds]) == 0
+    before = files(out)
+    capsys.readouterr()
+    assert main(["run", str(cfg), "--out", str(out), "-q", *seeds, "--overwrite", "--set",
+                 "model.name=cnn_femnist"]) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "image inputs" in err, err
+    assert files(out) == before and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert main(["run", str(cfg), "--out", str(out), "-q", *seeds, "--overwrite", "--set", "run.rounds=1"]) == 0
+    assert files(out) != before and not (out / ".replaced").exists()
+    metrics = out / ("seed-1" if seeds else "") / "metrics.csv"
+    assert metrics.read_text().count("\n") == 2  # the new run's header and one round
+
+
+def test_results_set_aside_by_a_killed_overwrite_come_back(cfg: Path, tmp_path: Path) -> None:
+    """A replacing run killed between setting the old results aside and starting leaves them in .replaced/; the next
+    run into the directory puts them back, so it is refused as holding results (nothing lost)."""
+    import socket
+
+    from fedmtl.engine.rundir import RunDirectory
+
+    out = tmp_path / "r"
+    assert main(["run", str(cfg), "--out", str(out), "-q"]) == 0
+    before = files(out)
+    rd = RunDirectory(out, overwrite=True, deferred=True).__enter__()  # as a replacing run killed now leaves it
+    assert (out / ".replaced" / "checkpoint.pt").exists() and not (out / "checkpoint.pt").exists()
+    rd._held = False  # the killed process's lock: it is gone (taken over below)
+    (out / ".lock").write_text(f"{socket.gethostname()} 999999999")
+    assert main(["run", str(cfg), "--out", str(out), "-q"]) == EXIT_INPUT
+    assert files(out) == before
