@@ -204,3 +204,16 @@ def test_results_set_aside_by_a_killed_overwrite_come_back(cfg: Path, tmp_path: 
     (out / ".lock").write_text(f"{socket.gethostname()} 999999999")
     assert main(["run", str(cfg), "--out", str(out), "-q"]) == EXIT_INPUT
     assert files(out) == before
+
+
+def test_a_run_into_a_run_directory_is_refused_before_its_data_is_built(cfg: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedmtl.config import ExperimentConfig
+
+    out = tmp_path / "r"
+    assert main(["run", str(cfg), "--out", str(out), "-q"]) == 0
+    built: list[int] = []
+    real = ExperimentConfig.build_data
+    monkeypatch.setattr(ExperimentConfig, "build_data", lambda self, *a, **k: built.append(1) or real(self, *a, **k))
+    assert main(["run", str(cfg), "--out", str(out), "-q"]) == EXIT_INPUT
+    assert built == []

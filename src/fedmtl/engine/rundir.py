@@ -163,9 +163,7 @@ class RunDirectory:
             held = [f for f in RESULTS if (self.path / f).exists()]
             if held and not self.resume:
                 if not self.overwrite:
-                    raise RunDirError(f"{self.path} already holds a run ({', '.join(held)}); continue it with "
-                                      "resume=True (--resume), replace it with overwrite=True (--overwrite), or "
-                                      "choose another out directory (--out)")
+                    raise holds_a_run(self.path, held)
                 self._replace([*OUTPUTS, "client_store"])
         except BaseException:
             self._put_back(clear=False)
@@ -221,6 +219,12 @@ def check_output(path: str | Path, *, overwrite: bool, resume: bool | None = Non
         cont = "continue it with --resume, " if resume is not None else ""
         raise RunDirError(f"{path} already holds {', '.join(have[:3])}{' ...' if len(have) > 3 else ''}; nothing "
                           f"was changed: {cont}replace it with --overwrite, or choose another out directory (--out)")
+
+
+def holds_a_run(path: Path, held: list[str]) -> RunDirError:
+    """The refusal of a run into ``path``, which holds the results ``held``, without resume or overwrite."""
+    return RunDirError(f"{path} already holds a run ({', '.join(held)}); continue it with resume=True (--resume), "
+                       "replace it with overwrite=True (--overwrite), or choose another out directory (--out)")
 
 
 def is_out_of_space(e: BaseException) -> bool:
@@ -342,6 +346,8 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
     if seeds is None:
         if resume:
             _differs(path, _saved_config(path), config, command)
+        elif held := [f for f in RESULTS if (path / f).exists()]:  # refused before the data is built
+            raise holds_a_run(path, held)
         return lay
     if not resume:
         raise RunDirError(f"{path} already holds a run with seeds {lay.seeds}; resume it with: {command} "
@@ -356,5 +362,5 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
     return lay
 
 
-__all__ = ["COMMIT", "NEXT", "Layout", "RunDirError", "RunDirectory", "alive", "check_output", "check_resumable",
-           "config_diff", "is_out_of_space", "layout", "resume_command", "seed_dirs"]
+__all__ = ["COMMIT", "NEXT", "REPLACED", "Layout", "RunDirError", "RunDirectory", "alive", "check_output",
+           "check_resumable", "config_diff", "holds_a_run", "is_out_of_space", "layout", "resume_command", "seed_dirs"]
