@@ -204,3 +204,20 @@ def test_from_arrays_blames_the_odd_client_even_when_it_is_the_first():
     odd = [(np.zeros((5, 4)), np.zeros(5, dtype=int))] + [(np.zeros((5, 3)), np.zeros(5, dtype=int))] * 3
     with pytest.raises(DataError, match=r"train client 0: feature shape \(4,\), most clients have \(3,\)"):
         FederatedData.from_arrays(odd, odd)
+
+
+def test_a_sigterm_while_the_input_is_checked_lets_the_refusal_through():
+    """Under torchrun a rank may be stopped (SIGTERM) because another rank refused the same input first: the
+    refusal still wins, so every rank says why; without one the SIGTERM takes effect at the end of the checks."""
+    from fedmtl.cli import _sigterm_deferred, _Terminated
+
+    with pytest.raises(ConfigError, match="bad key"), _sigterm_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        raise ConfigError("bad key")
+    reached = False
+    with pytest.raises(_Terminated), _sigterm_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        reached = True
+    assert reached

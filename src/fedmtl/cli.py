@@ -43,21 +43,11 @@ def _own_config(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .config import load
+    from .engine.distributed import launched
     from .engine.driver import run_experiment
 
-    if args.config is None:
-        args.config, seeds = _own_config(args)
-        args.seeds = args.seeds or seeds
-    overrides = list(args.set)
-    if args.device:
-        overrides.append(f"run.device={args.device}")
-    if args.seeds:
-        overrides.append(f"run.seeds=[{parse_seeds(args.seeds)}]")
-    from .engine.distributed import launched
-
     with _sigterm_deferred():  # a rank torchrun stops because another refused the same input refuses it too
-        cfg = load(args.config, overrides)
+        cfg = _run_config(args)
         _refuse_seeds_under_torchrun(args, cfg, launched())
     out = args.out or str(Path("runs") / Path(args.config).stem)
     keys = HEADLINE
@@ -95,6 +85,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if k in final:
             print(f"  {k:28s} {100 * final[k]:7.2f}")
     return 0
+
+
+def _run_config(args: argparse.Namespace) -> Any:
+    """The validated config of ``fedmtl run`` (its CONFIG, or the run directory's own, with --set, --device and
+    --seeds)."""
+    from .config import load
+
+    if args.config is None:
+        args.config, seeds = _own_config(args)
+        args.seeds = args.seeds or seeds
+    overrides = list(args.set)
+    if args.device:
+        overrides.append(f"run.device={args.device}")
+    if args.seeds:
+        overrides.append(f"run.seeds=[{parse_seeds(args.seeds)}]")
+    return load(args.config, overrides)
 
 
 def _refuse_seeds_under_torchrun(args: argparse.Namespace, cfg: Any, ranked: bool) -> None:
