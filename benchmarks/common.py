@@ -26,18 +26,17 @@ def add_threads(p: argparse.ArgumentParser) -> None:
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
 def device_error(dev: str) -> str | None:
-    """Why ``--device dev`` cannot be used here (None: it can)."""
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        return f"--device must be cpu, cuda or cuda:N, got {dev!r}"
-    if dev != "cpu":
-        import torch
+    """Why ``--device dev`` cannot be used here (None: it can): ``run.device``'s rule (``fedmtl.machine``)."""
+    from fedmtl.machine import torch_device
 
-        if not torch.cuda.is_available():
-            return f"--device {dev}: this machine has no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        torch_device(dev, "--device")
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -15,7 +15,7 @@ from fedmtl.testing import toy_data
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("device, msg", [("cuda", "no CUDA device"), ("gpu", "cpu, cuda or cuda:N")])
+@pytest.mark.parametrize("device, msg", [("cuda", "no CUDA device"), ("gpu", "'cpu', 'cuda' or 'cuda:N'")])
 def test_bench_refuses_a_device_it_cannot_use(tmp_path, device, msg):
     r = subprocess.run([sys.executable, "-m", "fedmtl", "bench", "engine", "--device", device,
                         "--out", str(tmp_path / "x.json")], capture_output=True, text=True)

@@ -334,3 +334,40 @@ def test_digits_is_an_offline_mnist_analogue():
     classes = [len(set(d.seen.train.client(k)[1].tolist())) for k in range(10)]
     assert max(classes) <= 4 and sum(classes) / 10 <= 3  # two label-sorted shards each (a shard may straddle)
     assert d.meta["input"] == "image" and 0 < d.meta["mean"] < 1
+
+
+@pytest.mark.parametrize("reader", ["idx", "idx_gz", "leaf", "play", "sensit", "md5"])
+def test_dataset_files_that_are_fifos_are_refused_not_waited_on(tmp_path, reader):
+    """Raw dataset files are checked for kind (and size) before they are read: a FIFO in the data folder is one
+    clear ``DataError`` naming it, never a reader blocked forever."""
+    import threading
+
+    from fedmtl.data.tabular import read_sensit_folder
+    from fedmtl.data.vision import read_leaf_json
+
+    name = {"idx": "x.idx", "idx_gz": "x.gz", "leaf": "a.json", "play": "p_gut.txt", "md5": "f.bin",
+            "sensit": "aav1/s1/b_seismic_feat.txt"}[reader]
+    fifo = tmp_path / name
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    if reader == "sensit":
+        np.savetxt(fifo.parent / "a_acoustic_feat.txt", np.ones((3, 52)))
+    os.mkfifo(fifo)
+    call = {"idx": lambda: read_idx(fifo), "idx_gz": lambda: read_idx(fifo), "leaf": lambda: read_leaf_json([fifo]),
+            "play": lambda: load_roles(tmp_path), "sensit": lambda: read_sensit_folder(tmp_path),
+            "md5": lambda: D.md5sum(fifo)}[reader]
+    got: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            got.append(None)
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # release the blocked reader
+        pytest.fail(f"{reader}: blocked reading a FIFO")
+    assert isinstance(got[0], DataError) and "FIFO" in str(got[0]) and name.rpartition("/")[2] in str(got[0]), got

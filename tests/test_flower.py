@@ -46,6 +46,11 @@ def test_record_round_trip_of_stacked_tensors_and_namedtuples():
     wrong["components"]["fc.bias"] = torch.zeros(3, 3)
     with pytest.raises(RecordError, match="fc.bias"):
         record_to_tree(rec, wrong)
+    # a node's reply of another dtype is refused, never cast (float64 1e299 would become Inf in float32; ints truncate)
+    for bad in (torch.full((3, 2), 1e299, dtype=torch.float64), torch.ones(3, 2, dtype=torch.int64)):
+        forged = tree_to_record({**tree, "components": {**tree["components"], "fc.bias": bad}})
+        with pytest.raises(RecordError, match=rf"fc.bias.*{bad.dtype}.*expected.*float32"):
+            record_to_tree(forged, T.tmap(torch.zeros_like, tree))
 
 
 def test_scalar_records_keep_integers_exact():
@@ -513,3 +518,78 @@ def test_adapters_over_flower_equal_the_simulator(tmp_path):
         '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]\n\n[model.adapters]\nrank = 2\nalpha = 4.0')
     res = _flower_equals_in_process(raw, tmp_path)
     assert {k.rsplit(".", 1)[-1].strip("[]'\"") for k in T.to_named(res.server)} == {"lora_A", "lora_B"}
+
+
+@pytest.mark.parametrize("case", ["world-writable", "file", "symlink", "live", "too-long", "under-a-file"])
+def test_worker_refuses_a_bad_socket_path_in_one_line_before_serving(tmp_path, case):
+    """``fedmtl flower worker --socket PATH`` refuses, before it says it serves: a socket in a directory others may
+    enter, an existing file, a symbolic link (even to a live socket), a socket another worker listens on, a path too
+    long for a Unix socket, a directory that cannot be made; each one line on stderr naming the path, exit 2."""
+    import os
+    import socket as socketlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    home = tmp_path / "w"
+    home.mkdir(mode=0o700)
+    os.chmod(home, 0o700)
+    path = home / "worker.sock"
+    live = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    if case == "world-writable":
+        (tmp_path / "open").mkdir()
+        os.chmod(tmp_path / "open", 0o1777)
+        path = tmp_path / "open" / "worker.sock"
+    elif case == "file":
+        path.write_text("precious")
+    elif case in ("symlink", "live"):
+        target = home / "live.sock"
+        live.bind(str(target))
+        live.listen(1)
+        if case == "symlink":
+            path.symlink_to(target)
+        else:
+            path = target
+    elif case == "too-long":
+        path = home / ("d" * 120) / "worker.sock"
+    else:
+        (home / "plain").write_text("a file")
+        path = home / "plain" / "worker.sock"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        p = subprocess.run([sys.executable, "-m", "fedmtl", "flower", "worker", "--socket", str(path)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        live.close()
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "serving" not in p.stdout and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("fedmtl: error: "), p.stderr
+    assert len(p.stderr) < 400 and (path.name in p.stderr or "..." in p.stderr)
+    if case == "file":
+        assert path.read_text() == "precious"
+    if case == "symlink":
+        assert path.is_symlink()
+
+
+def test_worker_replaces_a_dead_workers_socket(tmp_path):
+    """A socket file left by a worker that died (nothing listens) is replaced, and the new worker listens there."""
+    import os
+    import socket as socketlib
+
+    from fedmtl.flower.worker import Worker
+
+    home = tmp_path / "w"
+    home.mkdir(mode=0o700)
+    os.chmod(home, 0o700)
+    path = home / "worker.sock"
+    dead = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # the file stays, nothing listens
+    sock = Worker(path).bind()
+    try:
+        with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as c:
+            c.connect(str(path))
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        sock.close()

@@ -14,7 +14,8 @@ import fedmtl
 from fedmtl import tree as T
 from fedmtl.config import ConfigError, apply_overrides, dumps, validate
 from fedmtl.model import Model, ModelError
-from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names, load_peft, save_peft
+from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names
+from fedmtl.models.peft_folder import load_peft, save_peft
 
 CONFIG = """
 [data]
@@ -229,7 +230,7 @@ def test_hugging_face_round_trip(tmp_path):
     x = torch.from_numpy(xs[0][:6]).long()
     with torch.no_grad():
         assert torch.allclose(model.apply(params, x), loaded(input_ids=x).logits, atol=1e-5)
-    back = load_peft(tmp_path / "adapter", prefix="model.")
+    back = load_peft(tmp_path / "adapter", prefix="model.", module=model.module)
     assert set(back) == set(params) and all(torch.equal(back[k], params[k]) for k in params)
 
 
@@ -269,7 +270,7 @@ def test_char_transformer_with_adapters_on_every_executor(tmp_path):
     start = full.build_model((12,), 80).start(0)
     assert all(torch.equal(start[k], v) for k, v in base.state_dict().items() if k in start)
     bad = {**raw, "model": {**raw["model"], "adapters": {**raw["model"]["adapters"], "base": str(tmp_path / "no")}}}
-    with pytest.raises(ConfigError, match="model.adapters.base: .* is not a file"):
+    with pytest.raises(ConfigError, match="model.adapters.base: .*: no such file"):
         validate({**bad, "data": {"name": "shakespeare"}}).build_model((12,), 80)
 
 

@@ -85,7 +85,7 @@ def test_a_second_run_into_a_locked_directory_is_refused_and_stale_locks_are_tak
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @pytest.mark.parametrize("kind", ["garbage", "truncated", "pickle", "format", "nan", "round", "empty", "client_ids",
-                                  "client_shape", "client_nan", "fifo"])
+                                  "client_shape", "client_nan", "fifo", "float64", "client_int"])
 def test_corrupt_or_tampered_checkpoints_are_refused_in_one_line(tmp_path, capsys, kind):
     cfg2, out2 = _cfg(tmp_path, rounds=4, every=2), tmp_path / "o2"
     cfg2.write_text(cfg2.read_text().replace('name = "fedavg"', 'name = "ditto"'))  # ditto: client states to tamper
@@ -99,6 +99,11 @@ def test_corrupt_or_tampered_checkpoints_are_refused_in_one_line(tmp_path, capsy
         torch.save({**payload, "clients": {**clients, "ids": clients["ids"] + 1000}}, ck)
     elif kind == "client_shape":
         torch.save({**payload, "clients": {**clients, "leaf0": clients["leaf0"][..., :1]}}, ck)
+    elif kind == "client_int":  # never cast to the state's dtype
+        torch.save({**payload, "clients": {**clients, "leaf0": clients["leaf0"].to(torch.int64)}}, ck)
+    elif kind == "float64":  # finite in float64, Inf once cast to float32: refused, never cast
+        payload["server"] = {k: torch.full(v.shape, 1e299, dtype=torch.float64) for k, v in payload["server"].items()}
+        torch.save(payload, ck)
     elif kind == "client_nan":
         torch.save({**payload, "clients": {**clients, "leaf0": clients["leaf0"] * float("nan")}}, ck)
     elif kind == "fifo":
@@ -129,7 +134,10 @@ def test_corrupt_or_tampered_checkpoints_are_refused_in_one_line(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "checkpoint.pt" in err, err
     if kind.startswith("client"):
-        assert {"client_ids": "out of range", "client_shape": "has shape", "client_nan": "NaN or Inf"}[kind] in err
+        assert {"client_ids": "out of range", "client_shape": "has shape", "client_nan": "NaN or Inf",
+                "client_int": "torch.int64"}[kind] in err
+    if kind == "float64":
+        assert "torch.float64, expected" in err and ".params['" in err, err
     assert not (tmp_path / "pwned").exists()
     # nothing overwritten: the refusal comes before any file of the run directory is touched
     assert {f: (out2 / f).read_bytes() for f in before} == before

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ from .engine.distributed import RankLost
 from .engine.evaluation import HEADLINE, SEEN_TEST_ACC_MEAN
 from .engine.rundir import is_out_of_space
 from .registry import RegistryError, import_plugins, load_plugins
+from .schema import shown
 
 
 def _own_config(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -107,43 +109,30 @@ def _refuse_seeds_under_torchrun(args: argparse.Namespace, cfg: Any, ranked: boo
     """Several seeds are one process's batched computation: a rank of a torchrun job refuses them (every rank the
     same way) before anything is written."""
     if cfg.run.seeds and (args.executor == "distributed" or ranked):
-        seeds = ", ".join(map(str, cfg.run.seeds))
-        raise ConfigError(f"{args.config}: several seeds (--seeds / run.seeds = [{_cut(seeds, 60)}]) do not run under "
-                          "torchrun: start one torchrun job per seed (--set run.seed=S --out DIR/seed-S), or run the "
-                          "seeds in one process (fedmtl run --seeds ...)")
-
-
-def _cut(text: str, width: int = 80) -> str:
-    """``text`` cut to ``width`` characters, ending in "..." where it was cut."""
-    return text if len(text) <= width else text[:width - 3] + "..."
+        raise ConfigError(f"{args.config}: several seeds (--seeds / run.seeds = {shown(list(cfg.run.seeds))}) do not "
+                          "run under torchrun: start one torchrun job per seed (--set run.seed=S --out DIR/seed-S), or "
+                          "run the seeds in one process (fedmtl run --seeds ...)")
 
 
 def _positive_seconds(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {shown(text)}") from None
     if not 1 <= v <= 86400:
         raise argparse.ArgumentTypeError(f"{v:g} s: between 1 and 86400 seconds")
     return v
 
 
 def parse_seeds(text: str) -> str:
-    """``--seeds 1,2,3`` or ``--seeds 1-5`` -> the TOML list body "1, 2, 3"."""
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1)
-                out += list(range(int(lo), int(hi) + 1))
-            else:
-                out.append(int(part))
-    except ValueError:
-        raise ConfigError(f"--seeds {text!r}: expected integers such as 1,2,3 or 1-5") from None
-    if not out:
-        raise ConfigError(f"--seeds {text!r}: no seeds")
-    return ", ".join(str(s) for s in out)
+    """``--seeds 1,2,3`` or ``--seeds 1-5`` -> the TOML list body "1, 2, 3" (in the order written).  The ranges are
+    checked (seeds in [0, 2^63 - 1], at most ``MAX_SEEDS`` of them) before a list is built: ``0-99999999999`` is
+    a one-line error, not a MemoryError."""
+    from .engine.spec import MAX_SEED, MAX_SEEDS
+    from .ranges import spans
+
+    parts = spans(text, 0, MAX_SEED, "--seeds", ConfigError, max_count=MAX_SEEDS)
+    return ", ".join(str(s) for a, b in parts for s in range(a, b + 1))
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -197,7 +186,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
     if args.algorithm:
         if args.algorithm not in ALGORITHMS:
-            raise ConfigError(f"--algorithm {args.algorithm!r}: not one of {sorted(ALGORITHMS)}")
+            raise ConfigError(f"--algorithm {shown(args.algorithm)}: not one of {sorted(ALGORITHMS)}")
         cls = ALGORITHMS[args.algorithm]
         print(f"{args.algorithm}: {describe(cls)}")
         keys(cls)
@@ -207,7 +196,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
         targets = table_targets()
         if args.table not in targets:
-            raise ConfigError(f"--table {args.table!r}: not one of {sorted(targets)} (the [algorithm] table: "
+            raise ConfigError(f"--table {shown(args.table)}: not one of {sorted(targets)} (the [algorithm] table: "
                               "--algorithm NAME; [data] and [model]: --dataset NAME, --model NAME)")
         print(f"[{args.table}]: every key with its type, valid range and default")
         keys(targets[args.table])
@@ -216,7 +205,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         name = getattr(args, flag)
         if name:
             if name not in registry:
-                raise ConfigError(f"--{flag} {name!r}: not one of {sorted(registry)}")
+                raise ConfigError(f"--{flag} {shown(name)}: not one of {sorted(registry)}")
             print(f"[{'data' if flag == 'dataset' else 'model'}] name = {name!r}: its keys with type, valid range and "
                   "default")
             keys(registry[name])
@@ -315,8 +304,10 @@ def _cmd_flower(args: argparse.Namespace) -> int:
             raise ConfigError("fedmtl flower worker needs --socket PATH (the SuperNode's node config fedmtl-worker)")
         from .flower.worker import Worker
 
+        worker = Worker(args.socket)
+        sock = worker.bind()  # every refusal (SocketRefused: one line, exit 2) comes before "serving"
         print(f"fedmtl flower worker: serving {args.socket}", flush=True)
-        Worker(args.socket).serve()
+        worker.serve(sock=sock)
         return 0
     if not args.config:
         raise ConfigError(f"fedmtl flower {args.action} needs a CONFIG")
@@ -465,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="run directory (default runs/<config name>)")
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     r.add_argument("--overwrite", action="store_true", help="replace the results a run directory already holds")
-    r.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
+    r.add_argument("--device", help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
     r.add_argument("--executor", choices=["distributed"], help="distributed: this process is a rank of a torchrun "
                    "job (torchrun --nproc-per-node R -m fedmtl run CONFIG ...); detected from torchrun's environment")
     r.add_argument("--dist-timeout", type=_positive_seconds, default=1800.0, metavar="SECONDS",
@@ -516,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(exit 1)")
     w.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (--out of fedmtl run, fedmtl-out of a Flower "
                    "run); a run with several seeds is followed seed by seed")
-    w.add_argument("--interval", type=float, default=2.0, help="seconds between two reads (default 2)")
+    w.add_argument("--interval", type=float, default=2.0, help="seconds between two reads, 0.01 to 3600 "
+                   "(default 2)")
     w.add_argument("--once", action="store_true", help="print the run's state now and exit")
     w.set_defaults(fn=_cmd_watch)
 
@@ -572,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--resume", action="store_true", help="simulate: continue the run --out holds")
     again.add_argument("--overwrite", action="store_true", help="simulate: replace the run --out holds; app: replace "
                        "the project --out holds")
-    fl.add_argument("--device", help="cpu or cuda[:i] (same as --set run.device=...)")
+    fl.add_argument("--device", help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
     fl.add_argument("--cpus", type=int, default=0, help="simulate: CPUs of the Ray cluster started for the run "
                     "(default: this machine's)")
     fl.add_argument("--cpus-per-node", type=float, default=1.0, help="simulate: CPUs each virtual SuperNode reserves "
@@ -629,14 +621,14 @@ def main(argv: list[str] | None = None) -> int:
         with progress:  # what progress=True means, for this command only
             return args.fn(args)
     except (ConfigError, RegistryError) as e:
-        print(f"fedmtl: config error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        print(f"fedmtl: config error: {_line(str(e))}", file=sys.stderr)
         return EXIT_INPUT
     except ValueError as e:  # DataError, ModelError, CheckpointError, RunDirError, ...
         msg = " ".join([*str(e).split("\n"), *getattr(e, "__notes__", [])])
         source = getattr(args, "config", None)
         if isinstance(source, str) and source not in msg:
-            msg = f"{source}: {msg}"  # the file whose settings led here
-        print(f"fedmtl: error: {msg}", file=sys.stderr)
+            msg = f"{shown(source, bare=True)}: {msg}"  # the file whose settings led here
+        print(f"fedmtl: error: {_line(msg)}", file=sys.stderr)
         return EXIT_INPUT
     except RankLost as e:
         print(f"fedmtl: distributed run stopped: {e}{_resume_hint(args)} (the same torchrun command)", file=sys.stderr)
@@ -659,9 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except OSError as e:
-        what = "out of disk space" if is_out_of_space(e) else f"cannot write ({e.strerror or e})"
-        where = f" {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"fedmtl: {what}{':' if where else ''}{where}{_resume_hint(args)}", file=sys.stderr)
+        print(f"fedmtl: {_line(_os_error(e, args))}", file=sys.stderr)
         return EXIT_OS
     finally:
         if previous is not None:
@@ -675,6 +665,42 @@ def main(argv: list[str] | None = None) -> int:
 # torchrun stopped this rank with SIGTERM); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).  After 3, 4, 130
 # and 143 the last checkpoint is intact.
 EXIT_INPUT, EXIT_OS, EXIT_RANK_LOST, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 4, 130, 143
+
+
+def _line(message: str) -> str:
+    """An error message as the one line the command line prints: its lines joined, and cut at ``MAX_LINE``
+    characters (each value in it is already cut, ``fedmtl.schema.shown``; this bounds what a value no check knew of
+    could add)."""
+    return shown(" ".join(message.splitlines()), MAX_LINE, bare=True)
+
+
+MAX_LINE = 2000
+_TEMPORARY = re.compile(r"\.(.+)\.[A-Za-z0-9_]{8}\.tmp")  # report.atomic's and checkpoint.save's names
+
+
+def written_file(e: OSError) -> Path | None:
+    """The user's file an ``OSError`` of a write is about: the destination of a rename (``filename2``) or the file
+    whose temporary (``.NAME.XXXXXXXX.tmp``, ``report.atomic``) was being written, never the temporary itself."""
+    name = getattr(e, "filename2", None) or getattr(e, "filename", None)
+    if not name:
+        return None
+    path = Path(str(name))
+    m = _TEMPORARY.fullmatch(path.name)
+    return path.with_name(m.group(1)) if m else path
+
+
+def _os_error(e: OSError, args: argparse.Namespace) -> str:
+    """The one line for a write the operating system refused: what, which file, and what to do: where the file is
+    in the way (a directory where a file is written), move it, then resume (or start into another directory)."""
+    what = "out of disk space" if is_out_of_space(e) else f"cannot write ({e.strerror or e})"
+    path = written_file(e)
+    if path is None:
+        return f"{what}{_resume_hint(args)}"
+    if path.is_dir() and path.suffix:  # a directory where a file (metrics.csv, checkpoint.pt) is written
+        hint = _resume_hint(args)
+        return (f"{what}: {path} is a directory, where the run writes a file: move it out of the way"
+                + (hint if "resume with" in hint else f", then run the same command again{hint}"))
+    return f"{what}: {path}{_resume_hint(args)}"
 
 
 class _Terminated(BaseException):

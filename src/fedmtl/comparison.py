@@ -15,6 +15,7 @@ A RUN_DIR is a run directory (``fedmtl run``) or a several-seeds directory (``fe
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from .engine.evaluation import (
     UNSEEN_TEST_ACC_MEAN,
 )
 from .engine.seeds import history_stats, stats
+from .files import read_text
 from .report import MAX_WIDTH_IN, atomic, plot_bands, save_figure, write_json
 
 METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
@@ -37,13 +39,17 @@ METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)
            (PARTICIPATION_GAP, "participation gap")]
 
 
+MAX_SUMMARY_BYTES = 1 << 24  # a run's summary.json
+MAX_CSV_BYTES = 1 << 30  # its metrics.csv and clients.csv (a million clients' rows)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        out = json.loads(path.read_text())
+    try:  # kind and size before a byte is read (fedmtl.files)
+        out = json.loads(read_text(path, MAX_SUMMARY_BYTES, "run summary", ConfigError))
     except FileNotFoundError:
         raise ConfigError(f"{path.parent}: not a run directory (no summary.json; did the run finish?)") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: unreadable ({e})") from None
+        raise ConfigError(f"{path}: unreadable ({str(e)[:200]})") from None
     if not isinstance(out, dict) or not isinstance(out.get("final"), dict):
         raise ConfigError(f"{path}: not a fedmtl summary (no 'final' table)")
     return out
@@ -51,7 +57,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with open(path, newline="") as f:
+    with io.StringIO(read_text(path, MAX_CSV_BYTES, "metrics", ConfigError), newline="") as f:
         for row in csv.DictReader(f):
             clean: dict[str, Any] = {}
             for k, v in row.items():
@@ -68,7 +74,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def _client_acc(path: Path) -> dict[int, float]:
     """Final per-client test accuracy of the seen clients (``clients.csv``)."""
     out = {}
-    with open(path, newline="") as f:
+    with io.StringIO(read_text(path, MAX_CSV_BYTES, "per-client results", ConfigError), newline="") as f:
         for row in csv.DictReader(f):
             if row["group"] == "seen" and row["split"] == "test" and float(row["n"]) > 0:
                 out[int(row["client"])] = float(row["acc"])

@@ -53,7 +53,7 @@ from .privacy import PrivacyConfig
 from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
-from .schema import Range, check_number, range_of, strip, type_hints
+from .schema import MAX_ITEMS, Range, check_number, describe_type, range_of, shown, strip, type_hints
 
 TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
           "server_opt", "async")
@@ -75,23 +75,24 @@ class ConfigError(ValueError):
 # (``check_data_table``).
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
 def _coerce(value: Any, tp: Any, where: str, rng: Range | None = None) -> Any:
     """Check ``value`` against the annotation ``tp`` (and its declared ``Range``, ``fedmtl.schema``); returns the
-    value converted where lossless."""
+    value converted where lossless.  Errors say what the key expects in words (``describe_type``) and echo the
+    value cut short (``shown``)."""
     rng = range_of(tp) or rng
     tp = strip(tp)
     origin = typing.get_origin(tp)
+
+    def wrong(what: str) -> ConfigError:
+        return ConfigError(f"{where}: expected {what}, got {_kind(value)} {shown(value)}")
+
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
-            raise ConfigError(f"{where}: must be one of {list(allowed)}, got {value!r}")
+            raise ConfigError(f"{where}: must be one of {list(allowed)}, got {shown(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
-        errors = []
+        near: ConfigError | None = None  # the error of the first arm of the value's kind (a list for a list arm)
         for arg in typing.get_args(tp):
             if arg is type(None):
                 if value is None:
@@ -100,11 +101,16 @@ def _coerce(value: Any, tp: Any, where: str, rng: Range | None = None) -> Any:
             try:
                 return _coerce(value, arg, where, rng)
             except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+                kind = typing.get_origin(strip(arg)) or strip(arg)
+                if near is None and isinstance(kind, type) and isinstance(value, list | tuple if kind in (list, tuple)
+                                                                          else kind):
+                    near = e
+        raise near or wrong(describe_type(tp))
     if origin in (tuple, list):
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+            raise wrong(describe_type(tp))
+        if len(value) > MAX_ITEMS:  # before a single item is converted
+            raise ConfigError(f"{where}: {len(value)} items; a config list holds at most {MAX_ITEMS}")
         args = typing.get_args(tp)
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -113,15 +119,16 @@ def _coerce(value: Any, tp: Any, where: str, rng: Range | None = None) -> Any:
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected float, got {type(value).__name__} {value!r}")
+            raise wrong("a number")
         try:
             check_number(float(value), rng, where)
         except (ValueError, OverflowError) as e:
-            raise ConfigError(str(e) if isinstance(e, ValueError) else f"{where}: {value} is not a float") from None
+            raise ConfigError(str(e) if isinstance(e, ValueError) else f"{where}: {shown(value)} is not a float"
+                              ) from None
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected int, got {type(value).__name__} {value!r}")
+            raise wrong("an integer")
         try:
             check_number(value, rng, where)
         except ValueError as e:
@@ -129,13 +136,22 @@ def _coerce(value: Any, tp: Any, where: str, rng: Range | None = None) -> Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected bool (true/false), got {type(value).__name__} {value!r}")
+            raise wrong("true or false")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected string, got {type(value).__name__} {value!r}")
+            raise wrong("a string")
         return value
     return value
+
+
+def _kind(value: Any) -> str:
+    """A TOML value's kind in words, for "got ..."."""
+    for kind, word in ((bool, "bool"), (int, "int"), (float, "float"), (str, "string"), (list, "list"),
+                       (tuple, "list"), (dict, "table")):
+        if isinstance(value, kind):
+            return word
+    return type(value).__name__
 
 
 def _signature_types(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -159,7 +175,7 @@ def _check_table(
         if key not in allowed:
             near = difflib.get_close_matches(key, list(allowed), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"{where}: unknown key {key!r}{hint}; allowed: {sorted(allowed)}")
+            raise ConfigError(f"{where}: unknown key {shown(key)}{hint}; allowed: {sorted(allowed)}")
         out[key] = _coerce(value, allowed[key], f"{where}.{key}")
     return out
 
@@ -251,7 +267,7 @@ def _named(table: dict[str, Any], registry: dict[str, Any], tname: str, src: str
     if not isinstance(name, str) or name not in registry:
         near = difflib.get_close_matches(name, list(registry), n=1) if isinstance(name, str) else []
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ConfigError(f"{src}: [{tname}].name = {name!r} is not one of {sorted(registry)}{hint}")
+        raise ConfigError(f"{src}: [{tname}].name = {shown(name)} is not one of {sorted(registry)}{hint}")
     return name, registry[name]
 
 
@@ -291,9 +307,9 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
     must be left out (they are recorded as coming from Python)."""
     for t in raw:
         if t not in TABLES:
-            raise ConfigError(f"{source}: unknown table [{t}]; allowed: {list(TABLES)}")
+            raise ConfigError(f"{source}: unknown table [{shown(t, bare=True)}]; allowed: {list(TABLES)}")
         if not isinstance(raw[t], dict):
-            raise ConfigError(f"{source}: '{t}' must be a table, got {type(raw[t]).__name__}")
+            raise ConfigError(f"{source}: {shown(t)} must be a table, got {_kind(raw[t])} {shown(raw[t])}")
     tables = {t: dict(raw.get(t, {})) for t in TABLES}
     for t, given, marker in (("data", data_given, PYTHON_DATA), ("model", model_given, PYTHON_MODEL)):
         if given and tables[t] and tables[t] != {"name": marker}:
@@ -315,7 +331,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
                                               f"{source}: [model]", skip=("input_shape", "num_classes", "meta"))}
         weights = tables["model"].get("weights", "")
         if not isinstance(weights, str):
-            raise ConfigError(f"{source}: [model] weights must be the path of a safetensors file, got {weights!r}")
+            raise ConfigError(f"{source}: [model] weights must be the path of a safetensors file, got {shown(weights)}")
         if weights:  # a safetensors file of the module's state_dict, where every run starts (checked when built)
             model["weights"] = weights
         if "adapters" in tables["model"]:  # the [model.adapters] sub-table (fedmtl.models.lora.AdapterConfig)
@@ -323,7 +339,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
 
             sub = tables["model"]["adapters"]
             if not isinstance(sub, dict):
-                raise ConfigError(f"{source}: [model] adapters must be a table ([model.adapters]), got {sub!r}")
+                raise ConfigError(f"{source}: [model] adapters must be a table ([model.adapters]), got {shown(sub)}")
             try:
                 ad = AdapterConfig(**_check_table(sub, AdapterConfig, f"{source}: [model.adapters]"))
             except ConfigError:
@@ -385,11 +401,11 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``"table.key=value"`` -> (table, key, value); value in TOML syntax, bare words are strings."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError(f"--set {text!r}: expected table.key=value")
+        raise ConfigError(f"--set {shown(text)}: expected table.key=value")
     lhs, value = text.split("=", 1)
     table, key = lhs.strip().split(".", 1)  # key: "name", or "sub.name" for a sub-table ([model.adapters])
     if max_nesting(value) > MAX_NESTING:
-        raise ConfigError(f"--set {lhs.strip()}: value nested deeper than {MAX_NESTING}")
+        raise ConfigError(f"--set {shown(lhs.strip())}: value nested deeper than {MAX_NESTING}")
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -403,12 +419,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         table, key, value = parse_override(text)
         out.setdefault(table, {})
         if not isinstance(out[table], dict):
-            raise ConfigError(f"--set {text!r}: '{table}' is not a table")
+            raise ConfigError(f"--set {shown(text)}: '{shown(table)}' is not a table")
         sub, _, leaf = key.rpartition(".")
         if sub:  # model.adapters.rank=8: a key of the sub-table [model.adapters]
             inner = out[table].get(sub, {})
             if not isinstance(inner, dict):
-                raise ConfigError(f"--set {text!r}: '{table}.{sub}' is not a table")
+                raise ConfigError(f"--set {shown(text)}: {shown(table + '.' + sub)} is not a table")
             out[table] = {**out[table], sub: {**inner, leaf: value}}
         else:
             out[table][key] = value
@@ -432,8 +448,9 @@ def _renamed_hint(message: str, raw: dict[str, Any], overrides: list[str], path:
         if key != "name" or old is None or old == value or f"[{table}]: unknown key" not in message:
             continue
         kept = sorted(k for k in raw[table] if k != "name")
-        return (f" (the key comes from {path}'s [{table}] table, written for {old!r}: --set {table}.name={value} keeps "
-                f"its other keys {kept}; start from a config written for {value!r})")
+        return (f" (the key comes from {path}'s [{table}] table, written for {shown(old)}: --set "
+                f"{shown(table, bare=True)}.name={shown(value)} keeps its other keys {kept}; start from a config "
+                f"written for {shown(value)})")
     return ""
 
 

@@ -23,6 +23,7 @@ ignore the edge weights A_e: they depend on the unweighted degrees.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -31,6 +32,8 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from torch import Tensor
+
+from .files import read_bytes
 
 
 class GraphError(ValueError):
@@ -262,13 +265,21 @@ def from_file(path: str | Path, n: int) -> Graph:
     """A user-given adjacency: ``.npy`` or whitespace-separated text, N x N, symmetric, 0/1 or weights > 0,
     connected."""
     path = Path(path)
-    try:
-        a = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, ndmin=2)
-    except (OSError, ValueError) as e:
-        raise GraphError(f"{path}: cannot read an adjacency matrix ({e})") from e
+    try:  # kind and size before a byte is read: a FIFO or a device is refused, never waited on
+        raw = io.BytesIO(read_bytes(path, (1 << 20) + 64 * n * n, "adjacency matrix", GraphError))
+        a = np.load(raw, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(raw, ndmin=2)
+    except GraphError:
+        raise
+    except (OSError, ValueError, EOFError) as e:
+        raise GraphError(f"{path}: cannot read an adjacency matrix ({str(e)[:200]})") from None
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf":
+        raise GraphError(f"{path}: an adjacency matrix holds real numbers, got {getattr(a, 'dtype', type(a))}")
     a = np.asarray(a, dtype=np.float64)
     if a.shape != (n, n):
         raise GraphError(f"{path}: adjacency must be {n} x {n}, got {a.shape}")
+    if not np.isfinite(a).all() or (a < 0).any():
+        raise GraphError(f"{path}: adjacency entries must be finite and >= 0 (0: no edge), found "
+                         f"{a[~np.isfinite(a) | (a < 0)][0]}")
     if not np.allclose(a, a.T):
         raise GraphError(f"{path}: adjacency must be symmetric")
     np.fill_diagonal(a, 0.0)

@@ -17,21 +17,30 @@ loggers it names in ``loggers``.
   resume)`` returns an object with ``round(row, per_client)`` and ``close(summary)``.
 
 Loggers log runs that have a run directory (``--out``, ``fedmtl.run(..., out=...)``); a logger whose package is
-missing is refused when the config is read, naming the extra to install.
+missing, or an ``mlflow_uri`` whose scheme MLflow has no tracking store for, is refused when the config is read.  A
+logger that fails when it starts (an unwritable folder, an unreachable tracking server) or later is dropped with one
+warning line naming it, and the run goes on without it.  MLflow's requests are bounded for this logger (10 s, one
+retry, unless ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` are set): a server that does not
+answer costs seconds, not minutes.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+log = logging.getLogger("fedmtl")
 
 
 class RunLogger(Protocol):
@@ -63,7 +72,8 @@ class LogConfig:
     loggers: tuple[str, ...] = ()
     #: the same as loggers = ["tensorboard"]
     tensorboard: bool = False
-    #: mlflow: the tracking URI ("": $MLFLOW_TRACKING_URI, else a file store RUN_DIR/mlruns)
+    #: mlflow: the tracking URI, or a plain path for a local file store ("": $MLFLOW_TRACKING_URI, else a file store
+    #: RUN_DIR/mlruns); a scheme MLflow has no store for is refused
     mlflow_uri: str = ""
     #: mlflow: the experiment's name ("": the algorithm's name)
     mlflow_experiment: str = ""
@@ -81,6 +91,8 @@ class LogConfig:
             _, needs, extra = LOGGERS[name]
             if needs and importlib.util.find_spec(needs) is None:
                 raise ValueError(f"loggers: {name!r} needs the {needs} package: pip install 'fedmtl[{extra}]'")
+        if self.mlflow_uri:
+            tracking_uri(self.mlflow_uri, "[log] mlflow_uri")
 
     @property
     def names(self) -> list[str]:
@@ -88,9 +100,38 @@ class LogConfig:
         return list(dict.fromkeys([*self.loggers, *(["tensorboard"] if self.tensorboard else [])]))
 
 
-def open_loggers(run_dir: Path, cfg: Any, resume: bool) -> list[RunLogger]:
-    """The loggers ``cfg.log`` names, opened for the run in ``run_dir``."""
-    return [LOGGERS[name][0](run_dir, cfg, resume) for name in cfg.log.names]
+def _short(text: str, n: int = 80) -> str:
+    """``text`` on one line, cut to ``n`` characters ("..." marks the cut)."""
+    one = " ".join(str(text).split())
+    return one if len(one) <= n else one[:n - 3] + "..."
+
+
+def _failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {_short(str(e), 160)}"
+
+
+def open_loggers(run_dir: Path, cfg: Any, resume: bool, label: str = "") -> list[RunLogger]:
+    """The loggers ``cfg.log`` names, opened for the run in ``run_dir``; one that fails to open is left out with a
+    warning line naming it (``label``: the run's name in that line)."""
+    out = []
+    for name in cfg.log.names:
+        try:
+            out.append(LOGGERS[name][0](run_dir, cfg, resume))
+        except Exception as e:  # noqa: BLE001 (a logger's failure must not cost the run)
+            log.warning("%slogger %r failed to start (%s); the run goes on without it", f"{label}: " if label else "",
+                        name, _failure(e))
+    return out
+
+
+def log_all(loggers: list[RunLogger], what: str, label: str, *args: Any) -> None:
+    """Call ``what`` ("round" or "close") on each of ``loggers``; one that fails is removed from the list with a
+    warning line naming it."""
+    for lg in list(loggers):
+        try:
+            getattr(lg, what)(*args)
+        except Exception as e:  # noqa: BLE001 (a logger's failure must not cost the run)
+            log.warning("%s: logger %s failed (%s); the run goes on without it", label, type(lg).__name__, _failure(e))
+            loggers.remove(lg)
 
 
 def _scalars(row: dict[str, Any]) -> dict[str, float]:
@@ -142,19 +183,98 @@ def _flat(raw: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+#: the tracking-store schemes of MLflow 3 (databases also as ``dialect+driver``); plugins add theirs through the
+#: ``mlflow.tracking_store`` entry points
+_MLFLOW_SCHEMES = frozenset({"file", "http", "https", "databricks", "databricks-uc", "uc"})
+_MLFLOW_DATABASES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})
+#: MLflow's request bounds for this logger, unless the environment sets them (MLflow's defaults: 120 s, 7 retries)
+_MLFLOW_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
+def tracking_uri(raw: str, where: str) -> str:
+    """The MLflow tracking URI ``raw`` names: a plain path becomes a ``file:`` URI (resolved against the current
+    folder), a URI must have a scheme MLflow has a tracking store for; ValueError naming ``where`` otherwise."""
+    from urllib.parse import urlsplit
+
+    if raw in ("databricks", "databricks-uc", "uc"):  # profile-less Databricks URIs
+        return raw
+    scheme = urlsplit(raw).scheme if "://" in raw or raw.startswith("file:") else ""
+    if not scheme:
+        return Path(raw).expanduser().resolve().as_uri()
+    if scheme in _MLFLOW_SCHEMES or scheme.split("+")[0] in _MLFLOW_DATABASES:
+        return raw
+    from importlib.metadata import entry_points
+
+    if scheme in {ep.name for ep in entry_points(group="mlflow.tracking_store")}:
+        return raw
+    raise ValueError(f"{where} {_short(raw)!r}: MLflow has no tracking store for the scheme {_short(scheme, 20)!r} "
+                     f"(a path, file:, http(s):, sqlite:, postgresql:, mysql:, mssql: or databricks)")
+
+
+def _check_sqlite(uri: str) -> None:
+    """Open an ``sqlite:`` store's database once, here: MLflow retries a database it cannot open for minutes."""
+    from urllib.parse import urlsplit
+
+    if urlsplit(uri).scheme.split("+")[0] != "sqlite":
+        return
+    path = uri.split(":", 1)[1].split("?")[0].removeprefix("///")  # sqlite:///rel.db, sqlite:////abs.db
+    if path in ("", ":memory:"):
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        sqlite3.connect(path, timeout=5).close()
+    except (OSError, sqlite3.Error) as e:
+        raise OSError(f"{uri}: cannot open the database ({_failure(e)})") from None
+
+
+@contextmanager
+def _bounded(uri: str) -> Iterator[None]:
+    """MLflow's request bounds (``_MLFLOW_BOUNDS``) and, for a ``file:`` store, its permission
+    (``MLFLOW_ALLOW_FILE_STORE``, which MLflow >= 3.13 asks for) set while this logger's calls run, where the
+    environment leaves them unset; MLflow's and urllib3's retry warnings held back (a failure is one warning line,
+    the caller's)."""
+    extra = dict(_MLFLOW_BOUNDS)
+    if uri.startswith("file:"):
+        extra["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    added = [k for k in extra if k not in os.environ]
+    for k in added:
+        os.environ[k] = extra[k]
+    quiet = [logging.getLogger(name) for name in ("mlflow", "urllib3")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.ERROR))
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+        for lg, level in zip(quiet, levels, strict=True):
+            lg.setLevel(level)
+
+
 class MlflowRun:
     """One fedmtl run as one MLflow run (through ``MlflowClient``: no process-wide active run, so the replicas of a
     run with several seeds log side by side)."""
 
     def __init__(self, run_dir: Path, cfg: Any, resume: bool):
+        if cfg.log.mlflow_uri:
+            uri = tracking_uri(cfg.log.mlflow_uri, "[log] mlflow_uri")
+        elif os.environ.get("MLFLOW_TRACKING_URI"):
+            uri = tracking_uri(os.environ["MLFLOW_TRACKING_URI"], "$MLFLOW_TRACKING_URI")
+        else:
+            uri = (run_dir / "mlruns").resolve().as_uri()
+        _check_sqlite(uri)
+        self.uri, self.marker = uri, run_dir / "mlflow_run.json"
+        with _bounded(uri):
+            self._start(run_dir, cfg, resume)
+
+    def _start(self, run_dir: Path, cfg: Any, resume: bool) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = cfg.log.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "") or (run_dir / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):  # mlflow >= 3.13 refuses its file store unless asked for it
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        uri = self.uri
         self.client = MlflowClient(tracking_uri=uri)
-        self.uri, self.marker = uri, run_dir / "mlflow_run.json"
         saved = _read_marker(self.marker) if resume else None
         if saved is not None and saved.get("uri") == uri:
             self.run_id = str(saved["run_id"])
@@ -174,6 +294,10 @@ class MlflowRun:
         write_json(self.marker, {"uri": uri, "run_id": self.run_id})
 
     def round(self, row: dict[str, Any], per_client: dict[str, Any] | None) -> None:
+        with _bounded(self.uri):
+            self._round(row)
+
+    def _round(self, row: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
         now, step = int(time.time() * 1000), int(row["round"])
@@ -181,6 +305,10 @@ class MlflowRun:
                                                     for k, v in _scalars(row).items()])
 
     def close(self, summary: dict[str, Any] | None) -> None:
+        with _bounded(self.uri):
+            self._close(summary)
+
+    def _close(self, summary: dict[str, Any] | None) -> None:
         from mlflow.entities import Metric
 
         if summary is not None:
@@ -204,4 +332,5 @@ register_logger("tensorboard", lambda run_dir, cfg, resume: Board(run_dir / "ten
                 "tensorboard")
 register_logger("mlflow", MlflowRun, "mlflow", "mlflow")
 
-__all__ = ["LOGGERS", "Board", "LogConfig", "MlflowRun", "RunLogger", "open_loggers", "register_logger"]
+__all__ = ["LOGGERS", "Board", "LogConfig", "MlflowRun", "RunLogger", "log_all", "open_loggers", "register_logger",
+           "tracking_uri"]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .batchnorm import is_statistic
-from .schema import Annotated, Range, check_fields
+from .schema import Annotated, Range, check_fields, shown
 from .transforms import eager as is_eager
 from .transforms import only_vmap
 from .tree import Params, Tree, tmap
@@ -154,7 +154,7 @@ class SGD:
         for key in ("lr_milestones", "lr_milestone_rounds"):
             v = getattr(self, key)
             if any(b <= a for a, b in zip(v, v[1:], strict=False)):
-                raise ValueError(f"optim.{key} must be strictly increasing, got {list(v)}")
+                raise ValueError(f"optim.{key} must be strictly increasing, got {shown(list(v))}")
         if self.lr_milestones and self.lr_milestone_rounds:
             raise ValueError("give optim.lr_milestones (fractions of the rounds) or optim.lr_milestone_rounds "
                              "(rounds), not both")

@@ -23,16 +23,42 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import reprlib
+import types
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-__all__ = ["MAX_FLOAT", "MAX_INT", "MIN_MAGNITUDE", "Annotated", "DataSeed", "Fraction", "Range", "check_fields",
-           "check_number", "range_of", "strip", "type_hints"]
+__all__ = ["MAX_FLOAT", "MAX_INT", "MAX_ITEMS", "MIN_MAGNITUDE", "SHOWN_CHARS", "Annotated", "DataSeed", "Fraction",
+           "Range", "check_fields", "check_number", "describe_type", "range_of", "shown", "strip", "type_hints"]
 
 MAX_FLOAT = 1e30
 MAX_INT = 10**9
 MIN_MAGNITUDE = 1e-12
+#: at most this many items in a list a config holds (checked before any item is converted)
+MAX_ITEMS = 10_000
+#: at most this many characters of a value are echoed in an error message (``shown``)
+SHOWN_CHARS = 80
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS, bare: bool = False) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, with the full length where cut: the one way an error
+    message echoes a value a user or a node gave, so that a 900 KB string or a list of 10^5 items makes a line of
+    a hundred characters, not of a megabyte.  The repr is built bounded (``reprlib``): a huge list or a deeply
+    nested value costs no more than a small one.  ``bare``: a string without its quotes (a table or file name)."""
+    if bare and isinstance(value, str):
+        return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxlong, r.maxother = 3, limit, limit, limit
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = r.maxfrozenset = r.maxdeque = r.maxarray = 12
+    text = r.repr(value)
+    size = len(value) if isinstance(value, str | bytes | list | tuple | dict | set) else None
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    elif size is None or size <= 12 or (isinstance(value, str | bytes) and size <= limit):
+        return text
+    unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes) else "items"
+    return f"{text} ({size} {unit})" if size is not None else text
 
 
 @dataclass(frozen=True)
@@ -85,15 +111,46 @@ def check_number(value: float, rng: Range | None, where: str) -> None:
     ``MAX_INT`` in magnitude unless its range declares a larger upper bound (seeds)."""
     if isinstance(value, float):
         if not math.isfinite(value) or abs(value) > MAX_FLOAT:
-            raise ValueError(f"{where} must be a finite number of magnitude <= {MAX_FLOAT:g}, got {value!r}")
+            raise ValueError(f"{where} must be a finite number of magnitude <= {MAX_FLOAT:g}, got {shown(value)}")
         tiny = rng.min_magnitude if rng is not None else MIN_MAGNITUDE
         if value != 0 and abs(value) < tiny:
-            raise ValueError(f"{where} = {value!r} is below {tiny:g} in magnitude, which means nothing as a setting"
-                             f"{' (0 is allowed)' if rng is None or rng.contains(0) else ''}")
+            raise ValueError(f"{where} = {shown(value)} is below {tiny:g} in magnitude, which means nothing as a "
+                             f"setting{' (0 is allowed)' if rng is None or rng.contains(0) else ''}")
     elif isinstance(value, int) and abs(value) > MAX_INT and (rng is None or rng.hi is None or rng.hi <= MAX_INT):
-        raise ValueError(f"{where}: {value} is beyond any sane size (|value| <= {MAX_INT:g})")
+        raise ValueError(f"{where}: {shown(value)} is beyond any sane size (|value| <= {MAX_INT:g})")
     if rng is not None and not rng.contains(value):
-        raise ValueError(f"{where} must be in {rng.text()}, got {value!r}")
+        raise ValueError(f"{where} must be in {rng.text()}, got {shown(value)}")
+
+
+def describe_type(tp: Any, plural: bool = False) -> str:
+    """An annotation in words, its declared range included: ``int`` -> "an integer", ``Annotated[int, Range(1,
+    10**5)]`` -> "an integer in [1, 10^5]", ``tuple[Width, ...] | list[Width]`` -> "a list of integers in [1,
+    10^5]", ``Literal["a", "b"]`` -> "one of 'a', 'b'": what an error message says a key expects (never a
+    ``typing`` repr)."""
+    rng = range_of(tp)
+    tp = strip(tp)
+    origin = typing.get_origin(tp)
+    where = f" in {rng.text()}" if rng is not None and rng.lo is not None and rng.hi is not None else (
+        f" {rng.text()}" if rng is not None else "")
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        words: list[str] = []
+        for arg in typing.get_args(tp):
+            if arg is not type(None):
+                w = describe_type(arg, plural)
+                if w not in words:
+                    words.append(w)
+        return " or ".join(words) or "nothing"
+    if origin in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return "lists" if plural else "a list" + (f" of {describe_type(args[0], True)}" if args else "")
+    for kind, one, many in ((bool, "true or false", "true or false values"), (int, "an integer", "integers"),
+                            (float, "a number", "numbers"), (str, "a string", "strings")):
+        if tp is kind:
+            return (many if plural else one) + where
+    name = getattr(tp, "__name__", None)
+    return name if isinstance(name, str) else "a value"
 
 
 def range_of(tp: Any) -> Range | None:
@@ -127,7 +184,7 @@ def _check(value: Any, tp: Any, where: str) -> None:
     if typing.get_origin(strip(tp)) is typing.Literal:
         allowed = typing.get_args(strip(tp))
         if value not in allowed:
-            raise ValueError(f"{where} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+            raise ValueError(f"{where} must be one of {', '.join(map(str, allowed))}, got {shown(value)}")
         return
     if isinstance(value, bool):
         return

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ from .config import ConfigError, load, parse_override
 from .engine.driver import run_experiment
 from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from .report import atomic, save_figure, style, write_json
+from .schema import shown
+
+#: at most this many settings (the product of the swept values) in one sweep
+MAX_SETTINGS = 1000
 
 
 def split_top_level(text: str) -> list[str]:
@@ -51,7 +56,7 @@ def plan(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
     fixed, swept = [], []
     for s in sets:
         if "=" not in s:
-            raise ConfigError(f"--set {s!r}: expected table.key=value")
+            raise ConfigError(f"--set {shown(s)}: expected table.key=value")
         key, value = s.split("=", 1)
         values = split_top_level(value)
         if len(values) > 1:
@@ -72,6 +77,10 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
 
     out = Path(out)
     fixed, swept = plan(sets)
+    count = math.prod(len(vals) for _, vals in swept)
+    if count > MAX_SETTINGS:  # counted before a single setting is built or validated
+        raise ConfigError(f"--set: {' x '.join(str(len(v)) for _, v in swept)} = {count} settings to sweep; a sweep "
+                          f"runs at most {MAX_SETTINGS} (sweep fewer values, or split it into several sweeps)")
     combos = list(itertools.product(*[[(k, v) for v in vals] for k, vals in swept]))
     cfgs = [load(config, fixed + [f"{k}={v}" for k, v in combo]) for combo in combos]  # validate all first
     check_output(out, overwrite=overwrite, resume=resume)

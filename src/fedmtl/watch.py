@@ -11,6 +11,12 @@ accuracy and p10 are those of the last evaluated round).  It ends when every run
 its final line the last round's evaluation) or when a run stops unfinished, its lock released or its process gone
 (exit 1, naming the command that resumes it).  A run with several seeds is followed seed by seed.  ``once=True``
 prints the current state and returns.  Nothing is written: ``watch`` may follow a run it cannot modify.
+
+The files are read as untrusted (a run writes them, but they may be corrupt or hand-edited): each is read up to a
+size bound, and each field used must have the expected type and lie in its range (rounds and counts whole numbers
+below 10^12, accuracies fractions in [0, 1], seconds per round finite and below 10^7); a field that does not is left
+out and named at the end of the line (``unreadable: progress.json round``), and an accuracy it would have given
+shows as ``?``.  No content of these files makes ``watch`` fail.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import socket
 import sys
 import time
@@ -31,6 +38,11 @@ from .engine.rundir import alive, seed_dirs
 from .files import FileCheckError, read_text
 
 _LIMIT = 64 << 20  # bytes read of metrics.csv (a run of a million rounds stays below)
+_JSON_LIMIT = 16 << 20  # bytes read of summary.json and progress.json
+_MAX_COUNT = 10**12  # rounds, dropped and excluded counts: larger is not a run's
+_MAX_SECONDS = 1e7  # seconds per round (115 days)
+#: --interval's range in seconds
+INTERVAL_RANGE = (0.01, 3600.0)
 
 
 class WatchError(ValueError):
@@ -53,6 +65,8 @@ class Status:
     seconds_per_round: float | None
     finished: bool
     running: bool | None  # None: its lock names another host, which this machine cannot check
+    unreadable: tuple[str, ...] = ()  # the fields left out for a wrong type or range ("progress.json round")
+    acc_unreadable: bool = False  # the accuracy's source was there but unreadable: shown as "?"
 
     @property
     def eta(self) -> float | None:
@@ -65,13 +79,20 @@ class Status:
         parts = [f"{self.label}  round {self.round}{total}"]
         if self.acc is not None:
             parts.append(f"acc {100 * self.acc:.2f}%")
+        elif self.acc_unreadable:
+            parts.append("acc ?")
         if self.p10 is not None:
-            parts.append(f"p10 {100 * self.p10:.2f}%" + (f" (round {self.eval_round})" if not self.finished else ""))
+            parts.append(f"p10 {100 * self.p10:.2f}%" + (f" (round {self.eval_round})" if not self.finished
+                                                         and self.eval_round is not None else ""))
+        elif self.acc_unreadable:
+            parts.append("p10 ?")
         parts.append(f"dropped {self.dropped}  excluded {self.excluded}")
         if self.finished:
             parts.append("finished")
         elif (eta := self.eta) is not None:
             parts.append(f"ETA {_duration(eta)}")
+        if self.unreadable:
+            parts.append("unreadable: " + ", ".join(self.unreadable))
         return "  ".join(parts)
 
 
@@ -95,61 +116,152 @@ def _running(run: Path) -> bool | None:
     """Whether a process holds the run's lock (or that of the run with several seeds it belongs to)."""
     for lock in (run / ".lock", run.parent / ".lock"):
         try:
-            host, pid = lock.read_text().split()
-        except (OSError, ValueError):
+            host, pid = read_text(lock, 4096, "lock", WatchError).split()
+        except (OSError, FileCheckError, WatchError, ValueError):
             continue
         if host != socket.gethostname():
             return None
-        return pid.isdigit() and alive(int(pid))
+        return pid.isascii() and pid.isdigit() and 0 < int(pid) < 1 << 22 and alive(int(pid))
     return False
 
 
-def _number(v: Any, kind: type = float) -> Any:
-    try:
-        return kind(float(v)) if kind is int else float(v)
-    except (TypeError, ValueError):
+class _Fields:
+    """The checked fields of one run directory's files; what fails a check is named in ``bad``."""
+
+    def __init__(self) -> None:
+        self.bad: list[str] = []
+
+    def count(self, v: Any, where: str) -> int | None:
+        """A whole number in [0, 10^12] (an int, a float with no fraction or a string of either), else None."""
+        if v is None or v == "":
+            return None
+        got = _number(v)
+        if got is None or not got.is_integer() or not 0 <= got <= _MAX_COUNT:
+            self.bad_field(where)
+            return None
+        return int(got)
+
+    def fraction(self, v: Any, where: str) -> float | None:
+        if v is None or v == "":
+            return None
+        got = _number(v)
+        if got is None or not 0.0 <= got <= 1.0:
+            self.bad_field(where)
+            return None
+        return got
+
+    def seconds(self, v: Any, where: str) -> float | None:
+        if v is None:
+            return None
+        got = _number(v)
+        if got is None or not 0.0 <= got <= _MAX_SECONDS:
+            self.bad_field(where)
+            return None
+        return got
+
+    def bad_field(self, where: str) -> None:
+        """Name ``where`` (once) as unreadable."""
+        if where not in self.bad:
+            self.bad.append(where)
         return None
 
 
-def status(run: Path) -> Status:
-    """Read ``run``'s directory as it is now (files the run replaces atomically: never half-written)."""
-    label, rounds = run.name, None
+def _number(v: Any) -> float | None:
+    """A finite float from a number or a numeric string (not a bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str) or (isinstance(v, str) and len(v) > 64):
+        return None
     try:
-        cfg = tomllib.loads(read_text(run / "config.toml", 1 << 20, "run configuration", WatchError))
-        label = f"{cfg['algorithm']['name']} on {cfg['data']['name']}"
-        rounds = int(cfg["run"]["rounds"])
-    except (OSError, FileCheckError, WatchError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError):
-        pass
+        got = float(v)
+    except (ValueError, OverflowError):
+        return None
+    return got if math.isfinite(got) else None
+
+
+def _label_text(v: Any) -> str | None:
+    """A config name fit for one line: a string of printable characters, cut to 40."""
+    if not isinstance(v, str) or not v:
+        return None
+    clean = "".join(c if c.isprintable() else "?" for c in v[:41])
+    return clean if len(clean) <= 40 else clean[:37] + "..."
+
+
+def status(run: Path) -> Status:
+    """Read ``run``'s directory as it is now (files the run replaces atomically: never half-written; any content of
+    them is checked, see the module docstring)."""
+    f = _Fields()
+    label, rounds = run.name, None
+    cfg = _toml(run / "config.toml")
+    if cfg is not None:
+        alg, data, rcfg = (_table(cfg, t) for t in ("algorithm", "data", "run"))
+        a, d = _label_text(alg.get("name")), _label_text(data.get("name"))
+        if a and d:
+            label = f"{a} on {d}"
+        elif "name" in alg or "name" in data:
+            f.bad_field("config.toml name")
+        rounds = f.count(rcfg.get("rounds"), "config.toml rounds") or None
     if run.parent != run and run.name.startswith("seed-"):
         label = f"{label} [{run.name}]"
-    rows: list[dict[str, str]] = []
+    rows: list[dict[str, Any]] = []
     if (run / "metrics.csv").exists():
         try:
             rows = list(csv.DictReader(io.StringIO(read_text(run / "metrics.csv", _LIMIT, "metrics", WatchError))))
         except (OSError, FileCheckError, WatchError, csv.Error):
-            rows = []
+            f.bad_field("metrics.csv")
     evals = [r for r in rows if _number(r.get(SEEN_TEST_ACC_MEAN)) is not None]
     last = evals[-1] if evals else {}
-    summary, prog = _json(run / "summary.json"), _json(run / "progress.json")
-    spr = _number(prog.get("seconds_per_round"))
+    summary, prog = _json(run / "summary.json", f), _json(run / "progress.json", f)
+    spr = f.seconds(prog.get("seconds_per_round"), "progress.json seconds_per_round")
+    acc_bad = False
     if summary:  # the final evaluation (a resumed finished run may have no evaluated row of its own)
         final = summary.get("final", {})
-        acc, p10 = _number(final.get(SEEN_TEST_ACC_MEAN)), _number(final.get(SEEN_TEST_ACC_P10))
+        if not isinstance(final, dict):
+            final = {}
+            f.bad_field("summary.json final")
+        acc = f.fraction(final.get(SEEN_TEST_ACC_MEAN), f"summary.json {SEEN_TEST_ACC_MEAN}")
+        p10 = f.fraction(final.get(SEEN_TEST_ACC_P10), f"summary.json {SEEN_TEST_ACC_P10}")
+        acc_bad = acc is None and p10 is None and bool(summary.get("final"))
     else:
-        acc, p10 = _number(last.get(SEEN_TEST_ACC_MEAN)), _number(last.get(SEEN_TEST_ACC_P10))
-    r = max((_number(x.get("round"), int) or 0 for x in rows), default=0)
-    r = max(r, _number(prog.get("round"), int) or 0, _number(summary.get("rounds"), int) or 0)
-    return Status(run, label, r, rounds, acc, p10, _number(last.get("round"), int),
-                  sum(_number(x.get("dropped"), int) or 0 for x in rows),
-                  sum(_number(x.get("excluded"), int) or 0 for x in rows), spr, bool(summary), _running(run))
+        acc = f.fraction(last.get(SEEN_TEST_ACC_MEAN), f"metrics.csv {SEEN_TEST_ACC_MEAN}")
+        p10 = f.fraction(last.get(SEEN_TEST_ACC_P10), f"metrics.csv {SEEN_TEST_ACC_P10}")
+        acc_bad = acc is None and bool(last)
+    r = max((f.count(x.get("round"), "metrics.csv round") or 0 for x in rows), default=0)
+    r = max(r, f.count(prog.get("round"), "progress.json round") or 0,
+            f.count(summary.get("rounds"), "summary.json rounds") or 0)
+    eval_round = f.count(last.get("round"), "metrics.csv round")
+    dropped = sum(f.count(x.get("dropped"), "metrics.csv dropped") or 0 for x in rows)
+    excluded = sum(f.count(x.get("excluded"), "metrics.csv excluded") or 0 for x in rows)
+    return Status(run, label, r, rounds, acc, p10, eval_round, dropped, excluded, spr, bool(summary), _running(run),
+                  tuple(f.bad), acc_bad)
 
 
-def _json(path: Path) -> dict[str, Any]:
+def _table(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    got = cfg.get(name)
+    return got if isinstance(got, dict) else {}
+
+
+def _toml(path: Path) -> dict[str, Any] | None:
     try:
-        out = json.loads(read_text(path, 1 << 24, "run file", WatchError))
-    except (OSError, FileCheckError, WatchError, ValueError):  # not there (yet), or being replaced
+        return tomllib.loads(read_text(path, 1 << 20, "run configuration", WatchError))
+    except (OSError, FileCheckError, WatchError, tomllib.TOMLDecodeError, RecursionError, ValueError):
+        return None
+
+
+def _json(path: Path, fields: _Fields) -> dict[str, Any]:
+    try:
+        out = json.loads(read_text(path, _JSON_LIMIT, "run file", WatchError))
+    except (OSError, FileCheckError, WatchError):  # not there (yet), being replaced, or too large
         return {}
-    return out if isinstance(out, dict) else {}
+    except (ValueError, RecursionError):  # not JSON (a value too deep, too long a number)
+        fields.bad_field(path.name)
+        return {}
+    if not isinstance(out, dict):
+        fields.bad_field(path.name)
+        return {}
+    return out
+
+
+def _show(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)[:40]
 
 
 def watch(path: str | Path, interval: float = 2.0, once: bool = False, stream: TextIO | None = None,
@@ -158,8 +270,9 @@ def watch(path: str | Path, interval: float = 2.0, once: bool = False, stream: T
     A directory with no run yet is waited for up to ``wait`` seconds (a run started just after ``watch``)."""
     out = stream if stream is not None else sys.stdout
     path = Path(path)
-    if not interval > 0:
-        raise WatchError(f"--interval {interval}: expected a positive number of seconds")
+    lo, hi = INTERVAL_RANGE
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or not lo <= interval <= hi:
+        raise WatchError(f"--interval {_show(interval)}: expected a number of seconds from {lo:g} to {hi:g}")
     deadline = time.monotonic() + wait
     while True:
         try:

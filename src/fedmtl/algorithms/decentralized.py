@@ -57,7 +57,7 @@ class _Gossip:
     edge_prob: Annotated[float, Range(0, 1, lo_open=True)] = 0.5
     #: doubly-stochastic mixing weights: metropolis (Metropolis-Hastings) or max_degree
     mixing: Literal["metropolis", "max_degree"] = "metropolis"
-    #: topology = 'file': a text file of edges 'i j', one per line
+    #: topology = 'file': an N x N adjacency matrix (.npy, or whitespace-separated text), symmetric, entries >= 0
     adjacency_file: str = ""
     #: seed of the random graph
     graph_seed: Annotated[int, Range(0, 2**63 - 1)] = 0

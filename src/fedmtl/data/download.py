@@ -35,6 +35,9 @@ def cache_dir() -> Path:
 
 
 def md5sum(path: Path, chunk: int = 1 << 20) -> str:
+    from ..files import check_file
+
+    check_file(path, 1 << 50, "dataset file", DataError)  # a FIFO or a device in the data folder: refused, not read
     h = hashlib.md5()
     with open(path, "rb") as f:
         while block := f.read(chunk):

@@ -311,9 +311,12 @@ class FederatedData:
                     raise DataError(f"{gname} client {k}: feature shape {tuple(x.shape[1:])}, "
                                     f"most clients have {feat}")
                 if x.is_floating_point():
-                    if x.numel() and not bool(torch.isfinite(x).all()):
-                        raise DataError(f"{gname} client {k}: features contain NaN or Inf")
-                    x = x.to(dtype)
+                    xc = x.to(dtype)  # checked after the conversion: 1e299 is finite in float64, Inf in float32
+                    if xc.numel() and not bool(torch.isfinite(xc).all()):
+                        raise DataError(f"{gname} client {k}: features contain NaN or Inf" if not bool(
+                            torch.isfinite(x).all()) else f"{gname} client {k}: features beyond the range of {dtype} "
+                            f"(Inf once converted from {x.dtype}); rescale them")
+                    x = xc
                 elif x.dtype == torch.bool or x.is_complex():
                     raise DataError(f"{gname} client {k}: features must be real numbers, got {x.dtype}")
                 y = _labels(y, regression, f"{gname} client {k}", dtype)

@@ -33,7 +33,9 @@ import torch
 from torch import Tensor
 
 from ..files import check_file, read_text
+from ..ranges import parse_ids
 from ..report import atomic
+from ..schema import shown
 from .federated import DataError, FederatedData, public_meta
 
 FORMAT = "fedmtl-npz/1"
@@ -41,20 +43,9 @@ _NAME = re.compile(r"client_(\d+)\.npz")
 
 
 def parse_range(spec: str, n: int) -> list[int]:
-    """``"A-B"`` (inclusive), ``"A,B,C"`` or a mix, as sorted distinct ids in [0, n)."""
-    out: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        a, sep, b = part.partition("-")
-        try:
-            lo, hi = int(a), int(b) if sep else int(a)
-        except ValueError:
-            raise DataError(f"--clients {spec!r}: expected ranges like 0-49 or lists like 0,3,7") from None
-        if lo > hi or lo < 0 or hi >= n:
-            raise DataError(f"--clients {spec!r}: {part} is not a range within the federation's clients 0-{n - 1}")
-        out.update(range(lo, hi + 1))
-    if not out:
-        raise DataError(f"--clients {spec!r}: no clients")
-    return sorted(out)
+    """``"A-B"`` (inclusive), ``"A,B,C"`` or a mix, as sorted distinct ids in [0, n) (``fedmtl.ranges``: checked
+    against ``n`` before any list is built)."""
+    return parse_ids(spec, n, "--clients", DataError)
 
 
 def held(out: str | Path) -> list[str]:
@@ -128,7 +119,7 @@ def _read_info(path: Path) -> dict[str, Any]:
         raise DataError(f"{f}: not a fedmtl data directory description (\"format\" must be {FORMAT!r})")
     c = info.get("num_classes")
     if isinstance(c, bool) or not isinstance(c, int) or c < 2:
-        raise DataError(f"{f}: num_classes must be an integer >= 2, got {c!r}")
+        raise DataError(f"{f}: num_classes must be an integer >= 2, got {shown(c)}")
     if not isinstance(info.get("meta", {}), dict):
         raise DataError(f"{f}: meta must be a JSON object")
     return info

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from ..files import read_bytes
+from ..machine import physical_memory
 from ..schema import DataSeed, Fraction
 from .download import Remote, locate
 from .federated import DataError, FederatedData, tasks_to_federation
@@ -105,7 +107,8 @@ def read_sensit_folder(root: str | Path) -> tuple[list[np.ndarray], list[np.ndar
         feats = sorted(f for f in d.iterdir() if "feat" in f.name)
         if len(feats) != 2:
             continue
-        blocks = [np.loadtxt(f, ndmin=2)[:, :50] for f in feats]
+        blocks = [np.loadtxt(io.BytesIO(read_bytes(f, physical_memory(), "SensIT features", DataError)),
+                             ndmin=2)[:, :50] for f in feats]
         if blocks[0].shape[0] != blocks[1].shape[0] or min(b.shape[1] for b in blocks) < 50:
             raise DataError(f"{d}: acoustic and seismic feature files disagree or have < 50 columns")
         aav = "aav" in d.parent.name.lower()

@@ -92,10 +92,12 @@ def load_roles(source: str | Path = "", min_lines: int = 2) -> list[Role]:
     files = sorted(p for p in folder.glob("*_gut.txt"))
     if not files:
         raise DataError(f"no *_gut.txt plays in {folder}")
+    from ..files import read_bytes
+
     roles = []
-    for f in files:
-        roles += [r for r in parse_play(f.read_text(errors="replace"), f.stem.removesuffix("_gut"))
-                  if len(r.lines) > min_lines]
+    for f in files:  # kind and size before reading: a FIFO or a device among the plays is refused
+        text = read_bytes(f, 1 << 30, "play text", DataError).decode(errors="replace")
+        roles += [r for r in parse_play(text, f.stem.removesuffix("_gut")) if len(r.lines) > min_lines]
     return roles
 
 

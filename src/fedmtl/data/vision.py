@@ -32,9 +32,23 @@ IDX_TYPES: dict[int, type[np.generic] | str] = {0x08: np.uint8, 0x09: np.int8, 0
 
 def read_idx(path: str | Path) -> np.ndarray:
     """Parse an IDX file (optionally gzip-compressed); clear errors on corrupt or truncated files."""
-    path = Path(path)
-    try:
-        raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    from ..files import check_file, read_bytes
+    from ..machine import physical_memory
+
+    path, limit = Path(path), physical_memory()
+    try:  # kind and size first (a FIFO or a device is refused, never waited on); a gzip stream is bounded too
+        if path.suffix == ".gz":
+            check_file(path, limit, "IDX (gzip)", DataError)
+            chunks, total = [], 0
+            with gzip.open(path) as g:
+                while chunk := g.read(1 << 24):
+                    chunks.append(chunk)
+                    total += len(chunk)
+                    if total > limit:
+                        raise DataError(f"{path}: decompresses to more than {limit} bytes")
+            raw = b"".join(chunks)
+        else:
+            raw = read_bytes(path, limit, "IDX", DataError)
     except (OSError, EOFError) as e:
         raise DataError(f"{path}: cannot read ({e})") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_TYPES:
@@ -241,16 +255,21 @@ def emnist(
 
 def read_leaf_json(paths: list[Path]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """LEAF JSON files ({"users": [...], "user_data": {u: {"x": [...], "y": [...]}}}) -> per-user arrays."""
+    from ..files import read_text
+    from ..machine import physical_memory
+
     users: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for p in paths:
         try:
-            doc = json.loads(Path(p).read_text())
+            doc = json.loads(read_text(p, physical_memory(), "LEAF JSON", DataError))
             for u in doc["users"]:
                 d = doc["user_data"][u]
                 x, y = np.asarray(d["x"], dtype=np.float32), np.asarray(d["y"], dtype=np.int64)
                 if x.shape[0] != y.shape[0]:
                     raise DataError(f"{p}: user {u} has {x.shape[0]} examples but {y.shape[0]} labels")
                 users[u] = (x, y)
+        except DataError:
+            raise
         except (json.JSONDecodeError, KeyError, ValueError) as e:
             raise DataError(f"{p}: not a valid LEAF JSON file ({e})") from None
     return users

@@ -84,7 +84,7 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
     if T.leaves(state.server_opt):
         payload["server_opt"] = {k: v.detach().cpu() for k, v in T.to_named(state.server_opt).items()}
     with signals_deferred():
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ckpt-", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # its name in errors
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(payload, f)
@@ -170,17 +170,18 @@ def evaluation_of(payload: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, Any], rounds: int,
-                  base: str | None = None) -> None:
+                  base: str | None = None, source: str | None = None) -> None:
     """Refuse a checkpoint written by another configuration, past this run's last round, or (``base``: this run's
-    ``base_digest``) over other frozen base weights than this run's."""
+    ``base_digest``) over other frozen base weights than this run's.  ``source``: the config file of the command,
+    which the advice names where the run must start again (``rundir.resume_advice``)."""
     if payload["config"] != config:
-        from .rundir import config_diff
+        from .rundir import config_diff, resume_advice
 
         diff = config_diff(payload["config"], config)
         if diff:  # (tuples and lists compare equal there: a config read back from config.toml is the same)
             raise CheckpointError(f"{path}: the checkpoint was written with another configuration "
-                                  f"({'; '.join(diff[:8])}{'; ...' if len(diff) > 8 else ''}); resume with the run "
-                                  f"directory's own config: fedmtl run --resume --out {Path(path).parent}")
+                                  f"({'; '.join(diff[:8])}{'; ...' if len(diff) > 8 else ''}); "
+                                  f"{resume_advice(Path(path).parent, payload['config'], source)}")
     saved = payload.get("base_sha256")
     if base is not None and saved is not None and saved != base:
         raise CheckpointError(f"{path}: the adapters were trained on other base weights than this run's "

@@ -32,6 +32,7 @@ from .. import tree as T
 from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
+from ..machine import torch_device
 from ..model import Model
 from ..progress import Progress
 from ..report import atomic, plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json
@@ -120,7 +121,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:6])
     model = model.compiled(rc.compile)
-    device = torch.device(rc.device)
+    device = torch_device(rc.device)
     held, global_ids = data, None
     if group is not None:
         if data.seen.num_clients < group.world:
@@ -175,7 +176,7 @@ def run_experiment(
     if out is not None:  # before anything is built or touched: the directory must fit the command (every rank checks)
         if resume and overwrite:
             raise RunDirError("resume and overwrite (--resume, --overwrite) exclude each other")
-        check_resumable(Path(out), cfg.raw, None, resume, overwrite)
+        check_resumable(Path(out), cfg.raw, None, resume, overwrite, source=cfg.source)
         if writes:
             RunDirectory(out, resume, overwrite).in_use()
     out_dir, prog, data = prepare(cfg, out, resume, progress if writes else False, data)
@@ -305,7 +306,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         rep.base = base_digest(engine.model.module)
     if resume and ckpt is not None and ckpt.exists():
         saved = checkpoint.load(ckpt)
-        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds, rep.base)
+        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds, rep.base, cfg.source)
         log.info("resuming %s from round %d", rep.out_dir, saved["round"])
     if saved is not None and saved["round"] >= cfg.run.rounds:  # a finished run: its final evaluation, if kept
         rep.per_client = checkpoint.evaluation_of(saved)
@@ -324,7 +325,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         if cfg.log.names:
             from ..loggers import open_loggers
 
-            rep.loggers = open_loggers(rep.out_dir, cfg, saved is not None)
+            rep.loggers = open_loggers(rep.out_dir, cfg, saved is not None, rep.label)
     milestones = cfg.optim.milestone_rounds(cfg.run.rounds)
     if milestones:
         prog.line(f"{rep.label}: learning rate {cfg.optim.lr:g}, x{cfg.optim.lr_gamma:g} from round(s) "
@@ -404,13 +405,9 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
 def _log(rep: Replica, what: str, *args: Any) -> None:
     """Call ``what`` on every logger of ``rep``; a logger that fails (an unreachable tracking server, a full disk of
     its own) is dropped with a warning naming it: the run and its run directory go on."""
-    for lg in list(rep.loggers):
-        try:
-            getattr(lg, what)(*args)
-        except Exception as e:  # noqa: BLE001 (a logger's failure must not cost the run)
-            log.warning("%s: logger %s failed (%s: %s); the run goes on without it", rep.label, type(lg).__name__,
-                        type(e).__name__, e)
-            rep.loggers.remove(lg)
+    from ..loggers import log_all
+
+    log_all(rep.loggers, what, rep.label, *args)
 
 
 def _write_live(rep: Replica) -> None:

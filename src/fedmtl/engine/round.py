@@ -25,6 +25,7 @@ from torch import Tensor
 from .. import tree as T
 from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, epoch_orders, usable_counts
+from ..machine import torch_device
 from ..model import Model, ModelError
 from ..registry import ALGORITHMS
 from ..tree import Tree
@@ -117,9 +118,7 @@ class Engine:
                  spec: RunSpec | None = None):
         spec = spec or RunSpec()
         cfg = spec.run
-        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"run.device = {cfg.device!r} but this machine has no CUDA device "
-                             "(torch.cuda.is_available() is False); use run.device = 'cpu'")
+        device = torch_device(cfg.device)  # before anything is built: cuda:7 on a machine with 2 GPUs is refused
         if federation.num_classes < 2:
             raise ValueError("the round engine trains classifiers: its data needs num_classes >= 2 "
                              "(real-valued targets are for the networked GTV solver, fedmtl.networked)")
@@ -136,7 +135,7 @@ class Engine:
         self.pipeline = build_pipeline(spec, algorithm, federation.num_clients)
         # who attacks (reported in summary.json; labelflip's attackers trained on flipped labels)
         self.attackers = spec.attack.attackers(federation.num_clients, cfg.seed)
-        self.device = torch.device(cfg.device)
+        self.device = device
         model.module.to(self.device)
         self._n_params = sum(int(p.numel()) for p in model.module.parameters())
         self.check_memory()

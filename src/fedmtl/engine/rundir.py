@@ -34,6 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from ..schema import shown
+
 log = logging.getLogger("fedmtl")
 
 RESULTS = ("checkpoint.pt", "summary.json", "metrics.csv")
@@ -53,6 +55,15 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _owner(lock: Path) -> tuple[str, str]:
+    """The host and pid a lock file holds (a regular file of at most 4 KiB: a FIFO or a huge file there is refused
+    before it is read)."""
+    from ..files import read_text
+
+    host, pid = read_text(lock, 4096, "lock").split()
+    return host, pid
 
 
 class RunDirectory:
@@ -117,7 +128,7 @@ class RunDirectory:
         if not self.lock.exists():
             return
         try:
-            host, pid = self.lock.read_text().split()
+            host, pid = _owner(self.lock)
         except (OSError, ValueError):
             return
         if host != socket.gethostname() or (pid.isdigit() and alive(int(pid))):
@@ -132,7 +143,7 @@ class RunDirectory:
                 fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 try:
-                    host, pid = self.lock.read_text().split()
+                    host, pid = _owner(self.lock)
                 except (OSError, ValueError):
                     host, pid = "", "0"
                 if host == socket.gethostname() and pid.isdigit() and not alive(int(pid)):
@@ -161,6 +172,10 @@ class RunDirectory:
             for tmp in self.path.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
             held = [f for f in RESULTS if (self.path / f).exists()]
+            in_way = [f for f in (*held, *OUTPUTS) if (self.path / f).is_dir()]
+            if in_way:  # nothing can write (nor --overwrite delete) the file a directory stands for
+                raise RunDirError(f"{self.path / in_way[0]} is a directory, where a run writes its {in_way[0]} file: "
+                                  "move it out of the way, or choose another out directory (--out)")
             if held and not self.resume:
                 if not self.overwrite:
                     raise holds_a_run(self.path, held)
@@ -222,9 +237,13 @@ def check_output(path: str | Path, *, overwrite: bool, resume: bool | None = Non
 
 
 def holds_a_run(path: Path, held: list[str]) -> RunDirError:
-    """The refusal of a run into ``path``, which holds the results ``held``, without resume or overwrite."""
-    return RunDirError(f"{path} already holds a run ({', '.join(held)}); continue it with resume=True (--resume), "
-                       "replace it with overwrite=True (--overwrite), or choose another out directory (--out)")
+    """The refusal of a run into ``path``, which holds the results ``held``, without resume or overwrite
+    (``--resume`` offered only where there is a checkpoint to resume)."""
+    return RunDirError(f"{path} already holds a run ({', '.join(held)}); " + (
+        "continue it with resume=True (--resume), replace it with overwrite=True (--overwrite), or choose another out "
+        "directory (--out)" if "checkpoint.pt" in held else
+        "it has no checkpoint to resume: replace it with overwrite=True (--overwrite), or choose another out "
+        "directory (--out)"))
 
 
 def is_out_of_space(e: BaseException) -> bool:
@@ -276,6 +295,43 @@ def resume_command(path: Path, lay: Layout) -> str:
     return f"fedmtl run --resume --out {path}"
 
 
+def run_top(path: Path) -> Path:
+    """The run directory that the folder ``path`` of a checkpoint belongs to: ``DIR`` for ``DIR/seed-<S>`` of a run
+    with several seeds, else ``path`` itself."""
+    return path.parent if _SEED.fullmatch(path.name) and layout(path.parent).kind == "seeds" else path
+
+
+def start_again(top: Path, source: str | None) -> str:
+    """Advice that always works where a run cannot be resumed: the command that starts it again into a new
+    directory (one that does not exist yet), or over this one with ``--overwrite``; ``source``: the user's config
+    file (CONFIG where there is none)."""
+    import shlex
+
+    new = next(p for p in (Path(f"{top}-{i}") for i in range(2, 10**6)) if not p.exists())
+    config = shlex.quote(source) if source and Path(source).is_file() else "CONFIG"
+    seeds = layout(top).seeds
+    extra = f" --seeds {','.join(map(str, seeds))}" if seeds else ""
+    return (f"start it again with: fedmtl run {config}{extra} --out {shlex.quote(str(new))} (or replace it: "
+            f"fedmtl run {config}{extra} --out {shlex.quote(str(top))} --overwrite)")
+
+
+def resume_advice(run_dir: Path, saved: dict[str, Any], source: str | None) -> str:
+    """What to do when the checkpoint of ``run_dir`` (written with the resolved config ``saved``) does not fit the
+    command's config: resume with the directory's own config where that config is the checkpoint's (a command
+    that succeeds), else start again (``start_again``): never the command that just failed."""
+    top = run_top(run_dir)
+    f = run_dir / "config.toml"
+    try:
+        own = _saved_config(run_dir)
+    except RunDirError:
+        own = None
+    if own is not None and not config_diff(saved, own):
+        return f"resume with the run directory's own config: {resume_command(top, layout(top))}"
+    why = (f"{f} does not match {run_dir / 'checkpoint.pt'} either (one of them was edited or replaced), so no "
+           "command resumes it" if own is not None or f.exists() else f"{run_dir} has no config.toml to resume with")
+    return f"{why}; {start_again(top, source)}"
+
+
 def _plain(x: Any) -> Any:
     """A resolved config as it reads back from TOML: tuples as lists, and no None values (TOML has none: an unset key
     and None are the same setting)."""
@@ -298,7 +354,7 @@ def config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             continue
         for k in sorted(set(a) | set(b)):
             if a.get(k, "(unset)") != b.get(k, "(unset)"):
-                out.append(f"{t}.{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}")
+                out.append(f"{t}.{k}: {shown(a.get(k, '(unset)'))} -> {shown(b.get(k, '(unset)'))}")
     return out
 
 
@@ -314,22 +370,38 @@ def _saved_config(path: Path) -> dict[str, Any] | None:
         raise RunDirError(f"{f}: the run directory's config cannot be read ({e})") from None
 
 
-def _differs(where: Path, saved: dict[str, Any] | None, now: dict[str, Any], command: str) -> None:
+def _differs(where: Path, saved: dict[str, Any] | None, now: dict[str, Any], advice: str) -> None:
     if saved is None:
         return
     diff = config_diff(saved, now)
     if diff:
         raise RunDirError(f"{where} was run with another configuration ({'; '.join(diff[:8])}"
-                          f"{'; ...' if len(diff) > 8 else ''}); nothing was changed. Resume it as it was with: "
-                          f"{command}")
+                          f"{'; ...' if len(diff) > 8 else ''}); nothing was changed. {advice}")
+
+
+def _own_configs_agree(path: Path, lay: Layout) -> bool:
+    """Whether ``fedmtl run --resume --out path`` would pass ``check_resumable``: the configuration it reads (the
+    top ``config.toml``, else the first seed folder's) gives each seed folder's own."""
+    if lay.kind != "seeds":
+        return True  # a single-seed run is resumed with its own config.toml, compared with itself
+    from ..config import validate
+
+    try:
+        raw = _saved_config(path) or _saved_config(path / f"seed-{lay.seeds[0]}")
+        cfg = validate(raw, str(path)) if raw is not None else None
+    except ValueError:
+        return False
+    return cfg is not None and all(
+        not config_diff(_saved_config(path / f"seed-{s}") or {}, cfg.with_seed(s).raw) for s in lay.seeds)
 
 
 def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] | None, resume: bool,
-                    overwrite: bool, with_seed: Any = None) -> Layout:
+                    overwrite: bool, with_seed: Any = None, source: str | None = None) -> Layout:
     """Refuse, before anything in ``path`` is touched, a command that does not fit what ``path`` holds: a single-seed
     run asked to continue with seeds or the reverse, other seeds, another configuration (the differing keys named),
     results that would be overwritten without ``--overwrite``.  ``seeds``: the command's seeds (None: a single-seed
-    run with ``config``); ``with_seed(s)``: the resolved config of seed ``s`` (to compare each seed folder's)."""
+    run with ``config``); ``with_seed(s)``: the resolved config of seed ``s`` (to compare each seed folder's);
+    ``source``: the command's config file, which the advice to start again names."""
     path = Path(path)
     lay = layout(path)
     if lay.kind == "empty" or overwrite:
@@ -345,8 +417,8 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
                           "overwrite=True (--overwrite)")
     if seeds is None:
         if resume:
-            _differs(path, _saved_config(path), config, command)
-        elif held := [f for f in RESULTS if (path / f).exists()]:  # refused before the data is built
+            _differs(path, _saved_config(path), config, f"Resume it as it was with: {command}")
+        elif held := [f for f in RESULTS if (path / f).is_file()]:  # refused before the data is built
             raise holds_a_run(path, held)
         return lay
     if not resume:
@@ -356,11 +428,15 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
     if sorted(seeds) != lay.seeds:
         raise RunDirError(f"{path} holds seeds {lay.seeds}, and this command asks for seeds {sorted(seeds)}; nothing "
                           f"was changed. Resume it with: {command}")
+    advice = (f"Resume it as it was with: {command}" if _own_configs_agree(path, lay) else
+              f"Its own configs disagree (a seed folder's config.toml was edited or replaced), so no command resumes "
+              f"it; {start_again(path, source)}")
     for s in lay.seeds:
         d = path / f"seed-{s}"
-        _differs(d, _saved_config(d), with_seed(s) if with_seed else config, command)
+        _differs(d, _saved_config(d), with_seed(s) if with_seed else config, advice)
     return lay
 
 
 __all__ = ["COMMIT", "NEXT", "REPLACED", "Layout", "RunDirError", "RunDirectory", "alive", "check_output",
-           "check_resumable", "config_diff", "holds_a_run", "is_out_of_space", "layout", "resume_command", "seed_dirs"]
+           "check_resumable", "config_diff", "holds_a_run", "is_out_of_space", "layout", "resume_advice",
+           "resume_command", "run_top", "seed_dirs", "start_again"]

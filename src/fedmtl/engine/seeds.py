@@ -90,7 +90,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
         raise ConfigError("resume and overwrite (--resume, --overwrite) exclude each other")
     configs = {s: cfg.with_seed(s) for s in seeds}
     if out is not None:  # before anything is built or touched: the directory must fit the command
-        check_resumable(Path(out), cfg.raw, seeds, resume, overwrite, lambda s: configs[s].raw)
+        check_resumable(Path(out), cfg.raw, seeds, resume, overwrite, lambda s: configs[s].raw, cfg.source)
     out_dir, prog, data = prepare(cfg, out, resume, progress, data)
     name = cfg.algorithm["name"]
     with contextlib.ExitStack() as stack:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ..machine import check_device
 from ..optim import SGD
 from ..privacy import PrivacyConfig
 from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig
-from ..schema import Annotated, Range, check_fields
+from ..schema import Annotated, Range, check_fields, shown
 from .async_spec import AsyncConfig
 from .executors import ExecutorName
 from .server_opt import ServerOptConfig
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
     from ..config import ExperimentConfig
 
 
+#: at most this many seeds in one run (``run.seeds``, ``--seeds``)
+MAX_SEEDS = 1000
+#: the largest seed
+MAX_SEED = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """The ``[run]`` table: everything about a run that is not the algorithm."""
@@ -27,7 +34,7 @@ class RunConfig:
     #: communication rounds
     rounds: Annotated[int, Range(1, 10**7)] = 200
     #: the run's seed: model initialization, client sampling, batch orders, systems draws, attackers
-    seed: Annotated[int, Range(0, 2**63 - 1)] = 1234
+    seed: Annotated[int, Range(0, MAX_SEED)] = 1234
     #: local mini-batch size
     batch_size: Annotated[int, Range(1, 10**7)] = 128
     #: local epochs per round
@@ -48,7 +55,7 @@ class RunConfig:
     #: compile the stacked executor's step (forward and backward of all clients) with torch.compile; CUDA graphs on
     #: a GPU.  Pays on long runs of models with many small operations; where no compiler works, the step runs eagerly
     compile: bool = False
-    #: cpu, cuda or cuda:<i>
+    #: cpu, cuda or cuda:<i> (i the index of one of the machine's GPUs)
     device: str = "cpu"
     #: evaluate every this many rounds (and after the last)
     eval_every: Annotated[int, Range(1, 10**7)] = 10
@@ -63,18 +70,17 @@ class RunConfig:
     #: torch intra-op threads (0 = leave torch's default)
     threads: Annotated[int, Range(0, 1024)] = 0
     #: several seeds: independent replicas of the run, batched (fedmtl.engine.seeds)
-    seeds: tuple[Annotated[int, Range(0, 2**63 - 1)], ...] = ()
+    seeds: tuple[Annotated[int, Range(0, MAX_SEED)], ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(self, "run")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"run.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        check_device(self.device)
         if self.drop_last and self.local_epochs > 1:
             # later epochs would visit examples the first epoch dropped, outside the first epoch's index space (the
             # per-example state some methods keep, FedEM's responsibilities): one epoch per round only
             raise ValueError("run.drop_last = true needs run.local_epochs = 1")
-        if len(set(self.seeds)) != len(self.seeds) or len(self.seeds) > 1000:
-            raise ValueError(f"run.seeds must be distinct (at most 1000), got {list(self.seeds)}")
+        if len(set(self.seeds)) != len(self.seeds) or len(self.seeds) > MAX_SEEDS:
+            raise ValueError(f"run.seeds must be distinct (at most {MAX_SEEDS}), got {shown(list(self.seeds))}")
 
 
 @dataclass(frozen=True)

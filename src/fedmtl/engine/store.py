@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..files import check_file, read_text
+from ..files import check_file, read_bytes, read_text
 from ..tree import Tree
 
 StoreKind = Literal["memory", "mmap"]
@@ -295,6 +295,8 @@ class _UndoJournal:
     def __init__(self, path: Path, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]):
         self.path = path
         self.shapes, self.dtypes = shapes, dtypes
+        if os.path.exists(path):  # a FIFO or a device in its place would block the open or the reads
+            check_file(path, 1 << 50, "undo journal", StoreError)
         self._f = open(path, "ab")  # noqa: SIM115 (kept open for the run)
 
     def append(self, round_idx: int, ids: Tensor, written: Tensor, rows: list[Tensor]) -> None:
@@ -307,7 +309,9 @@ class _UndoJournal:
         self._f.flush()  # before the in-place write: the old rows survive a crash of the process
 
     def _records(self) -> list[tuple[int, np.ndarray, np.ndarray, list[np.ndarray]]]:
-        data = self.path.read_bytes()
+        from ..machine import physical_memory
+
+        data = read_bytes(self.path, physical_memory(), "undo journal", StoreError)
         out, pos = [], 0
         while pos + 20 <= len(data) and data[pos:pos + 4] == _MAGIC:
             rnd, k = struct.unpack("<qq", data[pos + 4:pos + 20])

@@ -31,7 +31,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from ..schema import Annotated, Range, check_fields
+from ..schema import Annotated, Range, check_fields, shown
 
 VARIABILITY = {"none": 1.0, "low": 0.9, "high": 0.1}
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -82,7 +82,7 @@ class TimeModel:
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS and self.network != "paper":
-            raise ValueError(f"systems.network must be one of {sorted(NETWORKS)}, got {self.network!r}")
+            raise ValueError(f"systems.network must be one of {sorted(NETWORKS)}, got {shown(self.network)}")
         if self.device_flops <= 0:
             raise ValueError("systems.device_flops must be > 0")
 
@@ -90,7 +90,7 @@ class TimeModel:
     def paper(network: str) -> TimeModel:
         """The reference code's units: compute in FLOP-coefficient units, communication 10/100/1000."""
         if network not in PAPER_COMM_UNITS:
-            raise ValueError(f"network must be one of {sorted(PAPER_COMM_UNITS)}, got {network!r}")
+            raise ValueError(f"network must be one of {sorted(PAPER_COMM_UNITS)}, got {shown(network)}")
         return TimeModel("paper", 1.0, PAPER_COMM_UNITS[network] / 2, math.inf)
 
     @property

@@ -53,6 +53,8 @@ from ..engine.spec import RunSpec
 from ..files import check_file
 from ..model import Model
 from ..progress import Progress, format_row
+from ..ranges import parse_ids
+from ..schema import shown
 from ..tree import Tree
 from .executor import FlowerClients, context_config, orders_of, send_and_receive
 from .records import from_record, record_to_tree, to_config, to_metrics, tree_to_record
@@ -126,12 +128,29 @@ def process_nodes(run_id: int) -> NodeCache:
     return PROCESS_RUNS.of(run_id)
 
 
-def _partitions(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b) + 1)) if b else [int(a)]
-    return sorted(set(out))
+def _node_int(nc: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    """Node config ``key`` as an integer in ``[lo, hi]`` (an int, or its digits as a string); else a one-line
+    ``ValueError`` naming the key and echoing the value cut short."""
+    v = nc[key]
+    if isinstance(v, str) and re.fullmatch(r"\s*[0-9]{1,19}\s*", v):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"node config {key}={shown(v)}: expected an integer in {lo}-{hi}")
+    return v
+
+
+def node_clients(nc: dict[str, Any], n: int) -> list[int]:
+    """The federation-wide ids of the clients a node serves from its node config, checked against the federation's
+    ``n`` seen clients before any list is built (``fedmtl.ranges``): ``partition-ids="A-B,C"``, or Flower's
+    ``partition-id=p`` (with ``num-partitions=P``: the p-th of P contiguous blocks; P = N: client p alone)."""
+    if "partition-ids" in nc:
+        return parse_ids(str(nc["partition-ids"]), n, "node config partition-ids")
+    if "partition-id" in nc:
+        parts = _node_int(nc, "num-partitions", 1, n) if "num-partitions" in nc else n
+        p = _node_int(nc, "partition-id", 0, parts - 1)
+        return list(range(p * n // parts, (p + 1) * n // parts))
+    raise ValueError("this SuperNode has no data: start it with --node-config \"data-dir=/path\" (its "
+                     "clients' .npz files) or 'partition-ids=\"A-B\"' (a share of the config's federation)")
 
 
 def node_of(nodes: NodeCache, context: Context, cfg_text: str, full: bool = True) -> _Node:
@@ -152,21 +171,7 @@ def node_of(nodes: NodeCache, context: Context, cfg_text: str, full: bool = True
     else:
         whole = cfg.build_data()
         n = whole.seen.num_clients
-        if "partition-ids" in nc:
-            ks = _partitions(str(nc["partition-ids"]))
-        elif "partition-id" in nc:
-            # Flower's convention: partition p of P; with P < N clients, p holds the p-th of P contiguous
-            # blocks (P = N: client p alone)
-            p, parts = int(nc["partition-id"]), int(nc.get("num-partitions", n))
-            if not 0 <= p < parts <= n:
-                raise ValueError(f"partition-id={p} num-partitions={parts}: need 0 <= id < num-partitions <= "
-                                 f"{n} (the federation's seen clients)")
-            ks = list(range(p * n // parts, (p + 1) * n // parts))
-        else:
-            raise ValueError("this SuperNode has no data: start it with --node-config \"data-dir=/path\" (its "
-                             "clients' .npz files) or 'partition-ids=\"A-B\"' (a share of the config's federation)")
-        if any(not 0 <= k < n for k in ks):
-            raise ValueError(f"partition ids {ks[:8]} out of range: the federation has {n} seen clients")
+        ks = node_clients(nc, n)
         ids = torch.tensor(ks, dtype=torch.long)
         data, source = whole.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
@@ -237,12 +242,15 @@ def _restore(node: _Node, lc: LocalClients, context: Context, cfg_text: str, bef
     if d is None:
         return
     one = T.take(template, 0)
+    # a client's state file holds its tensors and a few bytes of framing: a file much larger is not one (checked
+    # before it is read)
+    limit = 2 * sum(int(x.numel()) * x.element_size() for x in T.leaves(one)) + (1 << 20)
     for row, k in enumerate(node.ids.tolist()):
         for rnd, f in reversed(_versions(d, _sha(cfg_text)[:16], k)):
             if rnd >= before:
                 continue
             try:
-                check_file(f, 1 << 36, "client state")  # kind and size before reading: never a FIFO or a device
+                check_file(f, limit, "client state")  # kind and size before reading: never a FIFO or a device
                 got = torch.load(f, map_location="cpu", weights_only=True)
                 state = T.from_named(got["state"], one)
                 if not all(bool(torch.isfinite(x).all()) for x in T.leaves(state) if x.is_floating_point()):
@@ -502,6 +510,8 @@ def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Fede
         raise NodeError(f"the SuperNodes' clients must be numbered 0..N-1 without gaps: no node holds client(s) "
                         f"{missing[:10]} (ids go up to {max(owner)})")
     try:
+        if not isinstance(ref["meta"], str) or len(ref["meta"]) > MAX_META_CHARS:  # before it is parsed
+            raise ValueError(f"not a JSON text of at most {MAX_META_CHARS} characters")
         meta = json.loads(ref["meta"])
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
@@ -513,9 +523,14 @@ def federation_of(infos: dict[int, dict[str, Any]], cfg_text: str) -> tuple[Fede
     return fed, getattr(torch, str(ref["feature_dtype"])), owner
 
 
+MAX_META_CHARS = 1 << 20  # a node's dataset metadata (public_meta: a model's needs, a few declared keys)
+
+
 # RunDirectory's hints name fedmtl run's options; a ServerApp's are run config keys
 _SERVER_HINTS = (("continue it with resume=True (--resume), replace it with overwrite=True (--overwrite), or choose "
                   "another out directory (--out)",
+                  "set fedmtl-overwrite = true in the run config to replace it, or choose another fedmtl-out"),
+                 ("replace it with overwrite=True (--overwrite), or choose another out directory (--out)",
                   "set fedmtl-overwrite = true in the run config to replace it, or choose another fedmtl-out"),
                  ("choose another out directory (--out)", "choose another fedmtl-out"))
 
@@ -594,7 +609,7 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     def _main(grid: Any, context: Context) -> None:
         text = cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
         o = opts or ServerOptions(out=str(context.run_config.get("fedmtl-out", "")),
-                                  num_nodes=int(context.run_config.get("fedmtl-num-nodes", 0)),
+                                  num_nodes=_count(context.run_config.get("fedmtl-num-nodes", 0)),
                                   overwrite=_flag(context.run_config.get("fedmtl-overwrite", False)))
         res = server_main(grid, text, o)
         if result is not None:
@@ -603,11 +618,20 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     return app
 
 
+def _count(v: Any) -> int:
+    """Run config ``fedmtl-num-nodes``: an integer in [0, 10^6] (its digits as a string too)."""
+    if isinstance(v, str) and re.fullmatch(r"\s*[0-9]{1,7}\s*", v):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10**6:
+        raise ValueError(f"run config fedmtl-num-nodes = {shown(v)}: expected an integer in 0-1000000")
+    return v
+
+
 def _flag(v: Any) -> bool:
     """A run config boolean (TOML ``true`` or, from ``--run-config``, the strings "true" / "false")."""
     if isinstance(v, str):
         if v.strip().lower() not in ("true", "false", "1", "0", ""):
-            raise ValueError(f"run config fedmtl-overwrite = {v!r}: expected true or false")
+            raise ValueError(f"run config fedmtl-overwrite = {shown(v)}: expected true or false")
         return v.strip().lower() in ("true", "1")
     return bool(v)
 

@@ -12,6 +12,9 @@ from typing import Any
 from ..engine.driver import RunResult
 from .apps import ServerOptions, config_from_text, make_client_app, make_server_app
 
+#: the most CPUs (or GPUs, or per-node reservations) a simulation asks Ray for
+MAX_CPUS = 4096
+
 
 def backend_config(cpus: int = 1, cpus_per_node: float = 1.0, gpus_per_node: float = 0.0,
                    ray_address: str = "") -> dict[str, Any]:
@@ -19,16 +22,16 @@ def backend_config(cpus: int = 1, cpus_per_node: float = 1.0, gpus_per_node: flo
     ``gpus_per_node`` GPUs (fractions share a GPU between nodes) of a Ray cluster that is either started here with
     ``cpus`` CPUs (and every GPU Ray finds) or, with ``ray_address`` ("auto", or "HOST:PORT" of a head started with
     ``ray start --head``), an existing one joined as it is (its CPUs and GPUs are the cluster's own)."""
-    if cpus_per_node <= 0:
-        raise ValueError(f"--cpus-per-node {cpus_per_node:g}: must be > 0")
-    if gpus_per_node < 0:
-        raise ValueError(f"--gpus-per-node {gpus_per_node:g}: must be >= 0")
+    if not 0 < cpus_per_node <= MAX_CPUS:  # (NaN fails too)
+        raise ValueError(f"--cpus-per-node {cpus_per_node:g}: must be > 0 and at most {MAX_CPUS}")
+    if not 0 <= gpus_per_node <= MAX_CPUS:
+        raise ValueError(f"--gpus-per-node {gpus_per_node:g}: must be >= 0 and at most {MAX_CPUS}")
     init: dict[str, Any] = {}
     if ray_address:
         init["address"] = ray_address  # Ray refuses num_cpus when joining a running cluster: its own resources count
     else:
-        if cpus < 1:
-            raise ValueError(f"--cpus {cpus}: at least 1")
+        if not 1 <= cpus <= MAX_CPUS:  # Ray starts workers for what it is given: never 10^9 of them
+            raise ValueError(f"--cpus {cpus}: at least 1 and at most {MAX_CPUS}")
         if cpus_per_node > cpus:
             raise ValueError(f"--cpus-per-node {cpus_per_node:g} is more than the {cpus} CPU(s) given to Ray (--cpus): "
                              "no virtual SuperNode could ever run")

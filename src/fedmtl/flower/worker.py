@@ -56,6 +56,20 @@ class WorkerError(RuntimeError):
     """A request the worker cannot serve (malformed frame, unknown message type, another user)."""
 
 
+class SocketRefused(WorkerError, ValueError):
+    """A socket path the worker will not serve on, found before it serves (``fedmtl flower worker``: one line,
+    exit 2)."""
+
+
+#: the longest path a Unix socket address holds on Linux (sun_path, less its terminating NUL)
+MAX_SOCKET_PATH = 107
+
+
+def _short(path: Path | str, n: int = 80) -> str:
+    text = str(path)
+    return text if len(text) <= n else "..." + text[-(n - 3):]
+
+
 def _read_exact(conn: socket.socket, n: int) -> bytes:
     return read_exact(conn, n, WorkerError)
 
@@ -104,37 +118,56 @@ class Worker:
 
     def bind(self) -> socket.socket:
         """The listening socket: its directory made 0700 if new and refused if others may enter it, the socket
-        0600; a stale socket file of a dead worker is replaced, a live one is an error."""
-        d = self.path.parent
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = d.stat()
+        0600; a stale socket file of a dead worker is replaced; a live socket, a symbolic link, any other file there
+        or a path too long for a Unix socket is refused (``SocketRefused``) before anything is served."""
+        d, shown = self.path.parent, _short(self.path)
+        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
+            raise SocketRefused(f"{shown}: a Unix socket path holds at most {MAX_SOCKET_PATH} bytes; this one has "
+                                f"{len(os.fsencode(self.path))} (choose a shorter one)")
+        try:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            st = d.stat()
+        except OSError as e:
+            raise SocketRefused(f"{shown}: cannot make its directory ({e.strerror or e})") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise SocketRefused(f"{shown}: its directory is not a directory")
         if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise WorkerError(f"{d}: the worker's socket directory must belong to this user and be closed to others "
-                              f"(chmod 700 {d}); it is {stat.filemode(st.st_mode)}")
-        if self.path.exists() or self.path.is_symlink():
+            raise SocketRefused(f"{shown}: the socket's directory must belong to this user and be closed to others "
+                                f"(chmod 700 {_short(d)}); it is {stat.filemode(st.st_mode)}")
+        if self.path.is_symlink():
+            raise SocketRefused(f"{shown}: is a symbolic link; refusing to follow or replace it")
+        if self.path.exists():
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
-                raise WorkerError(f"{self.path}: exists and is not a socket; refusing to replace it")
+                raise SocketRefused(f"{shown}: exists and is not a socket; refusing to replace it")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(str(self.path))
-                raise WorkerError(f"{self.path}: another worker is listening there")
             except (ConnectionRefusedError, FileNotFoundError):
-                self.path.unlink()
+                self.path.unlink(missing_ok=True)  # a dead worker's socket
+            except OSError as e:
+                raise SocketRefused(f"{shown}: cannot check the socket there ({e.strerror or e})") from None
+            else:
+                raise SocketRefused(f"{shown}: another worker is listening there")
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
             sock.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+            sock.listen(8)
+        except OSError as e:
+            sock.close()
+            raise SocketRefused(f"{shown}: cannot listen there ({e.strerror or e})") from None
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
-        sock.listen(8)
         return sock
 
-    def serve(self, stop: threading.Event | None = None, ready: Callable[[], None] | None = None) -> None:
-        """Accept connections until ``stop`` is set (or forever); one request per connection."""
-        sock = self.bind()
+    def serve(self, stop: threading.Event | None = None, ready: Callable[[], None] | None = None,
+              sock: socket.socket | None = None) -> None:
+        """Accept connections until ``stop`` is set (or forever) on ``sock`` (the one ``bind`` returned; None:
+        bind now); one request per connection."""
+        sock = self.bind() if sock is None else sock
         sock.settimeout(0.5)
         if ready is not None:
             ready()

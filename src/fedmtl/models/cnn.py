@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..batchnorm import BatchNorm
+from ..machine import check_parameters
 from ..model import Model, default_head, input_transform_for
 from ..schema import Annotated, Range
 from .clientstack import ClientsForm
@@ -45,6 +46,7 @@ def _cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object]
     )
     out = 1 if num_classes == 2 else num_classes
     flat = _flat_dim(features, input_shape)
+    check_parameters((flat + 1) * hidden + (hidden + 1) * out, f"[model] {name} with hidden = {hidden}")
     net = nn.Sequential(features, nn.Linear(flat, hidden), *norm(hidden), nn.ReLU(), nn.Linear(hidden, out))
     return Model(net, "binary" if num_classes == 2 else "multiclass", num_classes, name=name,
                  input_transform=input_transform_for(input_shape, meta, flatten=False), prefer_loop_on_cpu=True,

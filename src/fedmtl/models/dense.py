@@ -7,8 +7,9 @@ import numpy as np
 from torch import nn
 
 from ..batchnorm import BatchNorm
+from ..machine import check_parameters
 from ..model import Model, default_head, input_transform_for
-from ..schema import Annotated, Range
+from ..schema import Annotated, Range, shown
 from .stacked import mlp_functions
 
 Width = Annotated[int, Range(1, 10**5)]  # a hidden layer's units
@@ -34,6 +35,9 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] 
         raise ValueError(f"mlp batch_norm must be true or false, got {batch_norm!r}")
     layers: list[nn.Module] = []
     d = int(np.prod(input_shape))
+    widths = [d, *hidden, 1 if num_classes == 2 else num_classes]
+    check_parameters(sum((a + 1) * b for a, b in zip(widths, widths[1:], strict=False)),  # before any allocation
+                     f"[model] mlp with hidden = {shown(list(hidden))} on {d} features")
     for h in hidden:
         layers += [nn.Linear(d, h), *([BatchNorm(h)] if batch_norm else []), nn.ReLU()]
         d = h

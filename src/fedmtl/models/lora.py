@@ -18,7 +18,7 @@ apply it; a ``peft.LoraConfig`` is accepted as the spec (``AdapterConfig.of``).
 
 The adapters of one client export to, and import from, the ``safetensors`` files peft reads and writes
 (``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight`` keys, plus ``adapter_config.json``):
-``save_peft`` / ``load_peft``.
+``save_peft`` / ``load_peft`` in ``fedmtl.models.peft_folder``, which checks a folder before anything of it is used.
 
 Dropout on the adapters' input (``lora_dropout``) is not supported: it draws per-example randomness inside the
 clients' vectorized step, which ``torch.func.vmap`` refuses; a spec with dropout > 0 is refused by name.
@@ -27,7 +27,6 @@ clients' vectorized step, which ``torch.func.vmap`` refuses; a spec with dropout
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,80 +190,20 @@ def base_digest(module: nn.Module) -> str:
 def load_base(module: nn.Module, path: str | Path, key: str = "model.adapters.base") -> None:
     """Load a safetensors file of ``module``'s state_dict (the base weights: no pickle, tensors only); every key
     must be one of the module's and every parameter and buffer must be given (``key``: the config key named in
-    errors)."""
-    from safetensors.torch import load_file
+    errors).  The file's kind and size are checked before it is opened, and every tensor's dtype kind, shape and
+    values after conversion to the module's dtype (``fedmtl.weights.conform``): a ``WeightsError`` names the file
+    and the tensor."""
+    from ..weights import WeightsError, brief, conform, read_safetensors
 
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{key}: {path} is not a file")
-    try:
-        state = load_file(str(path))
-    except Exception as e:  # a corrupt or foreign file
-        raise ValueError(f"{key}: {path} is not a readable safetensors file ({e})") from None
+    state = read_safetensors(path, key)
     own = module.state_dict()
     extra, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
-    bad = [k for k in set(state) & set(own) if tuple(state[k].shape) != tuple(own[k].shape)]
-    if extra or missing or bad:
-        raise ValueError(f"{key}: {path} does not fit {type(module).__name__}: "
-                         + "; ".join(f"{w} {v[:4]}" for w, v in (("unknown keys", extra), ("missing", missing),
-                                                                 ("other shapes", sorted(bad))) if v))
-    if any(not torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
-        raise ValueError(f"{key}: {path} holds non-finite weights")
-    module.load_state_dict(state)
+    if extra or missing:
+        raise WeightsError(f"{key}: {path} does not fit {type(module).__name__}: "
+                           + "; ".join(f"{w} {brief(v[:4])}{' ...' if len(v) > 4 else ''}"
+                                       for w, v in (("unknown keys", extra), ("missing", missing)) if v))
+    module.load_state_dict({k: conform(v, own[k], f"{key}: {path}: tensor {k!r}") for k, v in state.items()})
 
 
-PEFT_PREFIX = "base_model.model."
-
-
-def save_peft(params: dict[str, Tensor], cfg: AdapterConfig, out: str | Path, base_name: str = "",
-              strip: str = "") -> Path:
-    """Write one client's adapters (``params``: its tree of A and B matrices) as a peft adapter folder:
-    ``adapter_model.safetensors`` (keys ``base_model.model.<module>.lora_A.weight``) and ``adapter_config.json``,
-    which ``peft.PeftModel.from_pretrained(base, out)`` loads.  ``strip``: a prefix of the tree's names that the peft
-    model does not have (the attribute under which a wrapper module holds the Hugging Face model, e.g. ``"model."``)."""
-    from safetensors.torch import save_file
-
-    from ..report import atomic
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors, modules = {}, set()
-    for k, v in params.items():
-        k = k.removeprefix(strip)
-        mod, _, leaf = k.rpartition(".")
-        if leaf in ("lora_A", "lora_B"):
-            tensors[f"{PEFT_PREFIX}{mod}.{leaf}.weight"] = v.detach().cpu().contiguous()
-            modules.add(mod.rpartition(".")[2])
-        else:  # a module trained in full (peft's modules_to_save)
-            tensors[f"{PEFT_PREFIX}{k}"] = v.detach().cpu().contiguous()
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    conf = {"peft_type": "LORA", "task_type": None, "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target or modules), "bias": "none",
-            "modules_to_save": list(cfg.train) or None, "base_model_name_or_path": base_name or None,
-            "inference_mode": True, "fan_in_fan_out": False, "init_lora_weights": True}
-    with atomic(out / "adapter_config.json") as f:
-        f.write(json.dumps(conf, indent=2))
-    return out
-
-
-def load_peft(path: str | Path, prefix: str = "") -> dict[str, Tensor]:
-    """A peft adapter folder's (or ``adapter_model.safetensors``') LoRA matrices as a fedmtl tree (``<module>.lora_A``,
-    ``<module>.lora_B``, each name after ``prefix``: ``save_peft``'s ``strip``); peft's adapter-name segment
-    (``lora_A.default.weight``) is accepted too."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    f = path / "adapter_model.safetensors" if path.is_dir() else path
-    out = {}
-    for k, v in load_file(str(f)).items():
-        k = k.removeprefix(PEFT_PREFIX)
-        for leaf in ("lora_A", "lora_B"):
-            for suffix in (f".{leaf}.weight", f".{leaf}.default.weight"):
-                if k.endswith(suffix):
-                    k = k[: -len(suffix)] + "." + leaf
-        out[prefix + k] = v
-    return out
-
-
-__all__ = ["AdapterConfig", "LoRALinear", "adapter_names", "apply_adapters", "base_digest", "load_base", "load_peft",
-           "save_peft", "seeded_base"]
+__all__ = ["AdapterConfig", "LoRALinear", "adapter_names", "apply_adapters", "base_digest", "load_base", "seeded_base"]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..machine import check_parameters
 from ..model import Model
 from ..schema import Annotated, Range
 from ..tree import Params
@@ -74,6 +75,10 @@ def char_lstm(
     hidden: Annotated[int, Range(1, 10**5)] = 256,
     layers: Annotated[int, Range(1, 64)] = 2,
 ) -> Model:
+    h = hidden  # the gates' weights and biases of each layer, the embedding and the decoder, before any allocation
+    check_parameters(sum(4 * h * ((embed if i == 0 else h) + h + 2) for i in range(layers))
+                     + num_classes * (embed + h + 1), f"[model] lstm with embed = {embed}, hidden = {h}, layers = "
+                     f"{layers}")
     module = CharLSTM(num_classes, embed, hidden, layers)
     # on a GPU the stacked executor runs all clients' recurrences as one (the clients form's stacked gates); on a CPU
     # each client's fused nn.LSTM kernel is faster (the loop)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..machine import check_parameters
 from ..model import Model, ModelError
 from ..schema import Annotated, Range
 
@@ -86,6 +87,9 @@ def char_transformer(input_shape: tuple[int, ...], num_classes: int, meta: dict[
     """A ``CharTransformer`` for token windows of ``input_shape = (seq_len,)`` over ``num_classes`` tokens."""
     if len(input_shape) != 1:
         raise ModelError(f"char_transformer reads token windows (n, seq_len), got features of shape {input_shape}")
+    d = d_model  # attention (4 d^2) and MLP (2 r d^2) per layer, embeddings and head, before any allocation
+    check_parameters(layers * (4 + 2 * mlp_ratio) * d * (d + 1) + (2 * num_classes + int(input_shape[0])) * (d + 1),
+                     f"[model] char_transformer with d_model = {d}, layers = {layers}, mlp_ratio = {mlp_ratio}")
     module = CharTransformer(num_classes, int(input_shape[0]), d_model, layers, heads, mlp_ratio)
     model = Model.from_module(module, num_classes, output="multiclass", name="char_transformer", head=("head.weight",
                                                                                                         "head.bias"))
