@@ -612,31 +612,40 @@ def main(argv: list[str] | None = None) -> int:
     from .progress import default
 
     progress = default("off" if args.quiet else "lines" if args.no_progress else "auto", verbose=args.verbose)
+    term = _Sigterm()
     try:
-        previous = signal.signal(signal.SIGTERM, _terminated)
+        previous = signal.signal(signal.SIGTERM, term)
     except ValueError:  # not the main thread: leave signals alone
+        term.settle()
         previous = None
     try:
         import_plugins(getattr(args, "imports", []))
         with progress:  # what progress=True means, for this command only
             return args.fn(args)
     except (ConfigError, RegistryError) as e:
+        term.settle()
         print(f"fedmtl: config error: {_line(str(e))}", file=sys.stderr)
+        _refused_on_every_rank(args)
         return EXIT_INPUT
     except ValueError as e:  # DataError, ModelError, CheckpointError, RunDirError, ...
+        term.settle()
         msg = " ".join([*str(e).split("\n"), *getattr(e, "__notes__", [])])
         source = getattr(args, "config", None)
         if isinstance(source, str) and source not in msg:
             msg = f"{shown(source, bare=True)}: {msg}"  # the file whose settings led here
         print(f"fedmtl: error: {_line(msg)}", file=sys.stderr)
+        _refused_on_every_rank(args)
         return EXIT_INPUT
     except RankLost as e:
+        term.settle()
         print(f"fedmtl: distributed run stopped: {e}{_resume_hint(args)} (the same torchrun command)", file=sys.stderr)
         return EXIT_RANK_LOST
     except KeyboardInterrupt:
+        term.settle()
         print(f"fedmtl: interrupted{_resume_hint(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _Terminated:
+        term.settle()
         from .engine.distributed import launched
 
         if getattr(args, "command", "") == "run" and launched():
@@ -648,14 +657,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedmtl: terminated (SIGTERM){_resume_hint(args)}", file=sys.stderr)
         return EXIT_TERMINATED
     except BrokenPipeError:  # the reader went away (fedmtl list | head): nothing more to say
+        term.settle()
         sys.stderr.close()
         return 0
     except OSError as e:
+        term.settle()
         print(f"fedmtl: {_line(_os_error(e, args))}", file=sys.stderr)
         return EXIT_OS
     finally:
+        term.settle()
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            from .engine.distributed import launched
+
+            # a rank of a torchrun job keeps the exit code it has: torchrun's SIGTERM, stopping the job while this
+            # process exits, would turn it into -15
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if launched() else previous)
 
 
 # Exit codes (README, "Command line"): 0 success; 1 an unexpected error (a bug: a traceback is printed);
@@ -726,8 +742,46 @@ def _sigterm_deferred() -> Iterator[None]:
         raise _Terminated()
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise _Terminated()
+def _refused_on_every_rank(args: argparse.Namespace, timeout: float = 15.0) -> None:
+    """A rank of a torchrun job that refuses its input waits (at most ``timeout`` seconds) until every rank has refused
+    it too: torchrun stops the job as soon as one rank exits, and a slower rank, stopped before it got as far, would
+    not say why.  The ranks count their refusals in torchrun's own store (a courtesy: any failure ends the wait)."""
+    from .engine.distributed import launched
+
+    if getattr(args, "command", "") != "run" or not launched():
+        return
+    import datetime
+    import os
+
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=3), wait_for_workers=False)
+        world = int(os.environ["WORLD_SIZE"])
+        deadline = time.monotonic() + timeout
+        if store.add("fedmtl/refused", 1) < world:
+            while store.add("fedmtl/refused", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except Exception:  # noqa: BLE001 (no store, a store gone: the rank exits at once)
+        return
+
+
+class _Sigterm:
+    """The SIGTERM handler of a command: the first SIGTERM raises ``_Terminated`` (the command stops, names its
+    checkpoint, exits 143; a rank of a torchrun job: 4), unless the command's outcome is already settled (an error
+    being reported, a result returned), which a late SIGTERM must not turn into a traceback."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def settle(self) -> None:
+        self.armed = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise _Terminated()
 
 
 def _resume_hint(args: argparse.Namespace) -> str:
