@@ -28,7 +28,7 @@ datasets:
 venv: $(VENV)/.installed datasets
 
 run: venv
-	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl main --out results
+	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl main --out results --resume
 
 test: venv
 	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests

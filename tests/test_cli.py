@@ -160,7 +160,7 @@ def test_sweep_runs_each_value_and_plots(tmp_path):
 
 def test_sweep_with_seeds_runs_and_continues(tmp_path):
     """``fedmtl sweep --seeds`` (the Figure 1 commands): every setting with every seed, mean and std per setting;
-    run again, the finished settings are resumed, not refused or re-run."""
+    run again with --resume, the finished settings are resumed, not re-run (without it: refused)."""
     p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
     out = tmp_path / "sweep"
     args = ["sweep", str(p), "--set", "run.sampling_rate=0.5,1.0", "--seeds", "1-2", "--out", str(out), "-q"]
@@ -168,7 +168,8 @@ def test_sweep_with_seeds_runs_and_continues(tmp_path):
     s = json.loads((out / "sweep.json").read_text())
     assert [r["run.sampling_rate"] for r in s["results"]] == [0.5, 1.0]
     assert all("seen_test_acc_mean_std" in r for r in s["results"])
-    assert main(args) == 0
+    assert main(args) == EXIT_INPUT
+    assert main([*args, "--resume"]) == 0
     assert json.loads((out / "sweep.json").read_text())["results"] == s["results"]
 
 
@@ -203,3 +204,20 @@ def test_from_arrays_blames_the_odd_client_even_when_it_is_the_first():
     odd = [(np.zeros((5, 4)), np.zeros(5, dtype=int))] + [(np.zeros((5, 3)), np.zeros(5, dtype=int))] * 3
     with pytest.raises(DataError, match=r"train client 0: feature shape \(4,\), most clients have \(3,\)"):
         FederatedData.from_arrays(odd, odd)
+
+
+def test_a_sigterm_while_the_input_is_checked_lets_the_refusal_through():
+    """Under torchrun a rank may be stopped (SIGTERM) because another rank refused the same input first: the
+    refusal still wins, so every rank says why; without one the SIGTERM takes effect at the end of the checks."""
+    from fedmtl.cli import _sigterm_deferred, _Terminated
+
+    with pytest.raises(ConfigError, match="bad key"), _sigterm_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        raise ConfigError("bad key")
+    reached = False
+    with pytest.raises(_Terminated), _sigterm_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        reached = True
+    assert reached

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -212,12 +213,84 @@ def test_resume_from_a_killed_rank_equals_the_uninterrupted_run(tmp_path: Path) 
     assert_same_run(tmp_path / "ref", out, 0.0)
 
 
+def _start_and_kill(cfg: Path, out: Path, sig: signal.Signals, rank: int) -> tuple[subprocess.Popen[str], str]:
+    """Start a 2-rank run, wait for its first checkpoint, send ``sig`` to rank ``rank``; torchrun's stderr."""
+    proc = subprocess.Popen(torchrun_cmd(cfg, out, 2), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out / "checkpoint.pt").exists():
+            time.sleep(0.05)
+        assert (out / "checkpoint.pt").exists(), "no checkpoint"
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(next(w for w in workers if _rank_of(w) == rank), sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if checkpoint.load(out / "checkpoint.pt")["round"] == 400:
+        pytest.skip("the run finished before the signal landed")
+    return proc, err
+
+
+def test_a_killed_rank_stops_the_job_with_the_documented_codes(tmp_path: Path) -> None:
+    """What the distributed guide promises when a rank dies: torchrun exits 1 naming the dead rank; every surviving
+    rank prints one line (the run stopped, the last checkpoint, resume with --resume) and exits 4, also when
+    torchrun stops it with SIGTERM before it meets the loss at a collective."""
+    cfg = write_config(tmp_path, "k", rounds=400, eval_every=100, checkpoint_every=1)
+    proc, err = _start_and_kill(cfg, tmp_path / "a", signal.SIGKILL, 1)
+    assert proc.returncode == 1, err[-3000:]
+    assert "rank      : 1 (local_rank: 1)" in err and "exitcode  : -9" in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("fedmtl:")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("fedmtl: distributed run stopped") and "--resume" in lines[0], lines[0]
+    assert f"checkpoint is round {checkpoint.load(tmp_path / 'a' / 'checkpoint.pt')['round']}" in lines[0], lines[0]
+    assert not any('File "' in ln and "fedmtl" in ln for ln in err.splitlines()), err[-3000:]  # no traceback of ours
+    # a rank stopped by a SIGTERM (torchrun's way of stopping a rank) exits 4, as does the rank that then loses it:
+    # torchrun's report shows code 4 for every rank it lists
+    proc, err = _start_and_kill(cfg, tmp_path / "b", signal.SIGTERM, 0)
+    assert proc.returncode == 1, err[-3000:]
+    codes = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (-?\d+)", err)
+    assert codes and all(code == "4" for _, code in codes), err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("fedmtl:")]
+    assert lines and all(ln.startswith("fedmtl: distributed run stopped") for ln in lines), err[-3000:]
+
+
 def test_distributed_refusals(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "mm", extra="client_store = \"mmap\"\n", alg="ditto")
     p = ranks_run(cfg, tmp_path / "mm", 2)
     assert p.returncode != 0 and "client_store = 'mmap'" in p.stderr
     p = one_process(cfg, tmp_path / "x", "--executor", "distributed")
     assert p.returncode == 2 and "torchrun" in p.stderr
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def test_several_seeds_are_refused_on_every_rank_before_anything_is_written(tmp_path: Path) -> None:
+    """--seeds (or run.seeds) under torchrun: every rank refuses with the same one line and exit 2, before anything is
+    written; with --overwrite the results the directory already holds are left byte-identical."""
+    cfg = write_config(tmp_path, "seeds", rounds=2, eval_every=1, checkpoint_every=1)
+    out = tmp_path / "out"
+    ok(one_process(cfg, out, "--seeds", "1,2"))
+    before = _files(out)
+    resume = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "fedmtl",
+              "run", "--resume", "--out", str(out), "-q"]  # the run directory's own config and seeds
+    for extra in (("--seeds", "1,2", "--overwrite"), None):
+        p = (ranks_run(cfg, out, 2, *extra) if extra else
+             subprocess.run(resume, env=env(), capture_output=True, text=True, timeout=300))
+        assert p.returncode != 0
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("fedmtl:")]
+        assert len(lines) == 2 and lines[0] == lines[1], p.stderr[-3000:]
+        assert "several seeds" in lines[0] and "torchrun" in lines[0], lines[0]
+        assert "exitcode  : 2" in p.stderr, p.stderr[-3000:]
+        assert not any('File "' in ln and "fedmtl" in ln for ln in p.stderr.splitlines()), p.stderr[-3000:]
+        assert _files(out) == before, extra
+    seeded = write_config(tmp_path, "seeded", rounds=2, extra="seeds = [3, 4]\n")
+    p = ranks_run(seeded, tmp_path / "fresh", 2)
+    assert p.returncode != 0 and p.stderr.count("several seeds") == 2 and not (tmp_path / "fresh").exists()
 
 
 def _children(pid: int) -> list[int]:

@@ -169,6 +169,22 @@ def test_server_app_refuses_results_without_a_checkpoint_unless_told_to_overwrit
     assert len(res.history) == 3 and not (out / ".lock").exists()
 
 
+def test_server_app_does_not_continue_a_checkpoint_of_another_config(tmp_path):
+    """A ServerApp started with another configuration on a directory that holds a checkpoint is refused (the keys
+    that differ named, every file byte-identical) instead of continuing that run with the new settings; with
+    fedmtl-overwrite it replaces it."""
+    text, out = _text(), tmp_path / "out"
+    server_main(_grid(text), text, ServerOptions(out=str(out), num_nodes=2))
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    other = _text().replace("lr = 0.1", "lr = 0.3")
+    assert other != text
+    with pytest.raises(ValueError, match=r"optim\.lr: 0\.1 -> 0\.3"):
+        server_main(_grid(other), other, ServerOptions(out=str(out), num_nodes=2))
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+    res = server_main(_grid(other), other, ServerOptions(out=str(out), num_nodes=2, overwrite=True))
+    assert len(res.history) == 3 and not (out / ".lock").exists()
+
+
 # ---------------------------------------------------------------------------------------------- metadata
 def test_public_meta_keeps_what_a_model_needs_and_what_the_dataset_declares_public():
     from fedmtl.data.federated import public_meta

@@ -246,3 +246,52 @@ def test_npz_folder_runs_own_data_from_the_command_line(tmp_path, capsys):
     raw["data"]["path"] = str(tmp_path / "missing")
     with pytest.raises(DataError, match="no such directory"):
         fedmtl.run(raw)
+
+
+def _snapshot(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_cli_export_into_an_existing_export_is_refused_without_overwrite(tmp_path, capsys):
+    """A second export into a site's folder (here another dataset for the same clients) is refused, one line naming
+    the folder, exit 2, every file byte-identical; with --overwrite the folder holds the new export only."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG)
+    other = tmp_path / "o.toml"
+    other.write_text(CONFIG.replace("seed = 3", "seed = 4"))
+    d = tmp_path / "d"
+    assert main(["data", "export", str(cfg), "--out", str(d), "--clients", "2-4"]) == 0
+    before = _snapshot(d)
+    capsys.readouterr()
+    assert main(["data", "export", str(other), "--out", str(d), "--clients", "2-4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(d) in err and "--overwrite" in err, err
+    assert _snapshot(d) == before
+    assert main(["data", "export", str(other), "--out", str(d), "--clients", "3", "--overwrite"]) == 0
+    after = _snapshot(d)
+    assert sorted(after) == ["client_3.npz", "dataset.json"]  # the old export's clients 2 and 4 are gone
+    assert after["client_3.npz"] != before["client_3.npz"]
+    ids, back = load_dir(d)
+    ref = validate(tomllib.loads(CONFIG.replace("seed = 3", "seed = 4"))).build_data()
+    assert ids.tolist() == [3] and torch.equal(back.seen.train.x, ref.seen.train.client(3)[0])
+
+
+def test_export_writes_dataset_json_last(data, tmp_path, monkeypatch):
+    """An export cut short leaves no dataset.json, so the folder is never read as a (mixed) data directory."""
+    import fedmtl.data.npz as npz
+
+    calls = []
+    real = np.savez
+
+    def failing(fh, **arrays):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(fh, **arrays)
+
+    monkeypatch.setattr(npz.np, "savez", failing)
+    with pytest.raises(OSError):
+        export(data, tmp_path / "cut", [0, 1, 2])
+    assert not (tmp_path / "cut" / "dataset.json").exists()
+    with pytest.raises(DataError, match="no dataset.json"):
+        load_dir(tmp_path / "cut")

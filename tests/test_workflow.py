@@ -254,8 +254,8 @@ def test_compare_table_plots_and_errors(tmp_path, capsys):
     data = json.loads((out / "compare.json").read_text())
     assert data["results"]["fedavg"]["seen_test_acc_mean"]["mean"] == pytest.approx(fedavg)
     assert (out / "curves.png").stat().st_size > 1000 and (out / "clients.png").stat().st_size > 1000
-    assert main(["compare", str(tmp_path / "fedavg"), "--metric", "nope", "--out", str(out)]) == 2
-    assert main(["compare", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert main(["compare", str(tmp_path / "fedavg"), "--metric", "nope", "--out", str(tmp_path / "c2")]) == 2
+    assert main(["compare", str(tmp_path / "missing"), "--out", str(tmp_path / "c3")]) == 2
 
 
 def test_sweep_axes():

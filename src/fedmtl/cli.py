@@ -7,13 +7,14 @@ group ``fedmtl.plugins`` at start and from ``--import MODULE`` (repeatable) on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn, TypeVar, overload
@@ -44,18 +45,12 @@ def _own_config(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .config import load
+    from .engine.distributed import launched
     from .engine.driver import run_experiment
 
-    if args.config is None:
-        args.config, seeds = _own_config(args)
-        args.seeds = args.seeds or seeds
-    overrides = list(args.set)
-    if args.device:
-        overrides.append(f"run.device={args.device}")
-    if args.seeds:
-        overrides.append(f"run.seeds=[{parse_seeds(args.seeds)}]")
-    cfg = load(args.config, overrides)
+    with _sigterm_deferred():  # a rank torchrun stops because another refused the same input refuses it too
+        cfg = _run_config(args)
+        _refuse_seeds_under_torchrun(args, cfg, launched())
     out = args.out or str(Path("runs") / Path(args.config).stem)
     keys = HEADLINE
     if cfg.run.seeds:
@@ -70,7 +65,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 ci = f"[{100 * st['ci95_low']:.2f}, {100 * st['ci95_high']:.2f}]" if st["ci95_low"] is not None else ""
                 print(f"  {k:28s} {100 * st['mean']:7.2f} +- {100 * st['std']:5.2f}  {ci}")
         return 0
-    from .engine.distributed import Group, launched
+    from .engine.distributed import Group
 
     if args.executor == "distributed" or launched():  # a rank of a torchrun job
         group = Group.start(cfg.run.device, args.dist_timeout)
@@ -92,6 +87,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if k in final:
             print(f"  {k:28s} {100 * final[k]:7.2f}")
     return 0
+
+
+def _run_config(args: argparse.Namespace) -> Any:
+    """The validated config of ``fedmtl run`` (its CONFIG, or the run directory's own, with --set, --device and
+    --seeds)."""
+    from .config import load
+
+    if args.config is None:
+        args.config, seeds = _own_config(args)
+        args.seeds = args.seeds or seeds
+    overrides = list(args.set)
+    if args.device:
+        overrides.append(f"run.device={args.device}")
+    if args.seeds:
+        overrides.append(f"run.seeds=[{parse_seeds(args.seeds)}]")
+    return load(args.config, overrides)
+
+
+def _refuse_seeds_under_torchrun(args: argparse.Namespace, cfg: Any, ranked: bool) -> None:
+    """Several seeds are one process's batched computation: a rank of a torchrun job refuses them (every rank the
+    same way) before anything is written."""
+    if cfg.run.seeds and (args.executor == "distributed" or ranked):
+        raise ConfigError(f"{args.config}: several seeds (--seeds / run.seeds = {shown(list(cfg.run.seeds))}) do not "
+                          "run under torchrun: start one torchrun job per seed (--set run.seed=S --out DIR/seed-S), or "
+                          "run the seeds in one process (fedmtl run --seeds ...)")
 
 
 def _positive_seconds(text: str) -> float:
@@ -120,7 +140,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     out = args.out or str(Path("runs") / f"sweep-{Path(args.config).stem}")
     sets = list(args.set) + ([f"run.seeds=[{parse_seeds(args.seeds)}]"] if args.seeds else [])
-    run_sweep(args.config, sets, out)
+    run_sweep(args.config, sets, out, resume=args.resume, overwrite=args.overwrite)
     print(f"written: {out}/sweep.json, sweep.csv, sweep.png")
     return 0
 
@@ -130,15 +150,16 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from .data.federated import describe
 
     if len(args.what) == 2 and args.what[0] == "export":
-        from .data.npz import export, parse_range
+        from .data.npz import check_target, export, parse_range
 
         if not args.out:
             raise ConfigError("fedmtl data export: --out DIR is required")
+        check_target(args.out, args.overwrite)  # before the data is built
         cfg = load(args.what[1], args.set)
         data = cfg.build_data()
         n = data.seen.num_clients
         ids = parse_range(args.clients, n) if args.clients else list(range(n))
-        export(data, args.out, ids)
+        export(data, args.out, ids, overwrite=args.overwrite)
         print(f"written: {args.out}/dataset.json and {len(ids)} client_<k>.npz files (clients "
               f"{ids[0]}-{ids[-1]} of {n})")
         return 0
@@ -207,8 +228,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .comparison import compare
+    from .comparison import OUTPUTS, compare
+    from .engine.rundir import check_output
 
+    check_output(args.out, overwrite=args.overwrite, names=OUTPUTS)
     compare(args.runs, args.out, args.metric)
     print(f"written: {args.out}/compare.md, compare.json, curves.png, clients.png")
     return 0
@@ -235,12 +258,21 @@ def _cmd_tables(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_reproduction_out(args: argparse.Namespace) -> None:
+    """A reproduction's --out that already holds files: continued with --resume (its finished runs read back, the
+    interrupted ones continued), replaced with --overwrite (every run started over), else refused."""
+    from .engine.rundir import check_output
+
+    check_output(args.out, overwrite=args.overwrite, resume=args.resume)
+
+
 def _cmd_main(args: argparse.Namespace) -> int:
-    from .experiments.common import summary_figure
+    from .experiments.common import starting_over, summary_figure
     from .experiments.fedem import main_job
     from .report import quick_mode, run_figures
 
-    with quick_mode(args.quick), run_figures(False):
+    _check_reproduction_out(args)
+    with quick_mode(args.quick), run_figures(False), starting_over(args.overwrite):
         main_job(Path(args.out), quick=args.quick)
         summary_figure(Path(args.out), "FedEM synthetic data: final test accuracy across clients")
     return 0
@@ -248,13 +280,14 @@ def _cmd_main(args: argparse.Namespace) -> int:
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     from .experiments import SUMMARIES, reproduction
-    from .experiments.common import summary_figure
+    from .experiments.common import starting_over, summary_figure
     from .report import quick_mode, run_figures
 
+    _check_reproduction_out(args)
     t0 = time.perf_counter()
     # the runs draw no figure of their own: the reproduction's tables and figures, and one summary figure (every
     # dataset's methods, average and bottom-decile accuracy, mean +- std over seeds)
-    with quick_mode(args.quick), run_figures(False):
+    with quick_mode(args.quick), run_figures(False), starting_over(args.overwrite):
         reproduction(args.name)(Path(args.out), quick=args.quick)
         summary_figure(Path(args.out), f"{args.name}: {SUMMARIES.get(args.name, '')}".rstrip(": "))
     written = sorted(p.name for p in Path(args.out).iterdir() if p.suffix in (".md", ".json", ".png", ".csv"))
@@ -290,17 +323,26 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     if not 0 <= args.nodes <= n:
         raise ConfigError(f"--nodes {args.nodes}: between 1 and {args.config}'s {n} seen clients")
     if args.action == "app":
-        from .flower.project import write_project
+        from .engine.rundir import check_output
+        from .flower.project import PROJECT_FILES, write_project
 
+        if args.resume:
+            raise ConfigError("fedmtl flower app: --resume is for simulate (an app project is written whole; "
+                              "--overwrite replaces one)")
+        check_output(args.out or "flower-app", overwrite=args.overwrite, names=PROJECT_FILES)
         out = write_project(cfg, args.out or "flower-app", args.nodes or n)
         print(f"wrote a Flower app project to {out} (flwr run {out}); deployment recipe: {out / 'DEPLOY.md'}")
         return 0
     import os
 
+    from .engine.rundir import RESULTS, check_output
     from .flower.simulation import simulate
 
+    if args.out:  # the ServerApp continues a checkpoint it finds: only with --resume here
+        check_output(args.out, overwrite=args.overwrite, resume=args.resume, names=RESULTS)
     res = simulate(dumps(cfg.raw), n, args.out or "", cpus=args.cpus or os.cpu_count() or 1, nodes=args.nodes,
-                   cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node, ray_address=args.ray_address)
+                   cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node, ray_address=args.ray_address,
+                   overwrite=args.overwrite)
     print(json.dumps(res.final, indent=1))
     return 0
 
@@ -430,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=V1,V2,...")
     sw.add_argument("--out")
     sw.add_argument("--seeds", help="run every setting with each of these seeds (e.g. 1-3); the plot shows bands")
+    _again_args(sw, "an interrupted sweep (settings with a checkpoint continue)", "every setting starts over")
     _plugins_arg(sw)
     _output_args(sw)
     sw.set_defaults(fn=_cmd_sweep)
@@ -437,10 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="print a config's dataset statistics, or 'export' it as per-client .npz files "
                                     "(the node-local format of a Flower SuperNode's data-dir)",
                        usage="fedmtl data CONFIG [--set TABLE.KEY=VALUE ...]\n"
-                             "       fedmtl data export CONFIG --out DIR [--clients 0-49] [--set TABLE.KEY=VALUE ...]")
+                             "       fedmtl data export CONFIG --out DIR [--clients 0-49] [--overwrite] "
+                             "[--set TABLE.KEY=VALUE ...]")
     d.add_argument("what", nargs="+", metavar="CONFIG", help="a config (statistics), or: export CONFIG")
     d.add_argument("--out", help="export: the data directory to write")
     d.add_argument("--clients", help="export: which seen clients, e.g. 0-49 or 0,3,7 (default: all)")
+    d.add_argument("--overwrite", action="store_true", help="export: replace the export DIR already holds (its "
+                   "other clients' files removed)")
     d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     _plugins_arg(d)
     d.set_defaults(fn=_cmd_data)
@@ -450,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (fedmtl run, with or without --seeds)")
     cp.add_argument("--metric", default=SEEN_TEST_ACC_MEAN, help="the metric to sort by and to plot per round")
     cp.add_argument("--out", required=True)
+    cp.add_argument("--overwrite", action="store_true", help="replace the comparison --out already holds")
     _output_args(cp)
     cp.set_defaults(fn=_cmd_compare)
 
@@ -483,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
     m.add_argument("--quick", action="store_true", help="20 rounds, a smoke run")
+    _again_args(m, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(m)
     m.set_defaults(fn=_cmd_main)
 
@@ -495,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("name", choices=sorted(REPRODUCTIONS), metavar="NAME", help="one of the experiments above")
     rp.add_argument("--out", required=True)
     rp.add_argument("--quick", action="store_true", help="a short smoke version")
+    _again_args(rp, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(rp)
     rp.set_defaults(fn=_cmd_reproduce)
 
@@ -511,6 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "clients (default: one per client)")
     fl.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     fl.add_argument("--out", help="simulate: run directory; app: project directory (default flower-app)")
+    again = fl.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="simulate: continue the run --out holds")
+    again.add_argument("--overwrite", action="store_true", help="simulate: replace the run --out holds; app: replace "
+                       "the project --out holds")
     fl.add_argument("--device", help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
     fl.add_argument("--cpus", type=int, default=0, help="simulate: CPUs of the Ray cluster started for the run "
                     "(default: this machine's)")
@@ -526,6 +579,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_parser(sub)
     return p
+
+
+def _again_args(p: argparse.ArgumentParser, resume: str, overwrite: str) -> None:
+    """--resume and --overwrite of a command that writes a folder: without either, one that holds files is refused."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help=f"continue {resume}")
+    g.add_argument("--overwrite", action="store_true", help=f"replace what --out holds: {overwrite}")
 
 
 def _output_args(p: argparse.ArgumentParser, sub: bool = True) -> None:
@@ -552,49 +612,74 @@ def main(argv: list[str] | None = None) -> int:
     from .progress import default
 
     progress = default("off" if args.quiet else "lines" if args.no_progress else "auto", verbose=args.verbose)
+    term = _Sigterm()
     try:
-        previous = signal.signal(signal.SIGTERM, _terminated)
+        previous = signal.signal(signal.SIGTERM, term)
     except ValueError:  # not the main thread: leave signals alone
+        term.settle()
         previous = None
     try:
         import_plugins(getattr(args, "imports", []))
         with progress:  # what progress=True means, for this command only
             return args.fn(args)
     except (ConfigError, RegistryError) as e:
+        term.settle()
         print(f"fedmtl: config error: {_line(str(e))}", file=sys.stderr)
+        _refused_on_every_rank(args)
         return EXIT_INPUT
     except ValueError as e:  # DataError, ModelError, CheckpointError, RunDirError, ...
+        term.settle()
         msg = " ".join([*str(e).split("\n"), *getattr(e, "__notes__", [])])
         source = getattr(args, "config", None)
         if isinstance(source, str) and source not in msg:
             msg = f"{shown(source, bare=True)}: {msg}"  # the file whose settings led here
         print(f"fedmtl: error: {_line(msg)}", file=sys.stderr)
+        _refused_on_every_rank(args)
         return EXIT_INPUT
     except RankLost as e:
+        term.settle()
         print(f"fedmtl: distributed run stopped: {e}{_resume_hint(args)} (the same torchrun command)", file=sys.stderr)
         return EXIT_RANK_LOST
     except KeyboardInterrupt:
+        term.settle()
         print(f"fedmtl: interrupted{_resume_hint(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _Terminated:
+        term.settle()
+        from .engine.distributed import launched
+
+        if getattr(args, "command", "") == "run" and launched():
+            # torchrun stops every rank with SIGTERM once one rank has failed (or it was itself told to stop): for a
+            # rank, a SIGTERM is the distributed run stopping, whichever reached it first
+            print(f"fedmtl: distributed run stopped: torchrun stopped this rank (SIGTERM: another rank failed, or the "
+                  f"job was stopped){_resume_hint(args)} (the same torchrun command)", file=sys.stderr)
+            return EXIT_RANK_LOST
         print(f"fedmtl: terminated (SIGTERM){_resume_hint(args)}", file=sys.stderr)
         return EXIT_TERMINATED
     except BrokenPipeError:  # the reader went away (fedmtl list | head): nothing more to say
+        term.settle()
         sys.stderr.close()
         return 0
     except OSError as e:
+        term.settle()
         print(f"fedmtl: {_line(_os_error(e, args))}", file=sys.stderr)
         return EXIT_OS
     finally:
+        term.settle()
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            from .engine.distributed import launched
+
+            # a rank of a torchrun job keeps the exit code it has: torchrun's SIGTERM, stopping the job while this
+            # process exits, would turn it into -15
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if launched() else previous)
 
 
 # Exit codes (README, "Command line"): 0 success; 1 an unexpected error (a bug: a traceback is printed);
 # 2 invalid input (config, data, model/data mismatch, run directory in use or holding results, unusable
 # checkpoint), one line naming the file and key; 3 the operating system refused a write (out of disk space,
-# permissions), one line naming the file and the checkpoint to resume from; 4 a distributed run lost a rank;
-# 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).  After 3, 4, 130 and 143 the last checkpoint is intact.
+# permissions), one line naming the file and the checkpoint to resume from; 4 a distributed run lost a rank (or
+# torchrun stopped this rank with SIGTERM); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).  After 3, 4, 130
+# and 143 the last checkpoint is intact.
 EXIT_INPUT, EXIT_OS, EXIT_RANK_LOST, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 4, 130, 143
 
 
@@ -638,8 +723,65 @@ class _Terminated(BaseException):
     pass
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise _Terminated()
+@contextlib.contextmanager
+def _sigterm_deferred() -> Iterator[None]:
+    """Hold a SIGTERM back while a command checks its input: a refusal raised meanwhile wins over it (each rank of a
+    torchrun job that refuses its input says why, even when torchrun stops it because another rank refused first);
+    otherwise it is raised at the end."""
+    pending: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if pending:
+        raise _Terminated()
+
+
+def _refused_on_every_rank(args: argparse.Namespace, timeout: float = 15.0) -> None:
+    """A rank of a torchrun job that refuses its input waits (at most ``timeout`` seconds) until every rank has refused
+    it too: torchrun stops the job as soon as one rank exits, and a slower rank, stopped before it got as far, would
+    not say why.  The ranks count their refusals in torchrun's own store (a courtesy: any failure ends the wait)."""
+    from .engine.distributed import launched
+
+    if getattr(args, "command", "") != "run" or not launched():
+        return
+    import datetime
+    import os
+
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=3), wait_for_workers=False)
+        world = int(os.environ["WORLD_SIZE"])
+        deadline = time.monotonic() + timeout
+        if store.add("fedmtl/refused", 1) < world:
+            while store.add("fedmtl/refused", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except Exception:  # noqa: BLE001 (no store, a store gone: the rank exits at once)
+        return
+
+
+class _Sigterm:
+    """The SIGTERM handler of a command: the first SIGTERM raises ``_Terminated`` (the command stops, names its
+    checkpoint, exits 143; a rank of a torchrun job: 4), unless the command's outcome is already settled (an error
+    being reported, a result returned), which a late SIGTERM must not turn into a traceback."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def settle(self) -> None:
+        self.armed = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise _Terminated()
 
 
 def _resume_hint(args: argparse.Namespace) -> str:

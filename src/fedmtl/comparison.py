@@ -120,6 +120,10 @@ def _labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
+#: the files ``compare`` writes into its output folder
+OUTPUTS = ("compare.md", "compare.json", "curves.png", "clients.png")
+
+
 def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST_ACC_MEAN) -> dict[str, Any]:
     """Finished runs side by side (``fedmtl compare``): writes ``out/compare.md`` (mean ± std over each run's seeds),
     the curves of ``metric`` per round with seed bands, and the per-client accuracy distributions; returns the
@@ -201,4 +205,4 @@ def _plot_clients(path: Path, dists: dict[str, np.ndarray]) -> None:
     save_figure(fig, path, vector=True)
 
 
-__all__ = ["compare"]
+__all__ = ["OUTPUTS", "compare"]

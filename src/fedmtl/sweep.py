@@ -6,7 +6,8 @@ split) is swept; several swept keys run their cartesian product.  Each setting i
 ``DIR/sweep.png`` plots test accuracy (mean and 10th percentile over clients) against the first swept
 key, as in Figure 1 of Marfoq et al. (2021): strings on a categorical axis, numbers spanning two decades or
 more on a log axis (symlog with 0), and with ``--seeds`` / ``run.seeds`` every setting runs every seed and
-the plot shows the seeds' mean with a +-1 std band.
+the plot shows the seeds' mean with a +-1 std band.  A folder that holds files is refused unless ``--resume``
+(continue an interrupted sweep) or ``--overwrite`` (start every setting over).
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ def plan(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
     return fixed, swept
 
 
-def run_sweep(config: str | Path, sets: list[str], out: str | Path,
-              progress: bool | str = True) -> list[dict[str, Any]]:
+def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bool | str = True,
+              resume: bool = False, overwrite: bool = False) -> list[dict[str, Any]]:
+    """Run every setting into ``out/<key>=<value>/`` and write the sweep's table and figure; its rows.  A folder that
+    already holds files is refused unless ``resume`` (settings with a checkpoint continue, finished ones are read
+    back, the others start) or ``overwrite`` (every setting starts over)."""
+    from .engine.rundir import check_output
+
     out = Path(out)
     fixed, swept = plan(sets)
     count = math.prod(len(vals) for _, vals in swept)
@@ -77,6 +83,7 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path,
                           f"runs at most {MAX_SETTINGS} (sweep fewer values, or split it into several sweeps)")
     combos = list(itertools.product(*[[(k, v) for v in vals] for k, vals in swept]))
     cfgs = [load(config, fixed + [f"{k}={v}" for k, v in combo]) for combo in combos]  # validate all first
+    check_output(out, overwrite=overwrite, resume=resume)
     rows = []
     for combo, cfg in zip(combos, cfgs, strict=True):
         name = ",".join(f"{k}={v}" for k, v in combo).replace("/", "_")
@@ -84,15 +91,15 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path,
         if cfg.run.seeds:  # every setting with every seed: the seeds' mean, and their std for the bands
             from .engine.seeds import run_seeds
 
-            # a setting whose seeds hold checkpoints continues (an earlier, interrupted sweep); the others start over
-            has_ckpt = any((out / name).glob("seed-*/checkpoint.pt"))
-            res = run_seeds(cfg, out=out / name, resume=has_ckpt, overwrite=not has_ckpt, progress=progress)
+            # resume: a setting whose seeds hold checkpoints continues (an earlier, interrupted sweep)
+            has_ckpt = resume and any((out / name).glob("seed-*/checkpoint.pt"))
+            res = run_seeds(cfg, out=out / name, resume=has_ckpt, overwrite=overwrite, progress=progress)
             row.update({k: st["mean"] for k, st in res.final.items()})
             row.update({f"{k}_std": st["std"] for k, st in res.final.items()})
             final = {k: st["mean"] for k, st in res.final.items()}
         else:
-            has_ckpt = (out / name / "checkpoint.pt").exists()  # a finished or interrupted earlier sweep
-            final = run_experiment(cfg, out / name, resume=has_ckpt, overwrite=not has_ckpt,
+            has_ckpt = resume and (out / name / "checkpoint.pt").exists()  # a finished or interrupted earlier sweep
+            final = run_experiment(cfg, out / name, resume=has_ckpt, overwrite=overwrite,
                                    progress=progress).summary["final"]
             row.update(final)
         rows.append(row)

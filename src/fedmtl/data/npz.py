@@ -15,7 +15,8 @@ Layout of a data directory::
   client of a node has them or none does.
 * Files are read with ``numpy.load(allow_pickle=False)``: object arrays are refused, never unpickled.
 
-``export`` writes any federation in this format (``fedmtl data export CONFIG --out DIR --clients A-B``);
+``export`` writes any federation in this format (``fedmtl data export CONFIG --out DIR --clients A-B``; a
+directory that holds an export is replaced only with ``--overwrite``);
 ``load_dir`` reads one back as a ``FederatedData`` of the directory's clients plus their ids.
 """
 
@@ -47,27 +48,44 @@ def parse_range(spec: str, n: int) -> list[int]:
     return parse_ids(spec, n, "--clients", DataError)
 
 
-def export(data: FederatedData, out: str | Path, clients: list[int]) -> Path:
+def held(out: str | Path) -> list[str]:
+    """The files of a data export that ``out`` already holds (its ``client_<k>.npz`` files, then ``dataset.json``)."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    names = sorted((f.name for f in out.iterdir() if _NAME.fullmatch(f.name)),
+                   key=lambda n: int(n[len("client_"):-len(".npz")]))
+    return names + (["dataset.json"] if (out / "dataset.json").exists() else [])
+
+
+def check_target(out: str | Path, overwrite: bool = False) -> None:
+    """Refuse, before anything is built or written, an export into a directory that already holds one (a site's
+    data is replaced only with ``overwrite``)."""
+    have = held(out)
+    if have and not overwrite:
+        raise DataError(f"{out} already holds {', '.join(have[:3])}{' ...' if len(have) > 3 else ''} (a data export); "
+                        "nothing was changed: replace it with --overwrite (overwrite=True), or export into another "
+                        "directory (--out)")
+
+
+def export(data: FederatedData, out: str | Path, clients: list[int], overwrite: bool = False) -> Path:
     """Write the seen clients ``clients`` of ``data`` to ``out`` (one ``client_<k>.npz`` each, plus
     ``dataset.json``); files are written atomically.  The export holds those clients' examples and nothing about
     any other client: ``dataset.json`` gets the dataset's name, its number of classes and only its public
     metadata (``public_meta``: what a model needs, plus keys the dataset lists in ``meta["public_keys"]``), never
-    a generator's parameters or other clients' sizes, mixture weights or latent labels.  A directory that
-    already holds other clients' files is refused."""
+    a generator's parameters or other clients' sizes, mixture weights or latent labels.
+
+    A directory that already holds an export is refused unless ``overwrite``; then its ``dataset.json`` is removed
+    first, the clients' files are replaced, other clients' files removed, and ``dataset.json`` written last, so
+    that an export cut short is never read as a data directory (``load_dir`` needs ``dataset.json``)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     n = data.seen.num_clients
     bad = [k for k in clients if not 0 <= k < n]
     if bad:
         raise DataError(f"clients {bad[:5]} out of range: the federation has {n} seen clients")
-    stale = sorted(f.name for f in out.iterdir() if (m := _NAME.fullmatch(f.name)) and int(m.group(1)) not in clients)
-    if stale:  # another export's clients: the directory would hold data that is not this site's
-        raise DataError(f"{out} already holds {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}, not among "
-                        "the clients to export; export a site's share into an empty directory")
-    info = {"format": FORMAT, "name": data.name, "num_classes": data.num_classes,
-            "meta": public_meta(data.meta, data.name)}
-    with atomic(out / "dataset.json") as fh:
-        fh.write(json.dumps(info, indent=1))
+    check_target(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dataset.json").unlink(missing_ok=True)
     for k in clients:
         arrays: dict[str, Any] = {}  # np.savez's keyword arrays
         for split, s in data.seen.splits().items():
@@ -75,6 +93,14 @@ def export(data: FederatedData, out: str | Path, clients: list[int]) -> Path:
             arrays[f"x_{split}"], arrays[f"y_{split}"] = x.numpy(), y.numpy()
         with atomic(out / f"client_{k}.npz", "wb") as fh:
             np.savez(fh, **arrays)
+    keep = {f"client_{k}.npz" for k in clients}
+    for name in held(out):  # another export's clients: the directory would hold data that is not this site's
+        if name != "dataset.json" and name not in keep:
+            (out / name).unlink()
+    info = {"format": FORMAT, "name": data.name, "num_classes": data.num_classes,
+            "meta": public_meta(data.meta, data.name)}
+    with atomic(out / "dataset.json") as fh:
+        fh.write(json.dumps(info, indent=1))
     return out
 
 
@@ -182,4 +208,4 @@ def npz_folder(path: str, train_only: bool = False) -> FederatedData:
     return load_dir(Path(path).expanduser(), train_only)[1]
 
 
-__all__ = ["FORMAT", "export", "load_dir", "npz_folder", "parse_range"]
+__all__ = ["FORMAT", "check_target", "export", "held", "load_dir", "npz_folder", "parse_range"]

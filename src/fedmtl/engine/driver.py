@@ -189,10 +189,12 @@ def run_experiment(
             assert group is not None
             group.barrier("wait for rank 0 to open the run directory")
             return drive(build_local(cfg, data, model, out_dir, group), cfg, out_dir, resume, prog, writes=False)
-        with RunDirectory(out_dir, resume, overwrite):
+        with RunDirectory(out_dir, resume, overwrite, deferred=True) as run_dir:
             if group is not None:
                 group.barrier("wait for rank 0 to open the run directory")
-            return drive(build_local(cfg, data, model, out_dir, group), cfg, out_dir, resume, prog)
+            engine = build_local(cfg, data, model, out_dir, group)
+            run_dir.commit()  # built: the results an overwrite replaces go only now
+            return drive(engine, cfg, out_dir, resume, prog)
     finally:
         prog.close()
 

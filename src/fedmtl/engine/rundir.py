@@ -7,7 +7,9 @@
   the same directory is refused, naming the owner.  A lock left by a process that no longer exists on this host
   is taken over (with a warning).
 * A directory that holds results (``checkpoint.pt``, ``summary.json`` or ``metrics.csv``) is refused unless the
-  run resumes it (``resume``) or replaces it (``overwrite``: the old results are deleted first).
+  run resumes it (``resume``) or replaces it (``overwrite``: the old results are deleted first; with ``deferred``
+  they are set aside in ``.replaced/`` and deleted by ``commit()`` once the new run is built, or put back if it
+  fails before that, so that a replacing run that cannot start loses nothing).
 * ``resume`` without ``checkpoint.pt`` is an error (nothing would be resumed).
 * Temporary files of interrupted atomic writes (``.*.tmp``) are removed.
 * ``seeds=True``: the top level of a run with several seeds (``fedmtl.engine.seeds``): the lock only; what it holds
@@ -65,12 +67,60 @@ def _owner(lock: Path) -> tuple[str, str]:
 
 
 class RunDirectory:
-    def __init__(self, path: str | Path, resume: bool = False, overwrite: bool = False, *, seeds: bool = False):
+    def __init__(self, path: str | Path, resume: bool = False, overwrite: bool = False, *, seeds: bool = False,
+                 deferred: bool = False):
         if resume and overwrite:
             raise RunDirError("resume and overwrite (--resume, --overwrite) exclude each other")
         self.path, self.resume, self.overwrite, self.seeds = Path(path), resume, overwrite, seeds
         self.lock = self.path / ".lock"
         self._held = False
+        self.deferred = deferred
+        self._aside: Path | None = None  # what an overwrite set aside until commit()
+
+    def _replace(self, names: list[str]) -> None:
+        """Remove ``names`` (files or folders) of the directory: at once, or (``deferred``) into ``.replaced/``."""
+        present = [self.path / n for n in names if (self.path / n).exists()]
+        if not self.deferred:
+            for p in present:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            return
+        aside = self.path / REPLACED
+        aside.mkdir()
+        self._aside = aside
+        for p in present:
+            p.rename(aside / p.name)
+
+    def _recover(self) -> None:
+        """``.replaced/`` left by a replacing run killed before it was built: the results it replaced come back."""
+        aside = self.path / REPLACED
+        if aside.is_dir() and not aside.is_symlink():
+            log.warning("%s: putting back the results of %s (a run that was to replace them stopped before it "
+                        "started)", self.path, aside)
+            self._aside = aside
+            self._put_back()
+
+    def commit(self) -> None:
+        """The replacing run is built: delete the results it replaces (``deferred``)."""
+        if self._aside is not None:
+            shutil.rmtree(self._aside, ignore_errors=True)
+            self._aside = None
+
+    def _put_back(self, clear: bool = True) -> None:
+        """The replacing run failed before it was built: its outputs go (``clear``), the results it replaced come
+        back."""
+        aside, self._aside = self._aside, None
+        if aside is None:
+            return
+        new = (*OUTPUTS, COMMIT, "client_store", *(d.name for d in seed_dirs(self.path).values())) if clear else ()
+        for name in new:
+            p = self.path / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+        for p in aside.iterdir():
+            p.rename(self.path / p.name)
+        aside.rmdir()
 
     def in_use(self) -> None:
         """Refuse, before anything is built, a directory whose lock a live process holds (``_acquire`` takes the lock
@@ -118,6 +168,7 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         self._acquire()
         try:
+            self._recover()
             for tmp in self.path.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
             held = [f for f in RESULTS if (self.path / f).exists()]
@@ -126,16 +177,11 @@ class RunDirectory:
                 raise RunDirError(f"{self.path / in_way[0]} is a directory, where a run writes its {in_way[0]} file: "
                                   "move it out of the way, or choose another out directory (--out)")
             if held and not self.resume:
-                if not self.overwrite:  # --resume only where there is a checkpoint to resume
-                    raise RunDirError(f"{self.path} already holds a run ({', '.join(held)}); " + (
-                        "continue it with resume=True (--resume), replace it with overwrite=True (--overwrite), or "
-                        "choose another out directory (--out)" if "checkpoint.pt" in held else
-                        "it has no checkpoint to resume: replace it with overwrite=True (--overwrite), or choose "
-                        "another out directory (--out)"))
-                for f in OUTPUTS:
-                    (self.path / f).unlink(missing_ok=True)
-                shutil.rmtree(self.path / "client_store", ignore_errors=True)
+                if not self.overwrite:
+                    raise holds_a_run(self.path, held)
+                self._replace([*OUTPUTS, "client_store"])
         except BaseException:
+            self._put_back(clear=False)
             self.release()
             raise
         return self
@@ -144,15 +190,13 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         self._acquire()
         try:
+            self._recover()
             for tmp in self.path.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
             if self.overwrite:
-                for f in (*OUTPUTS, COMMIT):
-                    (self.path / f).unlink(missing_ok=True)
-                shutil.rmtree(self.path / "client_store", ignore_errors=True)
-                for d in seed_dirs(self.path).values():
-                    shutil.rmtree(d)
+                self._replace([*OUTPUTS, COMMIT, "client_store", *(d.name for d in seed_dirs(self.path).values())])
         except BaseException:
+            self._put_back(clear=False)
             self.release()
             raise
         return self
@@ -163,7 +207,43 @@ class RunDirectory:
             self._held = False
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.release()
+        try:
+            if et is None:
+                self.commit()
+            else:
+                self._put_back()
+        finally:
+            self.release()
+
+
+def check_output(path: str | Path, *, overwrite: bool, resume: bool | None = None,
+                 names: tuple[str, ...] | None = None) -> None:
+    """Refuse, before anything is built or written, a command whose output folder ``path`` already holds files
+    (``names``: only these count; None: any entry), unless it continues them (``resume``; None: the command cannot)
+    or replaces them (``overwrite``).  The one rule of every command that writes a folder: nothing is overwritten
+    without ``--overwrite``."""
+    path = Path(path)
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite exclude each other")
+    if overwrite or resume or not path.exists():
+        return
+    if not path.is_dir():
+        raise RunDirError(f"{path} is not a directory; choose another out directory (--out)")
+    have = sorted(p.name for p in path.iterdir() if names is None or p.name in names)
+    if have:
+        cont = "continue it with --resume, " if resume is not None else ""
+        raise RunDirError(f"{path} already holds {', '.join(have[:3])}{' ...' if len(have) > 3 else ''}; nothing "
+                          f"was changed: {cont}replace it with --overwrite, or choose another out directory (--out)")
+
+
+def holds_a_run(path: Path, held: list[str]) -> RunDirError:
+    """The refusal of a run into ``path``, which holds the results ``held``, without resume or overwrite
+    (``--resume`` offered only where there is a checkpoint to resume)."""
+    return RunDirError(f"{path} already holds a run ({', '.join(held)}); " + (
+        "continue it with resume=True (--resume), replace it with overwrite=True (--overwrite), or choose another out "
+        "directory (--out)" if "checkpoint.pt" in held else
+        "it has no checkpoint to resume: replace it with overwrite=True (--overwrite), or choose another out "
+        "directory (--out)"))
 
 
 def is_out_of_space(e: BaseException) -> bool:
@@ -174,6 +254,7 @@ def is_out_of_space(e: BaseException) -> bool:
 # COMMIT marker makes the group durable, then each NEXT is renamed to checkpoint.pt (fedmtl.engine.seeds)
 NEXT = "checkpoint.next.pt"
 COMMIT = "seeds-commit.json"
+REPLACED = ".replaced"  # results an overwrite set aside until the replacing run is built (RunDirectory.commit)
 _SEED = re.compile(r"seed-(\d+)")
 
 
@@ -337,6 +418,8 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
     if seeds is None:
         if resume:
             _differs(path, _saved_config(path), config, f"Resume it as it was with: {command}")
+        elif held := [f for f in RESULTS if (path / f).is_file()]:  # refused before the data is built
+            raise holds_a_run(path, held)
         return lay
     if not resume:
         raise RunDirError(f"{path} already holds a run with seeds {lay.seeds}; resume it with: {command} "
@@ -354,5 +437,6 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
     return lay
 
 
-__all__ = ["COMMIT", "NEXT", "Layout", "RunDirError", "RunDirectory", "alive", "check_resumable", "config_diff",
-           "is_out_of_space", "layout", "resume_advice", "resume_command", "run_top", "seed_dirs", "start_again"]
+__all__ = ["COMMIT", "NEXT", "REPLACED", "Layout", "RunDirError", "RunDirectory", "alive", "check_output",
+           "check_resumable", "config_diff", "holds_a_run", "is_out_of_space", "layout", "resume_advice",
+           "resume_command", "run_top", "seed_dirs", "start_again"]

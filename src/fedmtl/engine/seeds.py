@@ -97,7 +97,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
         if out_dir is not None:
             # the top level holds the resolved config (with the seeds) and, at the end, the statistics; each seed's
             # folder is a run directory of its own
-            stack.enter_context(RunDirectory(out_dir, overwrite=overwrite, seeds=True))
+            top_dir = stack.enter_context(RunDirectory(out_dir, overwrite=overwrite, seeds=True, deferred=True))
             finish_group_commit(out_dir)
             top = {t: dict(v) for t, v in cfg.raw.items()}
             top["run"]["seeds"] = list(seeds)
@@ -111,6 +111,8 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
                 stack.enter_context(RunDirectory(d, cont, overwrite and not cont))
             replicas.append(Replica(build_local(c, data, model, d), c, d, f"{name} seed {s}"))
         replicas[0].engine.check_memory(len(replicas))  # all replicas' clients share the batched calls
+        if out_dir is not None:
+            top_dir.commit()  # built: the results an overwrite replaces go only now
         runs = drive_many(replicas, resume, prog, group_dir=out_dir)
         result = SeedsResult(runs, summarize_seeds(cfg, seeds, runs), out_dir)
         if out_dir is not None:

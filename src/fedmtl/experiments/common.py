@@ -1,11 +1,14 @@
 """What the reproductions share: their method tables (TOML package data next to the modules) and the runs of
-one config with per-method overrides, continued from the checkpoints a previous call left."""
+one config with per-method overrides, continued from the checkpoints a previous call left (``fedmtl reproduce
+--resume``), or started over (``--overwrite``: ``starting_over``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -68,9 +71,27 @@ def _bare(text: str) -> bool:
     return False
 
 
+# whether a reproduction's runs start over (``--overwrite``) rather than continue the checkpoints they find
+_START_OVER: ContextVar[bool] = ContextVar("fedmtl_start_over", default=False)
+
+
+@contextlib.contextmanager
+def starting_over(on: bool = True) -> Iterator[None]:
+    """Within: every run of ``run_one`` and ``run_seeds`` starts over, replacing what its directory holds
+    (``fedmtl reproduce --overwrite``)."""
+    token = _START_OVER.set(on)
+    try:
+        yield
+    finally:
+        _START_OVER.reset(token)
+
+
 def run_one(cfg: Any, run_dir: Path, data: Any) -> dict[str, Any]:
-    """One run (continued if its directory holds a checkpoint of the same config): its summary, history and
-    per-client metrics."""
+    """One run (continued if its directory holds a checkpoint of the same config, unless ``starting_over``): its
+    summary, history and per-client metrics."""
+    if _START_OVER.get():
+        res = run_experiment(cfg, run_dir, overwrite=True, data=data)
+        return {**res.summary, "history": res.history, "per_client": res.per_client}
     has_ckpt = (run_dir / "checkpoint.pt").exists()
     try:
         res = run_experiment(cfg, run_dir, resume=has_ckpt, overwrite=not has_ckpt, data=data)
@@ -86,7 +107,10 @@ def run_seeds(cfg: Any, run_dir: Path, data: Any, seeds: list[int]) -> dict[str,
     from ..engine.seeds import run_seeds as run_batched
 
     try:  # the seeds with a checkpoint continue, the others start
-        res = run_batched(cfg, seeds, run_dir, resume=True, data=data)
+        if _START_OVER.get():
+            res = run_batched(cfg, seeds, run_dir, overwrite=True, data=data)
+        else:
+            res = run_batched(cfg, seeds, run_dir, resume=True, data=data)
     except (ConfigError, CheckpointError, RunDirError):  # an older run with another config or format: start over
         res = run_batched(cfg, seeds, run_dir, overwrite=True, data=data)
     hist = []

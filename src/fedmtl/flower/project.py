@@ -104,6 +104,10 @@ The server writes `runs/exp1/` (config.toml, metrics.csv, checkpoint.pt, clients
 """
 
 
+#: what ``write_project`` writes into its folder
+PROJECT_FILES = ("pyproject.toml", "fedmtl_app", "flwr-config.toml", "DEPLOY.md")
+
+
 def write_project(cfg: ExperimentConfig, out: str | Path, num_nodes: int, home: str | Path | None = None) -> Path:
     """Write the project for ``cfg`` whose server waits for ``num_nodes`` SuperNodes; its DEPLOY.md and
     ``flwr-config.toml`` put the certificates, the SuperLink's database and the runs under ``home`` (default: the

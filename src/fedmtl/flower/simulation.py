@@ -50,10 +50,11 @@ def backend_config(cpus: int = 1, cpus_per_node: float = 1.0, gpus_per_node: flo
 
 def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: int = 1,
              round_timeout: float = 600.0, nodes: int = 0, cpus_per_node: float = 1.0, gpus_per_node: float = 0.0,
-             ray_address: str = "") -> RunResult:
+             ray_address: str = "", overwrite: bool = False) -> RunResult:
     """Run the experiment ``cfg_text`` (TOML) over Flower's simulation engine with ``nodes`` virtual
     SuperNodes (0: one per seen client), each with the resources ``backend_config`` gives it; returns its
-    ``RunResult``."""
+    ``RunResult``.  ``out`` (a run directory): its checkpoint is continued, its results without one refused, unless
+    ``overwrite`` (the ServerApp's ``fedmtl-overwrite``)."""
     from flwr.simulation import run_simulation
 
     cfg = config_from_text(cfg_text)
@@ -73,7 +74,7 @@ def simulate(cfg_text: str, num_clients: int = 0, out: str | Path = "", cpus: in
         except ValueError as e:
             raise ValueError(f"--nodes {nodes}: {e}") from None
     result: dict[str, Any] = {}
-    opts = ServerOptions(out=str(out), num_nodes=nodes, round_timeout=round_timeout)
+    opts = ServerOptions(out=str(out), num_nodes=nodes, round_timeout=round_timeout, overwrite=overwrite)
     run_simulation(make_server_app(cfg_text, opts, result), make_client_app(cfg_text, mods=[secure_mod]),
                    num_supernodes=nodes, backend_config=backend)
     if "result" not in result:
