@@ -53,6 +53,18 @@ def alive(pid: int) -> bool:
     return True
 
 
+def read_lock(lock: Path) -> tuple[str, str] | None:
+    """The (host, pid) a lock file names, or None where it is missing or unusable: not a small regular file (a FIFO,
+    a device, a directory are never read), not two words, or a pid that is no process id."""
+    from ..files import read_text
+
+    try:
+        host, pid = read_text(lock, 4096, "lock").split()
+    except (OSError, ValueError):
+        return None
+    return (host, pid) if pid.isdigit() and len(pid) <= 9 else None
+
+
 class RunDirectory:
     def __init__(self, path: str | Path, resume: bool = False, overwrite: bool = False, *, seeds: bool = False):
         if resume and overwrite:
@@ -64,12 +76,10 @@ class RunDirectory:
     def in_use(self) -> None:
         """Refuse, before anything is built, a directory whose lock a live process holds (``_acquire`` takes the lock
         itself later, when the run starts)."""
-        if not self.lock.exists():
+        owner = read_lock(self.lock)
+        if owner is None:
             return
-        try:
-            host, pid = self.lock.read_text().split()
-        except (OSError, ValueError):
-            return
+        host, pid = owner
         if host != socket.gethostname() or (pid.isdigit() and alive(int(pid))):
             raise RunDirError(f"{self.path} is in use by another run (process {pid} on {host or '?'}; lock file "
                               f"{self.lock}); choose another out directory (--out), or delete the lock if that "
@@ -81,10 +91,7 @@ class RunDirectory:
             try:
                 fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                try:
-                    host, pid = self.lock.read_text().split()
-                except (OSError, ValueError):
-                    host, pid = "", "0"
+                host, pid = read_lock(self.lock) or ("", "0")
                 if host == socket.gethostname() and pid.isdigit() and not alive(int(pid)):
                     log.warning("%s: taking over the lock of process %s, which no longer runs", self.path, pid)
                     self.lock.unlink(missing_ok=True)
@@ -282,4 +289,4 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
 
 
 __all__ = ["COMMIT", "NEXT", "Layout", "RunDirError", "RunDirectory", "alive", "check_resumable", "config_diff",
-           "is_out_of_space", "layout", "resume_command", "seed_dirs"]
+           "is_out_of_space", "layout", "read_lock", "resume_command", "seed_dirs"]
