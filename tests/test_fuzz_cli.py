@@ -131,7 +131,8 @@ def set_cases() -> list:
     for table, key, tp in _keys():
         for value, refuse in set_values(tp):
             short = value if len(value) <= 24 else f"{value[:12]}...({len(value)})"
-            cases.append(pytest.param(table, key, value, refuse, id=f"{table}.{key}={short}"))
+            cases.append(pytest.param(table, key, value, refuse, id=f"{table}.{key}={short}",
+                                      marks=[] if refuse else [pytest.mark.slow]))  # accepted: a run
     return cases
 
 
@@ -251,7 +252,9 @@ def option_cases() -> list:
         flag = a.option_strings[-1] if a.option_strings else a.dest
         for value, refuse in option_values(cmd, a):
             short = value if len(value) <= 24 else f"{value[:12]}...({len(value)})"
-            cases.append(pytest.param(cmd, a.dest, flag, value, refuse, id=f"{cmd} {flag} {short!r}"))
+            runs = not refuse and cmd in ("run", "data", "compare")  # an accepted value runs the command
+            cases.append(pytest.param(cmd, a.dest, flag, value, refuse, id=f"{cmd} {flag} {short!r}",
+                                      marks=[pytest.mark.slow] if runs else []))
     return cases
 
 
@@ -287,12 +290,14 @@ def heavy_replaced(monkeypatch):
     def main_job(*a, **k):
         raise Accepted("the main job")
 
-    def run_sweep(*a, **k):
-        raise Accepted("the sweep's runs")
+    def runs(*a, **k):
+        raise Accepted("the runs (a sweep's, or several seeds')")
 
+    import fedmtl.engine.seeds as seeds
     import fedmtl.sweep as sweep
 
-    monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+    monkeypatch.setattr(sweep, "run_experiment", runs)  # a sweep's configs are all read and checked first
+    monkeypatch.setattr(seeds, "run_seeds", runs)
     monkeypatch.setattr(sim, "simulate", simulate)
     monkeypatch.setattr(worker.Worker, "serve", serve)
     monkeypatch.setattr(ex, "reproduction", reproduction)
