@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
+import math
 import re
 import signal
 import sys
@@ -122,6 +124,23 @@ def _positive_seconds(text: str) -> float:
     if not 1 <= v <= 86400:
         raise argparse.ArgumentTypeError(f"{v:g} s: between 1 and 86400 seconds")
     return v
+
+
+def _number_in(lo: float, hi: float, kind: type[int] | type[float] = float, lo_open: bool = False
+               ) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+
+    def parse(text: str) -> float:
+        shown = text if len(text) <= 40 else f"{text[:37]}..."
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'a whole' if kind is int else 'a'} number: {shown!r}") from None
+        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+            raise argparse.ArgumentTypeError(f"{shown}: expected a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+        return v
+
+    return parse
 
 
 def parse_seeds(text: str) -> str:
@@ -565,12 +584,13 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--overwrite", action="store_true", help="simulate: replace the run --out holds; app: replace "
                        "the project --out holds")
     fl.add_argument("--device", help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
-    fl.add_argument("--cpus", type=int, default=0, help="simulate: CPUs of the Ray cluster started for the run "
-                    "(default: this machine's)")
-    fl.add_argument("--cpus-per-node", type=float, default=1.0, help="simulate: CPUs each virtual SuperNode reserves "
-                    "(default 1: as many nodes run at once as there are CPUs)")
-    fl.add_argument("--gpus-per-node", type=float, default=0.0, help="simulate: GPUs each virtual SuperNode reserves; "
-                    "a fraction shares a GPU (e.g. 0.25: four nodes per GPU); needs run.device = cuda")
+    fl.add_argument("--cpus", type=_number_in(0, 10**5, int), default=0, help="simulate: CPUs of the Ray cluster "
+                    "started for the run (default: this machine's)")
+    fl.add_argument("--cpus-per-node", type=_number_in(0, 1024, lo_open=True), default=1.0, help="simulate: CPUs "
+                    "each virtual SuperNode reserves (default 1: as many nodes run at once as there are CPUs)")
+    fl.add_argument("--gpus-per-node", type=_number_in(0, 64), default=0.0, help="simulate: GPUs each virtual "
+                    "SuperNode reserves; a fraction shares a GPU (e.g. 0.25: four nodes per GPU); needs run.device = "
+                    "cuda")
     fl.add_argument("--ray-address", default="", help="simulate: join a running Ray cluster ('auto', or the HOST:PORT "
                     "of `ray start --head`) instead of starting one; its CPUs and GPUs are the cluster's")
     _plugins_arg(fl)
@@ -662,6 +682,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except OSError as e:
         term.settle()
+        if e.errno == errno.ENAMETOOLONG:  # a path given on the command line or in a config: invalid input
+            name = str(e.filename)
+            print(f"fedmtl: error: a file name too long for the system ({len(name)} characters): "
+                  f"{name[:60]}...", file=sys.stderr)
+            return EXIT_INPUT
         print(f"fedmtl: {_line(_os_error(e, args))}", file=sys.stderr)
         return EXIT_OS
     finally:
@@ -791,12 +816,16 @@ def _resume_hint(args: argparse.Namespace) -> str:
     from .engine.rundir import layout, resume_command
 
     out = Path(args.out or Path("runs") / Path(args.config).stem)
-    lay = layout(out)
-    ckpt = out / "checkpoint.pt"
-    seeds = sorted(out.glob("seed-*/checkpoint.pt"))
+    try:
+        lay = layout(out)
+        ckpt = out / "checkpoint.pt"
+        seeds = sorted(out.glob("seed-*/checkpoint.pt"))
+        has_ckpt = ckpt.exists()
+    except OSError:  # an --out the system cannot look up: nothing there to resume
+        return ""
     if lay.kind == "seeds" and seeds:  # several seeds: each seed folder has its own checkpoint
         return f"; {len(seeds)} seed folder(s) of {out} hold a checkpoint: resume with {resume_command(out, lay)}"
-    if not ckpt.exists():
+    if not has_ckpt:
         return f"; no checkpoint was written to {out}"
     try:
         from .engine.checkpoint import load

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import csv
 import io
-import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from .engine.evaluation import (
     UNSEEN_TEST_ACC_MEAN,
 )
 from .engine.seeds import history_stats, stats
-from .files import read_text
+from .files import read_json, read_text
 from .report import MAX_WIDTH_IN, atomic, plot_bands, save_figure, write_json
 
 METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
@@ -44,40 +45,74 @@ MAX_CSV_BYTES = 1 << 30  # its metrics.csv and clients.csv (a million clients' r
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:  # kind and size before a byte is read (fedmtl.files)
-        out = json.loads(read_text(path, MAX_SUMMARY_BYTES, "run summary", ConfigError))
+    try:  # kind and size first: a FIFO, a device or a huge file given as summary.json is refused, not read
+        out = read_json(path, MAX_SUMMARY_BYTES, "run summary", ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"{path.parent}: not a run directory (no summary.json; did the run finish?)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: unreadable ({str(e)[:200]})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: unreadable ({e.strerror or e})") from None
     if not isinstance(out, dict) or not isinstance(out.get("final"), dict):
         raise ConfigError(f"{path}: not a fedmtl summary (no 'final' table)")
+    bad = [k for k, v in out["final"].items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:  # a summary is written with NaN as null: Inf or NaN here was not written by fedmtl
+        raise ConfigError(f"{path}: final {str(bad[0])[:80]} is not a finite number")
     return out
 
 
+def _rows(path: Path, what: str) -> list[dict[str, Any]]:
+    """The rows of a run's CSV file, read defensively (``fedmtl.files``): errors name the file."""
+    try:
+        text = read_text(path, MAX_CSV_BYTES, what, ConfigError)
+    except OSError as e:
+        raise ConfigError(f"{path}: unreadable ({e.strerror or e})") from None
+    try:
+        return list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as e:
+        raise ConfigError(f"{path}: not a readable CSV file ({e})") from None
+
+
+def _finite(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return x if math.isfinite(x) else None
+
+
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """``metrics.csv``'s rows with a whole round number: numbers as floats (NaN and Inf left out), other text as is."""
     rows = []
-    with io.StringIO(read_text(path, MAX_CSV_BYTES, "metrics", ConfigError), newline="") as f:
-        for row in csv.DictReader(f):
-            clean: dict[str, Any] = {}
-            for k, v in row.items():
-                try:
-                    clean[k] = float(v) if v not in ("", None) else None
-                except ValueError:
-                    clean[k] = v
-            if clean.get("round") is not None:
-                clean["round"] = int(clean["round"])
-                rows.append({k: v for k, v in clean.items() if v is not None})
+    for row in _rows(path, "metrics"):
+        clean: dict[str, Any] = {}
+        for k, v in row.items():
+            if not isinstance(k, str) or not isinstance(v, str) or not v:
+                continue
+            try:
+                x = float(v)
+            except ValueError:
+                clean[k] = v
+                continue
+            if math.isfinite(x):
+                clean[k] = x
+        rnd = clean.get("round")
+        if isinstance(rnd, float) and rnd.is_integer() and 0 <= rnd <= 10**9:
+            clean["round"] = int(rnd)
+            rows.append(clean)
     return rows
 
 
 def _client_acc(path: Path) -> dict[int, float]:
     """Final per-client test accuracy of the seen clients (``clients.csv``)."""
     out = {}
-    with io.StringIO(read_text(path, MAX_CSV_BYTES, "per-client results", ConfigError), newline="") as f:
-        for row in csv.DictReader(f):
+    for row in _rows(path, "per-client results"):
+        try:
             if row["group"] == "seen" and row["split"] == "test" and float(row["n"]) > 0:
-                out[int(row["client"])] = float(row["acc"])
+                client, acc = int(row["client"]), _finite(row["acc"])
+                if acc is not None and 0 <= client <= 10**9:
+                    out[client] = acc
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{path}: not a fedmtl clients.csv (columns group, split, client, n, acc expected)"
+                              ) from None
     return out
 
 
@@ -88,6 +123,10 @@ class Run:
         self.path = path
         top = _read_json(path / "summary.json")
         if "seeds" in top and isinstance(top.get("runs"), list):
+            bad = [r for r in top["runs"] if not (isinstance(r, str) and re.fullmatch(r"seed-\d{1,20}", r))]
+            if bad or not top["runs"]:  # a seed folder of this directory, never a path elsewhere
+                raise ConfigError(f"{path / 'summary.json'}: 'runs' must name its seed-<S> folders, got "
+                                  f"{str(bad[:3] or top['runs'])[:80]}")
             self.dirs = [path / r for r in top["runs"]]
         else:
             self.dirs = [path]
@@ -98,7 +137,7 @@ class Run:
 
     def final(self, key: str) -> dict[str, Any] | None:
         vals = [s["final"].get(key) for s in self.summaries]
-        if any(not isinstance(v, int | float) for v in vals):
+        if any(isinstance(v, bool) or not isinstance(v, int | float) or _finite(v) is None for v in vals):
             return None
         return stats([float(v) for v in vals])
 

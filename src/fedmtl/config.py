@@ -33,6 +33,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import os
 import tomllib
 import types
 import typing
@@ -338,6 +339,7 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         if not isinstance(weights, str):
             raise ConfigError(f"{source}: [model] weights must be the path of a safetensors file, got {shown(weights)}")
         if weights:  # a safetensors file of the module's state_dict, where every run starts (checked when built)
+            _lookup_path(weights, f"{source}: [model] weights")
             model["weights"] = weights
         if "adapters" in tables["model"]:  # the [model.adapters] sub-table (fedmtl.models.lora.AdapterConfig)
             from .models.lora import AdapterConfig
@@ -351,6 +353,8 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
                 raise
             except ValueError as e:
                 raise ConfigError(f"{source}: [model.adapters]: {e}") from None
+            if ad.base:
+                _lookup_path(ad.base, f"{source}: [model.adapters] base")
             model["adapters"] = {k: list(v) if isinstance(v, tuple) else v
                                  for k, v in dataclasses.asdict(ad).items()}
     aname, acls = _named(tables["algorithm"], ALGORITHMS, "algorithm", source)
@@ -409,6 +413,18 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
         resolved["privacy"].pop("reproducible_noise")
     return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc,
                             sopt, asyn, flower=flower)
+
+
+def _lookup_path(path: str, where: str) -> None:
+    """Refuse a path the system cannot even look up (a name too long, a loop of links, a file used as a folder)
+    when the config is read, naming the key; whether it is a usable file is checked where it is read."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        shown = path if len(path) <= 80 else f"{path[:77]}..."
+        raise ConfigError(f"{where} = {shown!r}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -3,19 +3,22 @@ byte of it is read, so a FIFO, a device (``/dev/zero``, ``/dev/urandom``), a dir
 where a config, a checkpoint or a state file belongs is refused at once with one line naming it, instead of hanging
 or exhausting memory.
 
-``check_file(path, limit, what)`` returns the size of a regular file of at most ``limit`` bytes; ``read_bytes`` /
-``read_text`` read one (opened non-blocking, then checked again on the open descriptor, so a file swapped for a FIFO
-between the check and the open is refused too).  Errors are ``FileCheckError`` (a ``ValueError``: the command line
-reports it as invalid input, exit code 2) unless the caller passes its own error class.
+``check_file(path, limit, what)`` returns the size of a regular file of at most ``limit`` bytes; ``read_bytes``,
+``read_text`` and ``read_json`` read one (opened non-blocking, then checked again on the open descriptor, so a file
+swapped for a FIFO between the check and the open is refused too).  Errors are ``FileCheckError`` (a
+``ValueError``: the command line reports it as invalid input, exit code 2) unless the caller passes its own error
+class.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
-__all__ = ["FileCheckError", "check_file", "read_bytes", "read_text"]
+__all__ = ["FileCheckError", "check_file", "read_bytes", "read_json", "read_text"]
 
 
 class FileCheckError(ValueError):
@@ -73,3 +76,14 @@ def read_text(path: str | Path, limit: int, what: str, error: type[Exception] = 
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def read_json(path: str | Path, limit: int, what: str, error: type[Exception] = FileCheckError) -> Any:
+    """``read_text`` parsed as JSON; malformed or too deeply nested JSON is ``error`` naming the file too."""
+    text = read_text(path, limit, what, error)
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise error(f"{path}: not readable JSON ({str(e)[:120]})") from None
+    except RecursionError:
+        raise error(f"{path}: not readable JSON (nested too deeply)") from None

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from .engine.rundir import alive, seed_dirs
+from .engine.rundir import alive, read_lock, seed_dirs
 from .files import FileCheckError, read_text
 
 _LIMIT = 64 << 20  # bytes read of metrics.csv (a run of a million rounds stays below)
@@ -115,10 +115,10 @@ def runs_in(path: Path) -> list[Path]:
 def _running(run: Path) -> bool | None:
     """Whether a process holds the run's lock (or that of the run with several seeds it belongs to)."""
     for lock in (run / ".lock", run.parent / ".lock"):
-        try:
-            host, pid = read_text(lock, 4096, "lock", WatchError).split()
-        except (OSError, FileCheckError, WatchError, ValueError):
+        owner = read_lock(lock)  # never a FIFO or a device read, never a pid beyond any process id
+        if owner is None:
             continue
+        host, pid = owner
         if host != socket.gethostname():
             return None
         return pid.isascii() and pid.isdigit() and 0 < int(pid) < 1 << 22 and alive(int(pid))

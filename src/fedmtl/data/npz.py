@@ -2,7 +2,7 @@
 
 Layout of a data directory::
 
-    dataset.json        {"format": "fedmtl-npz/1", "num_classes": C, "meta": {...}}   (meta optional: public
+    dataset.json        {"format": "fedmtl-npz/1", "num_classes": C, "meta": {...}}   (2 <= C <= 10^6; meta: public
                         metadata only, ``fedmtl.data.federated.public_meta``)
     client_<k>.npz      x_train, y_train, x_test, y_test[, x_val, y_val]  for client k (its federation-wide id)
 
@@ -32,13 +32,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..files import check_file, read_text
+from ..files import check_file, read_json
 from ..ranges import parse_ids
 from ..report import atomic
 from ..schema import shown
 from .federated import DataError, FederatedData, public_meta
 
 FORMAT = "fedmtl-npz/1"
+MAX_CLASSES = 10**6  # classes a data directory may declare (a model's output layer has one unit each)
 _NAME = re.compile(r"client_(\d+)\.npz")
 
 
@@ -110,16 +111,16 @@ def _read_info(path: Path) -> dict[str, Any]:
         raise DataError(f"{path}: no dataset.json (a data directory holds dataset.json and client_<k>.npz files; "
                         "'fedmtl data export' writes one)")
     try:  # kind and size first: a FIFO or a device given as dataset.json is refused, not read
-        info = json.loads(read_text(f, 1 << 20, "dataset description", DataError))
+        info = read_json(f, 1 << 20, "dataset description", DataError)
     except DataError:
         raise
-    except (OSError, ValueError) as e:
-        raise DataError(f"{f}: not readable JSON ({e})") from None
+    except OSError as e:
+        raise DataError(f"{f}: not readable ({e.strerror or e})") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise DataError(f"{f}: not a fedmtl data directory description (\"format\" must be {FORMAT!r})")
     c = info.get("num_classes")
-    if isinstance(c, bool) or not isinstance(c, int) or c < 2:
-        raise DataError(f"{f}: num_classes must be an integer >= 2, got {shown(c)}")
+    if isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= MAX_CLASSES:
+        raise DataError(f"{f}: num_classes must be an integer in [2, {MAX_CLASSES}], got {shown(c)}")
     if not isinstance(info.get("meta", {}), dict):
         raise DataError(f"{f}: meta must be a JSON object")
     return info
@@ -157,7 +158,12 @@ def load_dir(path: str | Path, train_only: bool = False) -> tuple[Tensor, Federa
     Every problem (missing or corrupt file, wrong keys, shapes, dtypes, labels) is a ``DataError`` naming
     the file.  ``train_only``: read the training split only (test splits empty, no validation split)."""
     path = Path(path)
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:  # a name too long, a loop of links: not a directory to read
+        shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:77]}..."
+        raise DataError(f"data-dir {shown}: {e.strerror or e}") from None
+    if not is_dir:
         raise DataError(f"data-dir {path}: no such directory")
     info = _read_info(path)
     files = {}
@@ -184,7 +190,7 @@ def load_dir(path: str | Path, train_only: bool = False) -> tuple[Tensor, Federa
             x, y = a[f"x_{split}"], a[f"y_{split}"]
             if x.dtype == object or y.dtype == object:
                 raise DataError(f"{files[k]}: object arrays are not allowed")
-            if y.dtype.kind == "f":
+            if y.dtype.kind not in "iu":
                 raise DataError(f"{files[k]}: y_{split} must hold integer class labels, got {y.dtype}")
             per[split].append((x, y))
     try:

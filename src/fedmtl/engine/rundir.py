@@ -57,13 +57,16 @@ def alive(pid: int) -> bool:
     return True
 
 
-def _owner(lock: Path) -> tuple[str, str]:
-    """The host and pid a lock file holds (a regular file of at most 4 KiB: a FIFO or a huge file there is refused
-    before it is read)."""
+def read_lock(lock: Path) -> tuple[str, str] | None:
+    """The (host, pid) a lock file names, or None where it is missing or unusable: not a small regular file (a FIFO,
+    a device, a directory are never read), not two words, or a pid that is no process id."""
     from ..files import read_text
 
-    host, pid = read_text(lock, 4096, "lock").split()
-    return host, pid
+    try:
+        host, pid = read_text(lock, 4096, "lock").split()
+    except (OSError, ValueError):
+        return None
+    return (host, pid) if pid.isdigit() and len(pid) <= 9 else None
 
 
 class RunDirectory:
@@ -125,12 +128,10 @@ class RunDirectory:
     def in_use(self) -> None:
         """Refuse, before anything is built, a directory whose lock a live process holds (``_acquire`` takes the lock
         itself later, when the run starts)."""
-        if not self.lock.exists():
+        owner = read_lock(self.lock)
+        if owner is None:
             return
-        try:
-            host, pid = _owner(self.lock)
-        except (OSError, ValueError):
-            return
+        host, pid = owner
         if host != socket.gethostname() or (pid.isdigit() and alive(int(pid))):
             raise RunDirError(f"{self.path} is in use by another run (process {pid} on {host or '?'}; lock file "
                               f"{self.lock}); choose another out directory (--out), or delete the lock if that "
@@ -142,10 +143,7 @@ class RunDirectory:
             try:
                 fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                try:
-                    host, pid = _owner(self.lock)
-                except (OSError, ValueError):
-                    host, pid = "", "0"
+                host, pid = read_lock(self.lock) or ("", "0")
                 if host == socket.gethostname() and pid.isdigit() and not alive(int(pid)):
                     log.warning("%s: taking over the lock of process %s, which no longer runs", self.path, pid)
                     self.lock.unlink(missing_ok=True)
@@ -438,5 +436,5 @@ def check_resumable(path: str | Path, config: dict[str, Any], seeds: list[int] |
 
 
 __all__ = ["COMMIT", "NEXT", "REPLACED", "Layout", "RunDirError", "RunDirectory", "alive", "check_output",
-           "check_resumable", "config_diff", "holds_a_run", "is_out_of_space", "layout", "resume_advice",
+           "check_resumable", "config_diff", "holds_a_run", "is_out_of_space", "layout", "read_lock", "resume_advice",
            "resume_command", "run_top", "seed_dirs", "start_again"]

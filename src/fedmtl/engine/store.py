@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..files import check_file, read_bytes, read_text
+from ..files import check_file, read_bytes, read_json
 from ..tree import Tree
 
 StoreKind = Literal["memory", "mmap"]
@@ -106,11 +107,11 @@ class ClientStore:
             if not layout_file.exists():
                 raise StoreError(f"{d}: no client store to resume (layout.json missing)")
             try:
-                saved = json.loads(read_text(layout_file, 1 << 20, "client store layout", StoreError))
+                saved = read_json(layout_file, 1 << 20, "client store layout", StoreError)
             except StoreError:
                 raise
-            except (OSError, ValueError) as e:
-                raise StoreError(f"{layout_file}: unreadable ({e})") from None
+            except OSError as e:
+                raise StoreError(f"{layout_file}: unreadable ({e.strerror or e})") from None
             if saved != self._layout():
                 raise StoreError(f"{layout_file}: the stored client states do not match this run's algorithm "
                                  f"(stored {saved}, expected {self._layout()})")
@@ -293,11 +294,19 @@ class _UndoJournal:
     """Append-only records ``(round, ids, old written flags, old rows of every leaf)``; see the module docstring."""
 
     def __init__(self, path: Path, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]):
+        from ..machine import physical_memory
+
         self.path = path
         self.shapes, self.dtypes = shapes, dtypes
-        if os.path.exists(path):  # a FIFO or a device in its place would block the open or the reads
-            check_file(path, 1 << 50, "undo journal", StoreError)
-        self._f = open(path, "ab")  # noqa: SIM115 (kept open for the run)
+        if path.exists() or path.is_symlink():  # a journal left by the run: a regular file it can read back
+            check_file(path, physical_memory(), "client store undo journal", StoreError)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)  # never blocks on a FIFO
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped for a FIFO or a device since the check
+            os.close(fd)
+            raise StoreError(f"{path}: not a regular file (client store undo journal)")
+        os.set_blocking(fd, True)
+        self._f = os.fdopen(fd, "ab")
 
     def append(self, round_idx: int, ids: Tensor, written: Tensor, rows: list[Tensor]) -> None:
         k = ids.numel()
@@ -311,7 +320,7 @@ class _UndoJournal:
     def _records(self) -> list[tuple[int, np.ndarray, np.ndarray, list[np.ndarray]]]:
         from ..machine import physical_memory
 
-        data = read_bytes(self.path, physical_memory(), "undo journal", StoreError)
+        data = read_bytes(self.path, physical_memory(), "client store undo journal", StoreError)
         out, pos = [], 0
         while pos + 20 <= len(data) and data[pos:pos + 4] == _MAGIC:
             rnd, k = struct.unpack("<qq", data[pos + 4:pos + 20])

@@ -38,12 +38,19 @@ TABLES: dict[str, Callable[[Path], str]] = {
 def regenerate(results: Path, check: bool = False) -> list[str]:
     """Rewrite every table of ``TABLES`` under ``results`` (or, with ``check``, only compare); returns the tables
     that differed from their stored file."""
+    from ..config import ConfigError
     from ..report import write_table
 
+    if not results.is_dir():
+        shown = str(results) if len(str(results)) <= 80 else f"{str(results)[:77]}..."
+        raise ConfigError(f"--results {shown!r}: not a results directory (the checkout's benchmarks/results)")
     differ = []
     for rel, make in TABLES.items():
         path = results / rel
-        text = make(path.parent)
+        try:
+            text = make(path.parent)
+        except FileNotFoundError as e:  # a measurement the table is made from: the directory is incomplete
+            raise ConfigError(f"{results}: {rel} cannot be made: {e.filename} is missing") from None
         if not path.exists() or path.read_text() != text:
             differ.append(rel)
             if not check:

@@ -64,10 +64,22 @@ log = logging.getLogger("fedmtl")
 STATE_KEY = "fedmtl.client_states"
 
 
-def config_from_text(text: str, source: str = "<flower run config>") -> ExperimentConfig:
+def config_from_text(text: str, source: str = "run config fedmtl-config") -> ExperimentConfig:
+    """The experiment a run config carries (its key ``fedmtl-config``: the TOML text); a text that is no valid
+    experiment is a ``ConfigError`` naming the key."""
     import tomllib
 
-    return validate(tomllib.loads(text), source)
+    from ..config import MAX_CONFIG_BYTES, MAX_NESTING, ConfigError, max_nesting
+
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: {len(text)} characters; a config is at most {MAX_CONFIG_BYTES} bytes")
+    if max_nesting(text) > MAX_NESTING:
+        raise ConfigError(f"{source}: arrays or inline tables nested deeper than {MAX_NESTING}")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    return validate(raw, source)
 
 
 def _sha(text: str) -> str:
@@ -627,9 +639,7 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     @app.main()
     def _main(grid: Any, context: Context) -> None:
         text = cfg_text if cfg_text is not None else str(context.run_config["fedmtl-config"])
-        o = opts or ServerOptions(out=str(context.run_config.get("fedmtl-out", "")),
-                                  num_nodes=_count(context.run_config.get("fedmtl-num-nodes", 0)),
-                                  overwrite=_flag(context.run_config.get("fedmtl-overwrite", False)))
+        o = opts or server_options(dict(context.run_config))
         res = server_main(grid, text, o)
         if result is not None:
             result["result"] = res
@@ -637,23 +647,32 @@ def make_server_app(cfg_text: str | None = None, opts: ServerOptions | None = No
     return app
 
 
-def _count(v: Any) -> int:
-    """Run config ``fedmtl-num-nodes``: an integer in [0, 10^6] (its digits as a string too)."""
-    if isinstance(v, str) and re.fullmatch(r"\s*[0-9]{1,7}\s*", v):
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10**6:
-        raise ValueError(f"run config fedmtl-num-nodes = {shown(v)}: expected an integer in 0-1000000")
-    return v
 
 
 def _flag(v: Any) -> bool:
     """A run config boolean (TOML ``true`` or, from ``--run-config``, the strings "true" / "false")."""
-    if isinstance(v, str):
-        if v.strip().lower() not in ("true", "false", "1", "0", ""):
-            raise ValueError(f"run config fedmtl-overwrite = {shown(v)}: expected true or false")
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
         return v.strip().lower() in ("true", "1")
-    return bool(v)
+    raise ValueError(f"run config fedmtl-overwrite = {shown(v)}: expected true or false")
+
+
+def server_options(run_config: dict[str, Any]) -> ServerOptions:
+    """The ServerApp's options from its run config (``fedmtl-out``, ``fedmtl-num-nodes``, ``fedmtl-overwrite``),
+    checked before any node is contacted: a ``ValueError`` naming the key otherwise."""
+    out = run_config.get("fedmtl-out", "")
+    if not isinstance(out, str) or len(out) > 4096:
+        raise ValueError(f"run config fedmtl-out = {shown(out)}: expected the path of the run directory")
+    n = run_config.get("fedmtl-num-nodes", 0)
+    text = n.strip() if isinstance(n, str) else n
+    if isinstance(text, str) and text.isdigit() and len(text) <= 9:
+        text = int(text)
+    if isinstance(text, bool) or not isinstance(text, int) or not 0 <= text <= 10**6:
+        raise ValueError(f"run config fedmtl-num-nodes = {shown(n)}: expected a whole number of SuperNodes in "
+                         "[0, 10^6] (0: any)")
+    return ServerOptions(out=out, num_nodes=text, overwrite=_flag(run_config.get("fedmtl-overwrite", False)))
 
 
 __all__ = ["NodeError", "ServerOptions", "federation_of", "lock_run_directory", "make_client_app",
-           "make_server_app", "server_main"]
+           "make_server_app", "server_main", "server_options"]
