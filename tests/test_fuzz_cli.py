@@ -279,7 +279,7 @@ def heavy_replaced(monkeypatch):
     def simulate(*a, **k):
         raise Accepted("the Flower simulation")
 
-    def serve(self):
+    def serve(self, *a, **k):
         raise Accepted("the worker's socket")
 
     def reproduction(name):

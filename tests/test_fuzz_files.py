@@ -326,7 +326,7 @@ def _weights_kinds(f: Path, state: dict[str, torch.Tensor]) -> dict[str, Callabl
     }
 
 
-WEIGHT_KINDS = KINDS + ["float64 1e299", "float64", "int64", "bool", "float16 inf", "NaN", "wrong shape",
+WEIGHT_KINDS = KINDS + ["float64 1e299", "int64", "bool", "float16 inf", "NaN", "wrong shape",
                         "foreign key", "missing key", "header 2^60", "header not json", "header offsets beyond"]
 
 
@@ -351,11 +351,14 @@ def test_safetensors_weights_of_every_kind(tmp_path, capsys, state, key, kind):
     expect_refused(argv, capsys, str(f), key.rpartition(".")[2], fifo_roots=[tmp_path], seconds=20)
 
 
-def test_good_safetensors_weights_are_where_a_run_starts(tmp_path, capsys, state):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_good_safetensors_weights_are_where_a_run_starts(tmp_path, capsys, state, dtype):
+    """Weights the model's dtype holds exactly or by rounding (float64 values within float32's range) are where the
+    run starts: a float cast is refused only where it would overflow (``float64 1e299`` above)."""
     from safetensors.torch import save_file
 
     f = tmp_path / "w.safetensors"
-    save_file(state, str(f))
+    save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, str(f))
     cfg = tmp_path / "c.toml"
     cfg.write_text(TINY.replace("rounds = 2", "rounds = 1"))
     code, _, err = run_cli(["run", str(cfg), "--set", f"model.weights={f}", "--out", str(tmp_path / "o"), "-q"],
@@ -366,7 +369,8 @@ def test_good_safetensors_weights_are_where_a_run_starts(tmp_path, capsys, state
 # ------------------------------------------------------------------------------------------------ peft folders
 @pytest.fixture()
 def peft_dir(tmp_path) -> Path:
-    from fedmtl.models.lora import AdapterConfig, save_peft
+    from fedmtl.models.lora import AdapterConfig
+    from fedmtl.models.peft_folder import save_peft
 
     params = {"fc.lora_A": torch.randn(2, 3), "fc.lora_B": torch.zeros(4, 2)}
     return save_peft(params, AdapterConfig(rank=2, alpha=4.0), tmp_path / "peft")
@@ -413,7 +417,7 @@ def _peft_tensors(d: Path, fn, extra: dict | None = None, drop: str = "") -> Non
 def test_peft_folder_tampered(peft_dir, tmp_path, edit):
     """A peft adapter folder whose config or weights are wrong: ``load_peft`` refuses it in one line naming the file,
     never a hang on a FIFO, never NaN, float64 or mis-shaped adapters handed on."""
-    from fedmtl.models.lora import load_peft
+    from fedmtl.models.peft_folder import load_peft
 
     PEFT_EDITS[edit](peft_dir)
     msg = expect_error(lambda: load_peft(peft_dir), what=f"peft folder, {edit}", fifo_roots=[tmp_path], seconds=10)
@@ -421,7 +425,7 @@ def test_peft_folder_tampered(peft_dir, tmp_path, edit):
 
 
 def test_a_good_peft_folder_loads(peft_dir):
-    from fedmtl.models.lora import load_peft
+    from fedmtl.models.peft_folder import load_peft
 
     got = load_peft(peft_dir)
     assert sorted(got) == ["fc.lora_A", "fc.lora_B"] and got["fc.lora_A"].shape == (2, 3)

@@ -79,7 +79,8 @@ def test_partition_ids_in_range_are_served(spec, want):
 @pytest.mark.parametrize("pid,parts", BAD_PARTITION, ids=lambda v: repr(v if len(str(v)) < 24 else str(v)[:12]))
 def test_partition_id_out_of_range_is_refused(pid, parts):
     nc = {"partition-id": pid, "num-partitions": parts}
-    expect_error(lambda: apps.node_of(apps.NodeCache(), _ctx(nc), CFG), "partition-id",
+    # the key at fault named: partition-id, or num-partitions where that is what is wrong
+    expect_error(lambda: apps.node_of(apps.NodeCache(), _ctx(nc), CFG), "partition",
                  what=f"partition-id={pid!r} num-partitions={parts!r}", seconds=10)
 
 

@@ -130,7 +130,7 @@ WEIGHTS = {  # damage to adapter_model.safetensors: (edit, words in the refusal,
     "unpaired": (lambda s: {k: v for k, v in s.items() if "4.lora_B" not in k}, "no lora_B", False),
     "int": (lambda s: {k: v.to(torch.int64) if "2.lora_B" in k else v for k, v in s.items()}, "int64", False),
     "bool": (lambda s: {k: v > 0 if "2.lora_B" in k else v for k, v in s.items()}, "torch.bool", False),
-    "overflow": (lambda s: {k: v.double() * 1e299 for k, v in s.items()}, "beyond the range of torch.float32", True),
+    "overflow": (lambda s: {k: v.double() * 1e299 for k, v in s.items()}, "beyond the range of torch.float32", False),
     "in_features": (lambda s: {k: torch.ones(2, 5) if "2.lora_A" in k else v for k, v in s.items()}, "shape", True),
     "missing_layer": (lambda s: {k: v for k, v in s.items() if ".4." not in k}, "missing", True),
 }

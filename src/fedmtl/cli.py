@@ -143,6 +143,25 @@ def _number_in(lo: float, hi: float, kind: type[int] | type[float] = float, lo_o
     return parse
 
 
+def _device_arg(text: str) -> str:
+    """An argparse type: ``--device`` checked whole (``machine.check_device``) as written, before anything runs."""
+    from .machine import check_device
+
+    try:
+        return check_device(text, "--device")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seeds_arg(text: str) -> str:
+    """An argparse type: ``--seeds`` as written (``parse_seeds``): an empty or malformed list is refused here."""
+    try:
+        parse_seeds(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def parse_seeds(text: str) -> str:
     """``--seeds 1,2,3`` or ``--seeds 1-5`` -> the TOML list body "1, 2, 3" (in the order written).  The ranges are
     checked (seeds in [0, 2^63 - 1], at most ``MAX_SEEDS`` of them) before a list is built: ``0-99999999999`` is
@@ -423,6 +442,9 @@ class _LazyParser(argparse.ArgumentParser):
             add(self)
         return super().parse_known_args(args, namespace)
 
+    def error(self, message: str) -> NoReturn:
+        _refuse(self, message)
+
 
 def _bench_parser(sub: Any) -> None:
     """``fedmtl bench NAME [its flags]``: a sub-command per benchmark of the checkout's ``benchmarks`` package."""
@@ -460,7 +482,17 @@ class _Parser(argparse.ArgumentParser):
                 if near and near[0] != w:
                     message += f" (did you mean {near[0]}?)"
                     break
-        super().error(message)
+        _refuse(self, message)
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """argparse's refusal as one line (no usage block), exit code 2, every value it quotes cut short (``shown``)."""
+    import re
+
+    from .schema import shown
+
+    message = re.sub(r"'([^']{60,})'?", lambda m: shown(m.group(1)), " ".join(message[:4000].split()))
+    parser.exit(2, f"{parser.prog}: error: {message[:600]} (--help shows the usage)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,13 +507,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="run directory (default runs/<config name>)")
     r.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     r.add_argument("--overwrite", action="store_true", help="replace the results a run directory already holds")
-    r.add_argument("--device", help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
+    r.add_argument("--device", type=_device_arg,
+                   help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
     r.add_argument("--executor", choices=["distributed"], help="distributed: this process is a rank of a torchrun "
                    "job (torchrun --nproc-per-node R -m fedmtl run CONFIG ...); detected from torchrun's environment")
     r.add_argument("--dist-timeout", type=_positive_seconds, default=1800.0, metavar="SECONDS",
                    help="distributed: how long a rank waits for the others before the run stops (default 1800)")
-    r.add_argument("--seeds", help="several seeds, e.g. 1,2,3 or 1-5: independent replicas run as one batched "
-                   "computation; per-seed folders plus mean, std and 95%% interval (same as --set run.seeds=[...])")
+    r.add_argument("--seeds", type=_seeds_arg, help="several seeds, e.g. 1,2,3 or 1-5: independent replicas run as "
+                   "one batched computation; per-seed folders plus mean, std and 95%% interval (same as --set "
+                   "run.seeds=[...])")
     _plugins_arg(r)
     _output_args(r)
     r.set_defaults(fn=_cmd_run)
@@ -490,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("config")
     sw.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=V1,V2,...")
     sw.add_argument("--out")
-    sw.add_argument("--seeds", help="run every setting with each of these seeds (e.g. 1-3); the plot shows bands")
+    sw.add_argument("--seeds", type=_seeds_arg,
+                    help="run every setting with each of these seeds (e.g. 1-3); the plot shows bands")
     _again_args(sw, "an interrupted sweep (settings with a checkpoint continue)", "every setting starts over")
     _plugins_arg(sw)
     _output_args(sw)
@@ -583,7 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--resume", action="store_true", help="simulate: continue the run --out holds")
     again.add_argument("--overwrite", action="store_true", help="simulate: replace the run --out holds; app: replace "
                        "the project --out holds")
-    fl.add_argument("--device", help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
+    fl.add_argument("--device", type=_device_arg,
+                    help="cpu, cuda or cuda:N (N a GPU index; same as --set run.device=...)")
     fl.add_argument("--cpus", type=_number_in(0, 10**5, int), default=0, help="simulate: CPUs of the Ray cluster "
                     "started for the run (default: this machine's)")
     fl.add_argument("--cpus-per-node", type=_number_in(0, 1024, lo_open=True), default=1.0, help="simulate: CPUs "

@@ -434,7 +434,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     lhs, value = text.split("=", 1)
     table, key = lhs.strip().split(".", 1)  # key: "name", or "sub.name" for a sub-table ([model.adapters])
     if max_nesting(value) > MAX_NESTING:
-        raise ConfigError(f"--set {shown(lhs.strip())}: value nested deeper than {MAX_NESTING}")
+        raise ConfigError(f"--set {shown(lhs.strip(), bare=True)}: value nested deeper than {MAX_NESTING}")
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:

@@ -115,15 +115,18 @@ def import_plugins(modules: list[str]) -> None:
     import sys
     from pathlib import Path
 
+    from .schema import brief
+
     for mod in modules:
         path = Path(mod)
+        name = brief(mod)
         try:
             if mod.endswith(".py") or os.sep in mod or "/" in mod:  # a file: ./mymodule.py, plugins/alg.py
                 if not path.is_file():
-                    raise RegistryError(f"--import {mod}: no such file")
+                    raise RegistryError(f"--import {name}: no such file")
                 spec = importlib.util.spec_from_file_location(path.stem, path)
                 if spec is None or spec.loader is None:
-                    raise RegistryError(f"--import {mod}: not a Python module")
+                    raise RegistryError(f"--import {name}: not a Python module")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[path.stem] = module
                 spec.loader.exec_module(module)
@@ -134,11 +137,11 @@ def import_plugins(modules: list[str]) -> None:
         except RegistryError:
             raise
         except ImportError as e:
-            raise RegistryError(f"--import {mod}: cannot import it ({e}); is it in the current folder, on PYTHONPATH "
-                                "or installed? (a file: --import ./path/to/module.py)") from e
+            raise RegistryError(f"--import {name}: cannot import it ({brief(str(e), 200)}); is it in the current "
+                                "folder, on PYTHONPATH or installed? (a file: --import ./path/to/module.py)") from e
         except Exception as e:  # the plugin's own code failed: one line naming it, the traceback from Python itself
-            raise RegistryError(f"--import {mod}: importing it raised {type(e).__name__}: {e} (python -c 'import "
-                                f"{path.stem}' shows the traceback)") from e
+            raise RegistryError(f"--import {name}: importing it raised {type(e).__name__}: {brief(str(e), 200)} "
+                                f"(python -c 'import {brief(path.stem)}' shows the traceback)") from e
 
 
 _loaded_entry_points = False

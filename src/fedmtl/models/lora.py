@@ -180,7 +180,7 @@ def base_digest(module: nn.Module) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for name, b in sorted(module.named_buffers()):
+    for name, b in sorted(module.named_buffers(), key=lambda kv: kv[0]):
         t = b.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -32,6 +32,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 from ..files import read_text
@@ -162,7 +163,7 @@ def load_peft(path: str | Path, prefix: str = "", module: nn.Module | None = Non
     name after ``prefix`` (``save_peft``'s ``strip``).  With ``module`` (the adapted module the adapters are for, e.g.
     a fedmtl ``Model``'s ``.module``) the tree is checked against its trainable parameters and converted to their
     dtypes.  Every check is listed in the module docstring; a failure is a ``PeftFolderError`` naming the file and
-    the key."""
+    the key.  Without ``module`` the tensors come in torch's default dtype (float32), checked finite in it."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -206,7 +207,11 @@ def load_peft(path: str | Path, prefix: str = "", module: nn.Module | None = Non
                                   f"{'lora_B' if have == 'lora_A' else 'lora_A'}")
     if not leaves:
         raise PeftFolderError(f"{weights}: no LoRA matrices (keys {PEFT_PREFIX}<module>.lora_A.weight)")
-    return out if module is None else _fit(out, module, weights, r, alpha)
+    if module is None:  # fedmtl's parameters are in the default dtype: values that overflow it are refused here
+        like = torch.get_default_dtype()
+        return {k: conform(v, v.new_empty(v.shape, dtype=like), f"{weights}: {brief(k)}", PeftFolderError)
+                for k, v in out.items()}
+    return _fit(out, module, weights, r, alpha)
 
 
 def _fit(tree: dict[str, Tensor], module: nn.Module, weights: Path, r: int, alpha: float) -> dict[str, Tensor]:
