@@ -747,11 +747,13 @@ EXIT_INPUT, EXIT_OS, EXIT_RANK_LOST, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 3, 4
 def _line(message: str) -> str:
     """An error message as the one line the command line prints: its lines joined, and cut at ``MAX_LINE``
     characters (each value in it is already cut, ``fedmtl.schema.shown``; this bounds what a value no check knew of
-    could add)."""
-    return shown(" ".join(message.splitlines()), MAX_LINE, bare=True)
+    could add).  A single word (a path, a value) longer than ``MAX_WORD`` keeps its ends only."""
+    words = (w if len(w) <= MAX_WORD else f"{w[:MAX_WORD // 2]}...{w[-MAX_WORD // 4:]}" for w in message.split())
+    return shown(" ".join(words), MAX_LINE, bare=True)
 
 
 MAX_LINE = 2000
+MAX_WORD = 240
 _TEMPORARY = re.compile(r"\.(.+)\.[A-Za-z0-9_]{8}\.tmp")  # report.atomic's and checkpoint.save's names
 
 

@@ -34,6 +34,7 @@ from .engine.evaluation import (
 from .engine.seeds import history_stats, stats
 from .files import read_json, read_text
 from .report import MAX_WIDTH_IN, atomic, plot_bands, save_figure, write_json
+from .schema import shown
 
 METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
            (SEEN_TEST_ACC_BOTTOM10_MEAN, "worst 10% mean"), (UNSEEN_TEST_ACC_MEAN, "unseen avg"),
@@ -175,7 +176,7 @@ def compare(run_dirs: list[str | Path], out: str | Path, metric: str = SEEN_TEST
     keys = [k for k, _ in METRICS if any(r.final(k) is not None for r in runs)]
     if metric not in keys and not any(r.final(metric) for r in runs):
         known = sorted({k for r in runs for k in r.summaries[0]["final"]})
-        raise ConfigError(f"metric {metric!r} (--metric): not in these runs' summaries; one of {known}")
+        raise ConfigError(f"metric {shown(metric)} (--metric): not in these runs' summaries; one of {known}")
     if metric not in keys:
         keys.insert(0, metric)
     table = {lbl: {k: r.final(k) for k in keys} for lbl, r in zip(labels, runs, strict=True)}

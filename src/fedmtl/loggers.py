@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .schema import brief
+from .schema import brief, shown
 
 log = logging.getLogger("fedmtl")
 
@@ -88,7 +88,8 @@ class LogConfig:
                 import difflib
 
                 near = difflib.get_close_matches(name, list(LOGGERS), n=1)
-                raise ValueError(f"loggers: unknown logger {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                raise ValueError(f"loggers: unknown logger {shown(name)}"
+                                 + (f" (did you mean {near[0]!r}?)" if near else "")
                                  + f"; known: {', '.join(sorted(LOGGERS))}")
             _, needs, extra = LOGGERS[name]
             if needs and importlib.util.find_spec(needs) is None:

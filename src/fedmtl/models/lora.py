@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..schema import Annotated, Range, check_fields
+from ..schema import Annotated, Range, check_fields, shown
 
 
 @dataclass(frozen=True)
@@ -138,12 +138,12 @@ def apply_adapters(module: nn.Module, cfg: AdapterConfig) -> nn.Module:
     linears = {n: m for n, m in out.named_modules() if isinstance(m, nn.Linear) and _matches(n, cfg.target)}
     if not linears:
         have = [n for n, m in out.named_modules() if isinstance(m, nn.Linear)]
-        raise ValueError(f"model.adapters: target {list(cfg.target)} names no Linear layer of {type(module).__name__}"
-                         f" (its Linear layers: {have})")
+        raise ValueError(f"model.adapters: target {shown(list(cfg.target))} names no Linear layer of "
+                         f"{type(module).__name__} (its Linear layers: {shown(have)})")
     trained = [n for n, _ in out.named_modules() if n and any(n == t or n.endswith("." + t) for t in cfg.train)]
     missing = [t for t in cfg.train if not any(n == t or n.endswith("." + t) for n in trained)]
     if missing:
-        raise ValueError(f"model.adapters: train names {missing}, no module of {type(module).__name__}")
+        raise ValueError(f"model.adapters: train names {shown(missing)}, no module of {type(module).__name__}")
     for name, lin in linears.items():
         if any(name == t or name.startswith(t + ".") for t in trained):
             continue  # trained in full: not adapted
