@@ -31,6 +31,34 @@ class Accepted(BaseException):
     """Raised by a stand-in for heavy work (a Flower simulation, a benchmark): the input reached it."""
 
 
+#: the smallest config the suites run: 4 clients, one round, no checkpoint
+TINY = """
+[data]
+name = "fedem_synthetic"
+num_clients = 4
+dim = 3
+n_test = 8
+max_samples = 30
+seed = 1
+
+[model]
+name = "linear"
+
+[algorithm]
+name = "fedem"
+num_components = 2
+
+[optim]
+lr = 0.1
+
+[run]
+rounds = 1
+batch_size = 8
+eval_every = 1
+checkpoint_every = 0
+seed = 3
+"""
+
 def _alarm(signum: int, frame: object) -> None:
     raise CaseTimeout()
 

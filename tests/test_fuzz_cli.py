@@ -26,34 +26,7 @@ from fedmtl.models.lora import AdapterConfig
 from fedmtl.registry import ALGORITHMS, DATASETS, MODELS
 from fedmtl.schema import range_of, strip
 
-from .fuzz_harness import Accepted, check_line, expect_error, expect_refused, make_fifo, make_huge, run_cli
-
-TINY = """
-[data]
-name = "fedem_synthetic"
-num_clients = 4
-dim = 3
-n_test = 8
-max_samples = 30
-seed = 1
-
-[model]
-name = "linear"
-
-[algorithm]
-name = "fedem"
-num_components = 2
-
-[optim]
-lr = 0.1
-
-[run]
-rounds = 1
-batch_size = 8
-eval_every = 1
-checkpoint_every = 0
-seed = 3
-"""
+from .fuzz_harness import TINY, Accepted, check_line, expect_error, expect_refused, make_fifo, make_huge, run_cli
 
 HUGE_STR = "x" * 20_000
 HUGE_LIST = "[" + ",".join(["1"] * 5_000) + "]"

@@ -23,34 +23,10 @@ import torch
 
 from fedmtl.cli import main
 
+from .fuzz_harness import TINY as HARNESS_TINY
 from .fuzz_harness import bounded, check_line, expect_error, expect_refused, make_fifo, make_huge, run_cli
 
-TINY = """
-[data]
-name = "fedem_synthetic"
-num_clients = 4
-dim = 3
-n_test = 8
-max_samples = 30
-seed = 1
-
-[model]
-name = "linear"
-
-[algorithm]
-name = "fedem"
-num_components = 2
-
-[optim]
-lr = 0.1
-
-[run]
-rounds = 2
-batch_size = 8
-eval_every = 1
-checkpoint_every = 1
-seed = 3
-"""
+TINY = HARNESS_TINY.replace("rounds = 1", "rounds = 2").replace("checkpoint_every = 0", "checkpoint_every = 1")
 
 
 

@@ -15,28 +15,7 @@ import torch
 
 from fedmtl.cli import main
 
-TINY = """
-[data]
-name = "fedem_synthetic"
-num_clients = 4
-dim = 3
-n_test = 8
-max_samples = 30
-seed = 1
-
-[model]
-name = "linear"
-
-[algorithm]
-name = "fedem"
-num_components = 2
-
-[run]
-rounds = 1
-batch_size = 8
-checkpoint_every = 0
-"""
-
+from .fuzz_harness import TINY
 
 
 @pytest.fixture(autouse=True)

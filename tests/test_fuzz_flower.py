@@ -19,28 +19,9 @@ from flwr.app import Context, RecordDict  # noqa: E402
 
 from fedmtl.flower import apps  # noqa: E402
 
-from .fuzz_harness import bounded, expect_error, make_fifo, make_huge  # noqa: E402
+from .fuzz_harness import TINY, bounded, expect_error, make_fifo, make_huge  # noqa: E402
 
-CFG = """
-[data]
-name = "fedem_synthetic"
-num_clients = 4
-dim = 3
-n_test = 8
-max_samples = 30
-seed = 1
-
-[model]
-name = "linear"
-
-[algorithm]
-name = "fedem"
-num_components = 2
-
-[run]
-rounds = 1
-batch_size = 8
-"""
+CFG = TINY
 N = 4  # the federation's seen clients
 
 
