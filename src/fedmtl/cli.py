@@ -131,13 +131,13 @@ def _number_in(lo: float, hi: float, kind: type[int] | type[float] = float, lo_o
     """An argparse type: a finite ``kind`` number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
 
     def parse(text: str) -> float:
-        shown = text if len(text) <= 40 else f"{text[:37]}..."
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not {'a whole' if kind is int else 'a'} number: {shown!r}") from None
+            raise argparse.ArgumentTypeError(f"not {'a whole' if kind is int else 'a'} number: {shown(text)}") from None
         if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
-            raise argparse.ArgumentTypeError(f"{shown}: expected a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+            raise argparse.ArgumentTypeError(f"{shown(text, bare=True)}: expected a number in "
+                                             f"{'(' if lo_open else '['}{lo:g}, {hi:g}]")
         return v
 
     return parse
@@ -467,7 +467,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         import difflib
-        import re
 
         words = re.findall(r"(?:unrecognized arguments|invalid choice): (.*)", message)
         if words:
@@ -487,10 +486,6 @@ class _Parser(argparse.ArgumentParser):
 
 def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """argparse's refusal as one line (no usage block), exit code 2, every value it quotes cut short (``shown``)."""
-    import re
-
-    from .schema import shown
-
     message = re.sub(r"'([^']{60,})'?", lambda m: shown(m.group(1)), " ".join(message[:4000].split()))
     parser.exit(2, f"{parser.prog}: error: {message[:600]} (--help shows the usage)\n")
 
