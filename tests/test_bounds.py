@@ -297,12 +297,13 @@ def test_simulation_resources_are_bounded():
 
 
 def test_the_server_run_config_node_count_is_bounded():
-    from fedmtl.flower.apps import _count
+    from fedmtl.flower.apps import server_options
 
-    assert _count("3") == 3 and _count(0) == 0
+    assert server_options({"fedmtl-num-nodes": "3"}).num_nodes == 3
+    assert server_options({"fedmtl-num-nodes": 0}).num_nodes == 0
     for bad in ("9" * 30, "-1", 10**7, True, "x"):
         with pytest.raises(ValueError, match="fedmtl-num-nodes"):
-            _count(bad)
+            server_options({"fedmtl-num-nodes": bad})
 
 
 def test_a_node_s_metadata_is_bounded_before_it_is_parsed():
