@@ -47,7 +47,7 @@ from . import data as _data  # noqa: F401  (registers the built-in datasets)
 from . import models as _models  # noqa: F401  (registers the built-in models)
 from .engine.async_spec import AsyncConfig
 from .engine.server_opt import ServerOptConfig
-from .engine.spec import RunConfig
+from .engine.spec import RunConfig, RunSpec
 from .engine.systems import SystemsModel
 from .loggers import LogConfig
 from .machine import physical_memory
@@ -213,6 +213,11 @@ class ExperimentConfig:
         raw["run"].pop("seeds", None)
         run = dataclasses.replace(self.run, seed=seed, seeds=())
         return dataclasses.replace(self, run=run, raw=raw)
+
+    def run_spec(self) -> RunSpec:
+        """Everything the engine runs besides the algorithm, model, clients and federation (``RunSpec``)."""
+        return RunSpec(self.run, self.optim, self.systems, self.robust, self.attack, self.privacy, self.server_opt,
+                       self.asynchronous)
 
     def build_algorithm(self) -> Any:
         params = {k: v for k, v in self.algorithm.items() if k != "name"}

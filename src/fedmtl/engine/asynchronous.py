@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -52,8 +52,33 @@ from ..tree import Tree
 from .clients import LocalClients
 from .sampling import clients_per_round, round_generator
 
-if TYPE_CHECKING:
-    from .round import Engine, EngineState
+
+class EngineState(Protocol):
+    """What this module reads and writes of ``round.EngineState`` (a protocol: ``round`` imports this module)."""
+
+    server: Any
+    round: Any
+    counters: Any
+    aux: Any
+
+
+class Engine(Protocol):
+    """What this module uses of ``round.Engine`` (a protocol, for the same reason)."""
+
+    alg: Any
+    spec: Any
+    clients: Any
+    pipeline: Any
+    cfg: Any
+    fed: Any
+    systems: Any
+    step_flops: Any
+    payload_bytes: Any
+    opt: Any
+    ctx: Any
+    device: Any
+
+    def check_diverged(self, state: Any, r: int, nothing_usable: bool) -> None: ...
 
 log = logging.getLogger("fedmtl")
 

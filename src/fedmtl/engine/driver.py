@@ -153,7 +153,7 @@ def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model:
     data = data if data is not None else cfg.build_data()
     if model is None:
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-    return make_engine(cfg.build_algorithm(), model, data, RunSpec.of(cfg), out_dir, group)
+    return make_engine(cfg.build_algorithm(), model, data, cfg.run_spec(), out_dir, group)
 
 
 def run_experiment(

@@ -4,7 +4,7 @@ one typed spec the engine takes (``RunSpec``: the run, the local optimizer and t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from ..machine import check_device
 from ..optim import SGD
@@ -17,10 +17,6 @@ from .executors import ExecutorName
 from .resident import DataOnDevice
 from .server_opt import ServerOptConfig
 from .systems import SystemsModel
-
-if TYPE_CHECKING:
-    from ..config import ExperimentConfig
-
 
 #: at most this many seeds in one run (``run.seeds``, ``--seeds``)
 MAX_SEEDS = 1000
@@ -104,9 +100,3 @@ class RunSpec:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
-
-    @classmethod
-    def of(cls, cfg: ExperimentConfig) -> RunSpec:
-        """The spec of a validated experiment config."""
-        return cls(cfg.run, cfg.optim, cfg.systems, cfg.robust, cfg.attack, cfg.privacy, cfg.server_opt,
-                   cfg.asynchronous)

@@ -50,7 +50,6 @@ from ..engine.driver import RunResult, drive
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
 from ..engine.rundir import RunDirectory, RunDirError
-from ..engine.spec import RunSpec
 from ..files import check_file
 from ..model import Model
 from ..progress import Progress, format_row
@@ -618,7 +617,7 @@ def _serve(grid: Any, cfg_text: str, cfg: ExperimentConfig, alg: Algorithm, opts
         prog.line(f"flower server: secure aggregation (SecAgg+) over {len(infos)} SuperNodes")
     if cfg.attack.kind == "labelflip" and cfg.attack.active:
         raise NodeError("attack.kind = 'labelflip' poisons the attackers' data, which only a simulation holds")
-    engine = Engine(alg, model, clients, fed, RunSpec.of(cfg))
+    engine = Engine(alg, model, clients, fed, cfg.run_spec())
     res = drive(engine, cfg, out, resume=resume, progress=prog)
     s = res.summary
     prog.line(f"flower server: {cfg.algorithm['name']} finished round {s['rounds']}/{cfg.run.rounds}  "
