@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedmtl.config import validate
 from fedmtl.data.federated import FederatedData
-from fedmtl.engine.driver import build_local
 from fedmtl.models import build_model
 from fedmtl.models.lora import AdapterConfig, apply_adapters
-from fedmtl.report import write_json
+from fedmtl.runs.driver import build_local
+from fedmtl.runs.report import write_json
 
 from .common import add_device, add_out, add_rounds, add_threads, device_name, out_path, peak_rss_mb, time_rounds
 

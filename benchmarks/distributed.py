@@ -58,10 +58,10 @@ def worker(workload: str, rounds: int, fraction: float, clients: int, device: st
 
     from fedmtl.algorithms import Ditto, FedAvg
     from fedmtl.engine.distributed import Group
-    from fedmtl.engine.driver import make_engine
     from fedmtl.engine.spec import RunConfig, RunSpec
     from fedmtl.models import build_model
     from fedmtl.optim import SGD
+    from fedmtl.runs.driver import make_engine
 
     group = Group.start(device)
     rss0 = _rss_mb()

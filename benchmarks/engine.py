@@ -22,13 +22,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedmtl.algorithms import FedAvg, FedEM
 from fedmtl.data.federated import FederatedData
 from fedmtl.data.synthetic import fedem_synthetic
-from fedmtl.engine.driver import make_engine
 from fedmtl.engine.executors import make_executor
 from fedmtl.engine.spec import RunConfig, RunSpec
 from fedmtl.model import Model
 from fedmtl.models import build_model
 from fedmtl.optim import SGD
-from fedmtl.report import write_json
+from fedmtl.runs.driver import make_engine
+from fedmtl.runs.report import write_json
 
 from .common import add_device, add_out, add_rounds, add_threads, device_name, out_path, peak_rss_mb, time_rounds
 

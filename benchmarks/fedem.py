@@ -11,8 +11,8 @@ from typing import Any
 
 from fedmtl.algorithms import FedAvg, PerFedAvg
 from fedmtl.data.federated import FederatedData
-from fedmtl.engine.driver import make_engine
 from fedmtl.engine.spec import RunConfig, RunSpec
+from fedmtl.runs.driver import make_engine
 
 from .common import time_rounds
 from .engine import OPT, add_arguments, measure

@@ -89,10 +89,10 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def run(out: str | Path, clients: int = 100, rounds: int = 4) -> dict[str, Any]:
     from fedmtl.config import dumps, validate
-    from fedmtl.engine.driver import build_local
     from fedmtl.flower.deploy import LocalDeployment
     from fedmtl.flower.project import write_project
     from fedmtl.flower.simulation import simulate
+    from fedmtl.runs.driver import build_local
 
     cfg = validate(tomllib.loads(CONFIG.format(n=clients, rounds=rounds)))
     text = dumps(cfg.raw)

@@ -47,12 +47,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedmtl.algorithms import Ditto, FedAvg, FedEM
 from fedmtl.data.federated import FederatedData
 from fedmtl.data.vision import fmnist_peer_workload
-from fedmtl.engine.driver import make_engine
 from fedmtl.engine.executors import make_executor
 from fedmtl.engine.spec import RunConfig, RunSpec
 from fedmtl.model import Model
 from fedmtl.optim import SGD
-from fedmtl.report import write_json
+from fedmtl.runs.driver import make_engine
+from fedmtl.runs.report import write_json
 
 from .common import add_device, add_out, add_rounds, add_threads, out_path
 

@@ -30,10 +30,10 @@ import torch
 def _engine(device: str, data_on_device: str) -> Any:
     from fedmtl.algorithms import FedAvg
     from fedmtl.data.vision import fashion_mnist
-    from fedmtl.engine.driver import make_engine
     from fedmtl.engine.spec import RunConfig, RunSpec
     from fedmtl.models import build_model
     from fedmtl.optim import SGD
+    from fedmtl.runs.driver import make_engine
 
     fm = fashion_mnist(num_clients=100, partition="label_groups", download=False)
     model = build_model("mlp", fm.feature_shape, fm.num_classes, fm.meta, hidden=(200,))

@@ -50,10 +50,10 @@ def worker(n: int, alg_name: str, store: str, rounds: int, threads: int) -> dict
 
     from fedmtl.algorithms import Ditto, FedAvg, FedEM
     from fedmtl.data.synthetic import linear_mixture
-    from fedmtl.engine.driver import make_engine
     from fedmtl.engine.spec import RunConfig, RunSpec
     from fedmtl.models import build_model
     from fedmtl.optim import SGD
+    from fedmtl.runs.driver import make_engine
 
     torch.set_num_threads(threads)
     rss0 = _rss_mb()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from fedmtl.report import write_json
 from fedmtl.resources import config_path
+from fedmtl.runs.report import write_json
 
 from .common import add_device, add_out, add_threads, device_name, out_path
 

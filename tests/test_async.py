@@ -10,11 +10,11 @@ import torch
 
 from fedmtl import tree as T
 from fedmtl.algorithms import Ditto, FedAvg, FedEM, FedNova, FedRep
-from fedmtl.engine import checkpoint
 from fedmtl.engine.async_spec import AsyncConfig
 from fedmtl.engine.systems import SystemsModel
 from fedmtl.models import build_model
 from fedmtl.optim import SGD
+from fedmtl.runs import checkpoint
 
 from .conftest import all_client_states, make_sim, run_rounds
 

@@ -119,7 +119,7 @@ def test_export_clients_range_checked_against_the_federation():
 
 
 def test_a_sweep_counts_its_settings_before_building_them(cfg, tmp_path):
-    from fedmtl.sweep import run_sweep
+    from fedmtl.runs.sweep import run_sweep
 
     lrs = ",".join(f"0.{i:03d}" for i in range(1, 41))
     seeds = ",".join(str(i) for i in range(39)) + ",-1"  # the 40th value is invalid: found only by loading them all
@@ -258,7 +258,7 @@ def test_a_directory_in_place_of_a_result_file_is_named_not_its_temporary(cfg, t
     assert main(["-q", "run", "--resume", "--out", str(out)]) == 0
     # one that appears while the run runs: the write's error names the file, never the temporary written beside it
     from fedmtl.cli import written_file
-    from fedmtl.report import atomic
+    from fedmtl.files import atomic
 
     (out / "summary.json").unlink()
     (out / "summary.json").mkdir()

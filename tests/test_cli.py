@@ -140,7 +140,7 @@ def test_resume_after_real_interruption_matches_uninterrupted(tmp_path):
 
 
 def test_sweep_runs_each_value_and_plots(tmp_path):
-    from fedmtl.sweep import split_top_level
+    from fedmtl.runs.sweep import split_top_level
 
     assert split_top_level("1,2,[0.5, 0.75],'a,b'") == ["1", "2", "[0.5, 0.75]", "'a,b'"]
     p = write(tmp_path, TINY.format(alg="fedem", rounds=2))
@@ -153,7 +153,7 @@ def test_sweep_runs_each_value_and_plots(tmp_path):
     assert (out / "sweep.png").stat().st_size > 1000
     assert (out / "algorithm.num_components=2" / "summary.json").exists()
     with pytest.raises(ConfigError, match="nothing to sweep"):
-        from fedmtl.sweep import run_sweep
+        from fedmtl.runs.sweep import run_sweep
 
         run_sweep(p, ["run.seed=3"], out)
 

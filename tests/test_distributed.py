@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedmtl.engine import checkpoint
 from fedmtl.engine.distributed import owned
+from fedmtl.runs import checkpoint
 
 BASE = """
 [data]

@@ -10,7 +10,7 @@ import pytest
 
 from fedmtl.cli import main
 from fedmtl.config import read_toml
-from fedmtl.report import MAX_WIDTH_IN, plot_bars, run_figures
+from fedmtl.runs.report import MAX_WIDTH_IN, plot_bars, run_figures
 
 
 def _png_width(path) -> int:
@@ -54,7 +54,7 @@ def test_reproduction_draws_one_summary_figure_and_no_per_run_figures(tmp_path, 
 def test_a_categorical_sweep_draws_grouped_bars_titled_with_algorithm_and_dataset(tmp_path, monkeypatch):
     """Sweeping a categorical key (the algorithm) draws bars, one group per value, never lines joining methods;
     the title names the algorithms and the dataset."""
-    import fedmtl.report as report
+    import fedmtl.runs.report as report
 
     drawn = {}
 

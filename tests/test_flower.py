@@ -14,7 +14,6 @@ pytest.importorskip("flwr")
 
 from fedmtl import tree as T  # noqa: E402
 from fedmtl.config import dumps, validate  # noqa: E402
-from fedmtl.engine.driver import build_local  # noqa: E402
 from fedmtl.engine.evaluation import summarize  # noqa: E402
 from fedmtl.flower.records import (  # noqa: E402
     RecordError,
@@ -24,6 +23,7 @@ from fedmtl.flower.records import (  # noqa: E402
     to_metrics,
     tree_to_record,
 )
+from fedmtl.runs.driver import build_local  # noqa: E402
 
 
 class State(NamedTuple):
@@ -231,9 +231,9 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
     import tomllib
 
     from fedmtl.data.npz import export
-    from fedmtl.engine import checkpoint
     from fedmtl.flower.deploy import LocalDeployment, running
     from fedmtl.flower.project import write_project
+    from fedmtl.runs import checkpoint
 
     cfg = validate(tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", k=3)))
     data = cfg.build_data()

@@ -21,10 +21,10 @@ from flwr.app import Context, Message, RecordDict  # noqa: E402
 
 from fedmtl import tree as T  # noqa: E402
 from fedmtl.config import ConfigError, dumps, validate  # noqa: E402
-from fedmtl.engine.driver import build_local  # noqa: E402
 from fedmtl.flower import apps  # noqa: E402
 from fedmtl.flower.apps import NodeCache, ServerOptions, server_main  # noqa: E402
 from fedmtl.flower.loopback import WireGrid  # noqa: E402
+from fedmtl.runs.driver import build_local  # noqa: E402
 from fedmtl.secure_aggregation import FlowerConfig, mean_error_bound, node_contribution  # noqa: E402
 
 from .test_flower import CONFIG as FLOWER_CONFIG  # noqa: E402
@@ -256,9 +256,9 @@ def test_secure_aggregation_over_a_deployment_with_tls_and_node_authentication(t
     files and its warm worker, run a FedAvg round with SecAgg+ through ``flwr run`` (the project's ClientApp applies
     the secure aggregation mod, the worker trains): the result equals the simulator's to the quantization bound."""
     from fedmtl.data.npz import export
-    from fedmtl.engine import checkpoint
     from fedmtl.flower.deploy import LocalDeployment
     from fedmtl.flower.project import write_project
+    from fedmtl.runs import checkpoint
 
     text = _text("fedavg")
     cfg = validate(tomllib.loads(text))

@@ -32,11 +32,11 @@ from fedmtl import tree as T  # noqa: E402
 from fedmtl.config import dumps, validate  # noqa: E402
 from fedmtl.data.federated import DataError, FederatedData  # noqa: E402
 from fedmtl.data.npz import export, load_dir  # noqa: E402
-from fedmtl.engine.driver import build_local  # noqa: E402
-from fedmtl.engine.rundir import RunDirectory, RunDirError  # noqa: E402
 from fedmtl.flower import apps  # noqa: E402
 from fedmtl.flower.apps import NodeCache, ServerOptions, federation_of, handle_query, server_main  # noqa: E402
 from fedmtl.flower.records import from_record  # noqa: E402
+from fedmtl.runs.driver import build_local  # noqa: E402
+from fedmtl.runs.rundir import RunDirectory, RunDirError  # noqa: E402
 
 from .test_flower import CONFIG as FLOWER_CONFIG  # noqa: E402
 

@@ -266,8 +266,8 @@ def heavy_replaced(monkeypatch):
     def runs(*a, **k):
         raise Accepted("the runs (a sweep's, or several seeds')")
 
-    import fedmtl.engine.seeds as seeds
-    import fedmtl.sweep as sweep
+    import fedmtl.runs.seeds as seeds
+    import fedmtl.runs.sweep as sweep
 
     monkeypatch.setattr(sweep, "run_experiment", runs)  # a sweep's configs are all read and checked first
     monkeypatch.setattr(seeds, "run_seeds", runs)

@@ -106,7 +106,7 @@ def _with_a_writer_after(path: Path, seconds: float) -> threading.Timer:
 
 
 def test_a_lock_file_that_is_a_fifo_is_never_read(tmp_path):
-    from fedmtl.engine.rundir import read_lock
+    from fedmtl.runs.rundir import read_lock
 
     os.mkfifo(tmp_path / ".lock")
     t = _with_a_writer_after(tmp_path / ".lock", 5)

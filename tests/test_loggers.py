@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fedmtl.config import ConfigError, load
-from fedmtl.engine.driver import run_experiment
+from fedmtl.runs.driver import run_experiment
 
 SMALL = ["data.num_clients=12", "run.rounds=3", "run.eval_every=3", "run.checkpoint_every=3", "run.threads=1"]
 
@@ -74,7 +74,7 @@ def test_a_logger_that_fails_to_start_is_dropped_with_one_warning(tmp_path, capl
 
 def test_a_logger_that_fails_later_or_at_close_is_dropped(tmp_path, caplog):
     """A registered logger that raises at close (after its rounds) is dropped with a warning; the run finishes."""
-    from fedmtl.loggers import LOGGERS, register_logger
+    from fedmtl.runs.loggers import LOGGERS, register_logger
 
     class Flaky:
         def __init__(self, run_dir, cfg, resume):
@@ -169,7 +169,7 @@ def test_an_unreachable_tracking_server_costs_seconds_and_one_line(tmp_path):
 
 def test_a_logger_whose_package_is_missing_is_refused_when_the_config_is_read():
     """The guide's promise: a logger whose package is not installed is a config error naming the extra to install."""
-    from fedmtl.loggers import LOGGERS, register_logger
+    from fedmtl.runs.loggers import LOGGERS, register_logger
 
     register_logger("absent-test", lambda run_dir, cfg, resume: None, needs="fedmtl_no_such_package",  # type: ignore
                     extra="absent")
@@ -184,7 +184,7 @@ def test_a_logger_whose_package_is_missing_is_refused_when_the_config_is_read():
 def test_mlflow_request_bounds_are_set_only_around_its_calls_and_yield_to_the_environment(monkeypatch):
     """MLflow's request timeout and retries are bounded (10 s, one retry) while the logger's calls run, the user's own
     settings win, and nothing is left in the environment afterwards."""
-    from fedmtl.loggers import _bounded
+    from fedmtl.runs.loggers import _bounded
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
     with _bounded("http://h:5000"):

@@ -160,7 +160,7 @@ def test_the_stacked_twin_holds_the_modules_base_after_the_module_moves():
 def test_fedsa_lora_keeps_b_personal_and_ffa_lora_keeps_a_fixed():
     """FedSA-LoRA: the server holds the A matrices (averaged) and each client its own B; FFA-LoRA: A stays at its seeded
     initialization through training, only B moves."""
-    from fedmtl.engine.driver import build_local
+    from fedmtl.runs.driver import build_local
 
     cfg = validate(tomllib.loads(CONFIG.format(alg="fedsa_lora", extra="", runner="vmap")))
     eng = build_local(cfg)
@@ -279,8 +279,8 @@ def test_a_run_is_never_resumed_over_other_base_weights(tmp_path):
     changed is refused; with the same base it resumes."""
     from safetensors.torch import load_file, save_file
 
-    from fedmtl.engine.checkpoint import CheckpointError
     from fedmtl.models import build_model
+    from fedmtl.runs.checkpoint import CheckpointError
 
     path = tmp_path / "base.safetensors"
     base = build_model("char_transformer", (12,), 80, d_model=16, layers=1, heads=2).module
@@ -322,10 +322,10 @@ def test_the_fedem_mixture_diagnosis_measures_the_checkpoints(tmp_path):
     windows, which equal a direct evaluation of each component; and the pretrained base alone, evaluated."""
     import json
 
-    from fedmtl.engine import checkpoint
-    from fedmtl.engine.driver import build_data
     from fedmtl.experiments.adapters import adapters_markdown, base_evaluation, mixture_diagnosis
-    from fedmtl.progress import Progress
+    from fedmtl.runs import checkpoint
+    from fedmtl.runs.driver import build_data
+    from fedmtl.runs.progress import Progress
 
     raw = tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", runner="loop"))
     raw["run"].update(rounds=4, eval_every=4, checkpoint_every=4, clients_per_round=3)

@@ -16,13 +16,13 @@ from fedmtl import tree as T
 from fedmtl.algorithms import Mocha
 from fedmtl.cli import main
 from fedmtl.data.synthetic import related_task_arrays
-from fedmtl.engine import checkpoint
 from fedmtl.engine.systems import SystemsModel
 from fedmtl.models import build_model
 from fedmtl.mtl import MochaConfig, MTLData, solve
 from fedmtl.mtl.omega import GraphicalLasso, TaskCovariance, mean_regularized
 from fedmtl.mtl.problem import LOSSES, dual, primal
 from fedmtl.optim import SGD
+from fedmtl.runs import checkpoint
 from fedmtl.testing import all_client_states, run_rounds, simulator
 
 

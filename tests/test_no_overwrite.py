@@ -193,7 +193,7 @@ def test_results_set_aside_by_a_killed_overwrite_come_back(cfg: Path, tmp_path: 
     run into the directory puts them back, so it is refused as holding results (nothing lost)."""
     import socket
 
-    from fedmtl.engine.rundir import RunDirectory
+    from fedmtl.runs.rundir import RunDirectory
 
     out = tmp_path / "r"
     assert main(["run", str(cfg), "--out", str(out), "-q"]) == 0

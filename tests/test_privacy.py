@@ -16,8 +16,8 @@ from fedmtl import tree as T
 from fedmtl.algorithms.feddyn import DynServer, FedDyn
 from fedmtl.config import ConfigError, validate
 from fedmtl.data.federated import FederatedData
-from fedmtl.engine.driver import run_experiment
 from fedmtl.privacy import Accountant, PrivacyConfig, dp_combine, epsilon
+from fedmtl.runs.driver import run_experiment
 from fedmtl.testing import ContractError, check_algorithm
 
 pytest.importorskip("dp_accounting")
@@ -231,7 +231,7 @@ def test_a_private_run_resumes_reproducibly_only_with_reproducible_noise(tmp_pat
     """Killed after its round-2 checkpoint, a private run resumes: with reproducible noise to exactly the
     uninterrupted run; with secure noise correctly (its accounting and rounds continue), its model differing only
     through the noise of the rounds after the resume."""
-    from fedmtl.engine import driver
+    from fedmtl.runs import driver
 
     def run(body: str, out, kill: bool = False) -> object:
         raw = CONFIG.replace("rounds = 5", "rounds = 4\ncheckpoint_every = 2") + body

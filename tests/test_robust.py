@@ -16,7 +16,6 @@ import torch
 
 from fedmtl import tree as T
 from fedmtl.config import ConfigError, validate
-from fedmtl.engine.driver import run_experiment
 from fedmtl.engine.sampling import round_generator
 from fedmtl.robust.aggregators import (
     BUCKETING_STREAM,
@@ -30,6 +29,7 @@ from fedmtl.robust.aggregators import (
     trimmed_mean,
 )
 from fedmtl.robust.attacks import AttackConfig, alie_z, corrupt, minmax_gamma
+from fedmtl.runs.driver import run_experiment
 from fedmtl.schema import Range, range_of, type_hints
 
 ROBUST_SYNTHETIC = Path(__file__).resolve().parents[1] / "configs" / "robust" / "synthetic.toml"

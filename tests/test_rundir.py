@@ -191,7 +191,7 @@ def test_corrupt_memory_mapped_client_stores_are_refused_in_one_line(tmp_path, c
 
 
 def test_full_disk_ends_with_one_line_naming_the_checkpoint(tmp_path, capsys, monkeypatch):
-    import fedmtl.engine.driver as driver
+    import fedmtl.runs.driver as driver
 
     cfg, out = _cfg(tmp_path, rounds=4, every=2), tmp_path / "o"
     real = driver.write_history_csv
@@ -299,8 +299,8 @@ def test_several_seeds_resume_exactly_wherever_a_kill_falls_in_their_checkpoint(
     resumed run differed by 2e-8 (seed 3 then trained alone, in other batched calls).  The replicas' checkpoints
     are committed as a group; a kill at each phase of that commit (after one replica's new checkpoint is written;
     after the group's marker; after one rename) resumes to a run byte-identical to an uninterrupted one."""
-    from fedmtl.engine import checkpoint as ck
-    from fedmtl.engine import driver
+    from fedmtl.runs import checkpoint as ck
+    from fedmtl.runs import driver
 
     cfg, seeds = _seeds_cfg(tmp_path), ("--seeds", "1,2,3")
     ref = tmp_path / "ref"
@@ -340,7 +340,7 @@ def test_several_seeds_resume_exactly_wherever_a_kill_falls_in_their_checkpoint(
 
 
 def test_config_diff_names_keys_and_reads_a_config_back_from_toml_as_equal():
-    from fedmtl.engine.rundir import config_diff
+    from fedmtl.runs.rundir import config_diff
 
     saved = {"run": {"rounds": 4, "seeds": [1, 2]}, "attack": {"kind": "ipm"}}
     now = {"run": {"rounds": 5, "seeds": (1, 2)}, "attack": {"kind": "ipm", "strength": None}}
@@ -354,7 +354,7 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
     the command's exit code into 1)."""
     import os
 
-    from fedmtl.engine.checkpoint import signals_deferred
+    from fedmtl.runs.checkpoint import signals_deferred
 
     class Stop(BaseException):
         pass
@@ -424,8 +424,8 @@ def test_resuming_a_finished_run_reports_the_evaluation_its_checkpoint_kept(tmp_
     """The last round's checkpoint keeps the per-client evaluation: `--resume` of a finished run (one seed or
     several) writes the same summary and clients.csv without evaluating a client again.  An older checkpoint
     without it is still resumed, by evaluating again, once: the evaluation is then kept in it."""
-    from fedmtl.engine import checkpoint
     from fedmtl.engine.round import Engine
+    from fedmtl.runs import checkpoint
 
     cfg = _cfg(tmp_path, rounds=4, every=2)
     one, seeds = tmp_path / "one", tmp_path / "seeds"

@@ -13,7 +13,7 @@ from torch import nn
 import fedmtl
 from fedmtl import tree as T
 from fedmtl.data.federated import client_batches, epoch_orders
-from fedmtl.engine.seeds import run_seeds
+from fedmtl.runs.seeds import run_seeds
 
 
 def _data(seed: int = 0) -> fedmtl.FederatedData:

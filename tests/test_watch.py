@@ -12,8 +12,8 @@ import pytest
 import fedmtl
 from fedmtl.cli import main
 from fedmtl.config import read_toml
-from fedmtl.engine import driver
-from fedmtl.watch import WatchError, status, watch
+from fedmtl.runs import driver
+from fedmtl.runs.watch import WatchError, status, watch
 
 
 def _raw(rounds: int = 12) -> dict:

@@ -16,9 +16,9 @@ import pytest
 
 from fedmtl.cli import main
 from fedmtl.config import ConfigError, load
-from fedmtl.engine.driver import run_experiment
-from fedmtl.engine.seeds import run_seeds, stats
 from fedmtl.optim import SGD
+from fedmtl.runs.driver import run_experiment
+from fedmtl.runs.seeds import run_seeds, stats
 
 SMALL = ["data.num_clients=24", "run.rounds=6", "run.eval_every=3", "run.checkpoint_every=3", "run.threads=1"]
 
@@ -184,7 +184,7 @@ def test_mlflow_logger_round_trips_every_round_and_resumes_into_its_run(tmp_path
     assert [m.step for m in acc] == [3, 6] and acc[-1].value == pytest.approx(full.final["seen_test_acc_mean"])
     assert run.data.metrics["final.seen_test_acc_p10"] == pytest.approx(full.final["seen_test_acc_p10"])
     # interrupted after round 4 (checkpoint at round 3), resumed: the same MLflow run, every round logged
-    from fedmtl.engine import driver
+    from fedmtl.runs import driver
 
     real = driver._after_round
 
@@ -212,7 +212,7 @@ def test_mlflow_logger_round_trips_every_round_and_resumes_into_its_run(tmp_path
 def test_a_failing_logger_is_dropped_and_the_run_goes_on(tmp_path, caplog):
     """A registered logger that raises (an unreachable tracking server) is dropped with a warning naming it; the run
     finishes with the same numbers as without it."""
-    from fedmtl.loggers import LOGGERS, register_logger
+    from fedmtl.runs.loggers import LOGGERS, register_logger
 
     class Broken:
         def __init__(self, run_dir, cfg, resume):
@@ -259,7 +259,7 @@ def test_compare_table_plots_and_errors(tmp_path, capsys):
 
 
 def test_sweep_axes():
-    from fedmtl.sweep import axis_kind
+    from fedmtl.runs.sweep import axis_kind
 
     assert axis_kind(["fedavg", "fedem"]) == "category"
     assert axis_kind([0.0, 0.1, 1.0, 10.0]) == "symlog"
@@ -326,7 +326,7 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
     import struct
     import termios
 
-    from fedmtl.progress import Progress
+    from fedmtl.runs.progress import Progress
 
     for cols, expect_bar in ((100, True), (0, False)):
         master, slave = pty.openpty()

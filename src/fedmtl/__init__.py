@@ -18,13 +18,13 @@ algorithm of your own.
 from .algorithms.base import Algorithm, ClientId, Context, GlobalModel
 from .api import run
 from .batchnorm import BatchNorm
-from .comparison import compare
 from .data.federated import DataError, FederatedData
-from .engine.driver import RunResult
-from .engine.seeds import SeedsResult
 from .model import Model, ModelError
 from .optim import SGD, Batches, local_sgd, masked_steps
 from .registry import register_algorithm, register_dataset, register_model
+from .runs.comparison import compare
+from .runs.driver import RunResult
+from .runs.seeds import SeedsResult
 
 __version__ = "0.2.0"
 

@@ -9,9 +9,10 @@ from typing import Any
 
 from .config import PYTHON_DATA, PYTHON_MODEL, ConfigError, apply_overrides, read_toml, validate
 from .data.federated import DataError, FederatedData
-from .engine.driver import RunResult, run_experiment
-from .engine.seeds import SeedsResult, run_seeds
 from .model import Model
+from .runs import execute
+from .runs.driver import RunResult
+from .runs.seeds import SeedsResult
 
 
 def _overrides(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -74,9 +75,7 @@ def run(
     if data is not None:
         cfg.data["fingerprint"] = fingerprint(data)
         cfg.raw["data"] = dict(cfg.data)
-    if cfg.run.seeds:
-        return run_seeds(cfg, out=out, resume=resume, progress=progress, data=data, model=model, overwrite=overwrite)
-    return run_experiment(cfg, out, resume=resume, progress=progress, data=data, model=model, overwrite=overwrite)
+    return execute(cfg, out, resume=resume, progress=progress, data=data, model=model, overwrite=overwrite)
 
 
 def fingerprint(data: FederatedData) -> str:

@@ -24,15 +24,15 @@ from typing import Any, NoReturn, TypeVar, overload
 from .config import ConfigError
 from .engine.distributed import RankLost
 from .engine.evaluation import HEADLINE, SEEN_TEST_ACC_MEAN
-from .engine.rundir import is_out_of_space
 from .registry import RegistryError, import_plugins, load_plugins
+from .runs.rundir import is_out_of_space
 from .schema import shown
 
 
 def _own_config(args: argparse.Namespace) -> tuple[str, str | None]:
     """``fedmtl run --resume --out DIR`` without a CONFIG: the run directory's own resolved ``config.toml`` (with
     the --set overrides it was started with), and the seeds of a several-seeds run directory."""
-    from .engine.rundir import layout
+    from .runs.rundir import layout
 
     if not (args.resume and args.out):
         raise ConfigError("fedmtl run needs a CONFIG (a TOML file or a bundled config name); only --resume --out DIR "
@@ -48,7 +48,7 @@ def _own_config(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .engine.distributed import launched
-    from .engine.driver import run_experiment
+    from .runs.driver import run_experiment
 
     with _sigterm_deferred():  # a rank torchrun stops because another refused the same input refuses it too
         cfg = _run_config(args)
@@ -56,7 +56,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = args.out or str(Path("runs") / Path(args.config).stem)
     keys = HEADLINE
     if cfg.run.seeds:
-        from .engine.seeds import run_seeds
+        from .runs.seeds import run_seeds
 
         res = run_seeds(cfg, out=out, resume=args.resume, overwrite=args.overwrite)
         print(f"{cfg.algorithm['name']} on {cfg.data['name']}, {cfg.run.rounds} rounds, seeds {list(cfg.run.seeds)} "
@@ -160,7 +160,7 @@ def parse_seeds(text: str) -> str:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import run_sweep
+    from .runs.sweep import run_sweep
 
     out = args.out or str(Path("runs") / f"sweep-{Path(args.config).stem}")
     sets = list(args.set) + ([f"run.seeds=[{parse_seeds(args.seeds)}]"] if args.seeds is not None else [])
@@ -252,8 +252,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .comparison import OUTPUTS, compare
-    from .engine.rundir import check_output
+    from .runs.comparison import OUTPUTS, compare
+    from .runs.rundir import check_output
 
     check_output(args.out, overwrite=args.overwrite, names=OUTPUTS)
     compare(args.runs, args.out, args.metric)
@@ -262,7 +262,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
-    from .watch import watch
+    from .runs.watch import watch
 
     try:
         return watch(args.run_dir, interval=args.interval, once=args.once)
@@ -285,7 +285,7 @@ def _cmd_tables(args: argparse.Namespace) -> int:
 def _check_reproduction_out(args: argparse.Namespace) -> None:
     """A reproduction's --out that already holds files: continued with --resume (its finished runs read back, the
     interrupted ones continued), replaced with --overwrite (every run started over), else refused."""
-    from .engine.rundir import check_output
+    from .runs.rundir import check_output
 
     check_output(args.out, overwrite=args.overwrite, resume=args.resume)
 
@@ -293,7 +293,7 @@ def _check_reproduction_out(args: argparse.Namespace) -> None:
 def _cmd_main(args: argparse.Namespace) -> int:
     from .experiments.common import starting_over, summary_figure
     from .experiments.fedem import main_job
-    from .report import quick_mode, run_figures
+    from .runs.report import quick_mode, run_figures
 
     _check_reproduction_out(args)
     with quick_mode(args.quick), run_figures(False), starting_over(args.overwrite):
@@ -305,7 +305,7 @@ def _cmd_main(args: argparse.Namespace) -> int:
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     from .experiments import SUMMARIES, reproduction
     from .experiments.common import starting_over, summary_figure
-    from .report import quick_mode, run_figures
+    from .runs.report import quick_mode, run_figures
 
     _check_reproduction_out(args)
     t0 = time.perf_counter()
@@ -347,8 +347,8 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     if not 0 <= args.nodes <= n:
         raise ConfigError(f"--nodes {args.nodes}: between 1 and {args.config}'s {n} seen clients")
     if args.action == "app":
-        from .engine.rundir import check_output
         from .flower.project import PROJECT_FILES, write_project
+        from .runs.rundir import check_output
 
         if args.resume:
             raise ConfigError("fedmtl flower app: --resume is for simulate (an app project is written whole; "
@@ -359,8 +359,8 @@ def _cmd_flower(args: argparse.Namespace) -> int:
         return 0
     import os
 
-    from .engine.rundir import RESULTS, check_output
     from .flower.simulation import simulate
+    from .runs.rundir import RESULTS, check_output
 
     if args.out:  # the ServerApp continues a checkpoint it finds: only with --resume here
         check_output(args.out, overwrite=args.overwrite, resume=args.resume, names=RESULTS)
@@ -646,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
                         format="%(levelname)s %(message)s")
-    from .progress import default
+    from .runs.progress import default
 
     progress = default("off" if args.quiet else "lines" if args.no_progress else "auto", verbose=args.verbose)
     term = _Sigterm()
@@ -832,7 +832,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
     """'; the last checkpoint is round R of DIR: resume with ...' for the run that was cut short."""
     if getattr(args, "command", "") != "run":
         return ""
-    from .engine.rundir import layout, resume_command
+    from .runs.rundir import layout, resume_command
 
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     try:
@@ -847,7 +847,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
     if not has_ckpt:
         return f"; no checkpoint was written to {out}"
     try:
-        from .engine.checkpoint import load
+        from .runs.checkpoint import load
 
         rnd = load(ckpt)["round"]
     except Exception:  # noqa: BLE001 (a hint only)

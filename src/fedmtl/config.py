@@ -13,7 +13,7 @@
     [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness (scale, signflip,
                  gaussian, labelflip, ipm, alie, minmax)
     [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
-    [log]        fields of fedmtl.loggers.LogConfig (loggers = ["tensorboard", "mlflow"]: per-round metric logs)
+    [log]        fields of fedmtl.runs.loggers.LogConfig (loggers = ["tensorboard", "mlflow"]: per-round metric logs)
     [server_opt] fields of fedmtl.server_opt.ServerOptConfig (name = sgd | avgm | adam | yogi | adagrad, lr, beta1,
                  beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
     [flower]     fields of fedmtl.secure_aggregation.FlowerConfig (secure_aggregation = true: SecAgg+ over Flower;
@@ -49,13 +49,13 @@ from .engine.async_spec import AsyncConfig
 from .engine.server_opt import ServerOptConfig
 from .engine.spec import RunConfig, RunSpec
 from .engine.systems import SystemsModel
-from .loggers import LogConfig
 from .machine import physical_memory
 from .optim import SGD
 from .privacy import PrivacyConfig
 from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
+from .runs.loggers import LogConfig
 from .schema import MAX_ITEMS, Range, check_number, describe_type, range_of, shown, strip, type_hints
 from .secure_aggregation import FlowerConfig, refusal
 

@@ -7,18 +7,21 @@ or exhausting memory.
 ``read_text`` and ``read_json`` read one (opened non-blocking, then checked again on the open descriptor, so a file
 swapped for a FIFO between the check and the open is refused too).  Errors are ``FileCheckError`` (a
 ``ValueError``: the command line reports it as invalid input, exit code 2) unless the caller passes its own error
-class.
+class.  ``atomic(path)`` writes a file whole or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-__all__ = ["FileCheckError", "check_file", "read_bytes", "read_json", "read_text"]
+__all__ = ["FileCheckError", "atomic", "check_file", "read_bytes", "read_json", "read_text"]
 
 
 class FileCheckError(ValueError):
@@ -87,3 +90,23 @@ def read_json(path: str | Path, limit: int, what: str, error: type[Exception] = 
         raise error(f"{path}: not readable JSON ({str(e)[:120]})") from None
     except RecursionError:
         raise error(f"{path}: not readable JSON (nested too deeply)") from None
+
+
+@contextlib.contextmanager
+def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[Any]]:
+    """Open a unique temporary file beside ``path``; on success fsync it and rename it over ``path`` (readers see
+    the old file or the new one, never a part); on failure (a full disk, Ctrl-C) delete it.  ``private``: the
+    file stays 0600 (mkstemp's mode) from its first byte, for keys."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, newline=None if "b" in mode else "") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if not private:
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -54,14 +54,14 @@ import torch
 from . import tree as T
 from .algorithms.base import Algorithm
 from .data.federated import FederatedData
-from .engine import checkpoint
-from .engine.driver import make_engine
 from .engine.evaluation import SEEN_TEST_LOSS, SEEN_TRAIN_LOSS, summarize
 from .engine.round import Engine
 from .engine.spec import RunConfig, RunSpec
 from .model import Model
 from .optim import SGD
 from .privacy import PrivacyConfig
+from .runs import checkpoint
+from .runs.driver import make_engine
 
 
 class ContractError(AssertionError):

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..files import check_file, read_json
+from ..files import atomic, check_file, read_json
 from ..ranges import parse_ids
-from ..report import atomic
 from ..schema import shown
 from .federated import DataError, FederatedData, public_meta
 

@@ -1,3 +1,4 @@
-"""The engine: one round loop (``round``) driven end to end (``driver``), interchangeable executors
-(``executors``; Flower's is in ``fedmtl.flower``), client state kept per client in a ``ClientStore``
-(``store``), the systems model (``systems``), evaluation summaries and safe checkpoints."""
+"""The engine: one round loop (``round``), interchangeable executors (``executors``; the distributed one in
+``distributed``, Flower's in ``fedmtl.flower``), client state kept per client in a ``ClientStore`` (``store``), the
+update pipeline (``updates`` and ``steps``), the systems model (``systems``) and evaluation summaries
+(``evaluation``).  What runs around the rounds (the run directory, checkpoints, seeds, reports) is ``fedmtl.runs``."""

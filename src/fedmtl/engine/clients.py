@@ -222,7 +222,7 @@ def concat_orders(orders: list[Orders]) -> Orders:
 
 def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[Tensor], orders: list[Orders],
                    lr: float, round_idx: int) -> list[TrainOut]:
-    """One round of several replicas of a run (``fedmtl.engine.seeds``) as one batched computation: replica i's
+    """One round of several replicas of a run (``fedmtl.runs.seeds``) as one batched computation: replica i's
     clients ``ids[i]`` train from ``payloads[i]`` in ``orders[i]`` with their states in ``members[i]``'s store.
     The replicas share the data, the algorithm and the executor (``members[0]``'s); every client's result is what
     ``members[i].train`` alone gives it."""

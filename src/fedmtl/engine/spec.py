@@ -70,7 +70,7 @@ class RunConfig:
     client_store: Literal["memory", "mmap"] = "memory"
     #: torch intra-op threads (0 = leave torch's default)
     threads: Annotated[int, Range(0, 1024)] = 0
-    #: several seeds: independent replicas of the run, batched (fedmtl.engine.seeds)
+    #: several seeds: independent replicas of the run, batched (fedmtl.runs.seeds)
     seeds: tuple[Annotated[int, Range(0, MAX_SEED)], ...] = ()
 
     def __post_init__(self) -> None:

@@ -24,13 +24,13 @@ import torch
 
 from .. import tree as T
 from ..config import load
-from ..engine.driver import build_data
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..models.lora import seeded_base
-from ..progress import Progress
-from ..report import markdown_table, write_json
 from ..resources import config_path
-from .common import publish, record_figure, run_seeds
+from ..runs.driver import build_data
+from ..runs.progress import Progress
+from ..runs.report import markdown_table, write_json
+from .common import publish, record_figure, run_method_seeds
 
 #: label -> bundled config (configs/shakespeare/adapters/<name>.toml)
 METHODS: dict[str, str] = {"FedAvg-full": "fedavg_full", "FedAvg-LoRA": "fedavg_lora", "Local-LoRA": "local_lora",
@@ -48,7 +48,7 @@ def message_bytes(cfg: Any, data: Any) -> dict[str, int]:
     (``upload_bytes``: its update, e.g. FedEM's M adapter sets, FedSA-LoRA's A matrices only, nothing for Local) per
     round; what it trains (``trained_bytes``: the model's trainable parameters) and the whole model, base and
     adapters (``model_bytes``)."""
-    from ..engine.driver import build_local
+    from ..runs.driver import build_local
 
     engine = build_local(cfg, data)
     payload = engine.alg.payload(engine.init_state(None).server)
@@ -134,7 +134,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         if data is None:
             data = build_data(cfg, Progress())
         t0 = time.perf_counter()
-        results[label] = run_seeds(cfg, out / "runs" / label, data, seeds)
+        results[label] = run_method_seeds(cfg, out / "runs" / label, data, seeds)
         # training time over every round of its seeds, interrupted and continued or not (evaluation excluded)
         train_seconds = results[label]["seconds_per_round"] * sum(results[label]["rounds"])
         results[label].update(**message_bytes(cfg, data), train_seconds=train_seconds)
@@ -168,8 +168,8 @@ def base_evaluation(out: Path, cfg: Any, data: Any) -> dict[str, float]:
     """The pretrained base alone (``cfg``: an adapter method, its adapters at their B = 0 start: no fine-tuning) on
     the personalization roles, evaluated by the engine as the methods are (mean and 10th percentile over clients of
     their test accuracy, %): the reference each method's gain is measured from.  Written to ``out/base_eval.json``."""
-    from ..engine.driver import build_local
     from ..engine.evaluation import summarize
+    from ..runs.driver import build_local
 
     engine = build_local(cfg, data)
     f = summarize(engine.evaluate(engine.init_state(None), ("seen",)))
@@ -190,7 +190,7 @@ def mixture_diagnosis(out: Path, data: Any = None, label: str = "FedEM-LoRA", wi
     clients, each component's mean next-character loss (nats); ``nll_gap_*``: per client, the best component's loss
     below the worst's (median and maximum over clients); ``example_llr_median``: per window, the largest
     log-likelihood ratio between two components, median over windows (what FedEM's E-step sees)."""
-    from ..engine import checkpoint
+    from ..runs import checkpoint
 
     seeds: dict[str, Any] = {}
     for ck in sorted((out / "runs" / label).glob("seed-*/checkpoint.pt")):

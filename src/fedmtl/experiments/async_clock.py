@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from ..report import markdown_table, plot_bands
 from ..resources import config_path
+from ..runs.report import markdown_table, plot_bands
 from .common import publish, run_methods
 
 SEEDS = [1, 2, 3]

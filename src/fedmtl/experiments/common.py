@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, load, parse_override
-from ..engine.checkpoint import CheckpointError
-from ..engine.driver import build_data, run_experiment
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..engine.round import TrainingDiverged
-from ..engine.rundir import RunDirError
-from ..progress import Progress
+from ..runs.checkpoint import CheckpointError
+from ..runs.driver import build_data, run_experiment
+from ..runs.progress import Progress
+from ..runs.rundir import RunDirError
 
 
 def read_tables(name: str) -> dict[str, Any]:
@@ -77,7 +77,7 @@ _START_OVER: ContextVar[bool] = ContextVar("fedmtl_start_over", default=False)
 
 @contextlib.contextmanager
 def starting_over(on: bool = True) -> Iterator[None]:
-    """Within: every run of ``run_one`` and ``run_seeds`` starts over, replacing what its directory holds
+    """Within: every run of ``run_one`` and ``run_method_seeds`` starts over, replacing what its directory holds
     (``fedmtl reproduce --overwrite``)."""
     token = _START_OVER.set(on)
     try:
@@ -100,11 +100,11 @@ def run_one(cfg: Any, run_dir: Path, data: Any) -> dict[str, Any]:
     return {**res.summary, "history": res.history, "per_client": res.per_client}
 
 
-def run_seeds(cfg: Any, run_dir: Path, data: Any, seeds: list[int]) -> dict[str, Any]:
+def run_method_seeds(cfg: Any, run_dir: Path, data: Any, seeds: list[int]) -> dict[str, Any]:
     """One config with several seeds (batched; seeds with a checkpoint continue): the seeds' mean as ``final``,
     their std as ``final_std``, the per-round means as ``history`` (with ``*_std``)."""
-    from ..engine.seeds import history_stats
-    from ..engine.seeds import run_seeds as run_batched
+    from ..runs.seeds import history_stats
+    from ..runs.seeds import run_seeds as run_batched
 
     try:  # the seeds with a checkpoint continue, the others start
         if _START_OVER.get():
@@ -145,7 +145,7 @@ def run_methods(out: Path, base: Path, methods: dict[str, list[str]], overrides:
             data, data_key = build_data(cfg, Progress()), key
         t0 = time.perf_counter()
         try:
-            results[label] = (run_seeds(cfg, out / "runs" / label, data, seeds) if seeds
+            results[label] = (run_method_seeds(cfg, out / "runs" / label, data, seeds) if seeds
                               else run_one(cfg, out / "runs" / label, data))
         except TrainingDiverged as e:
             if not allow_diverged:
@@ -172,7 +172,7 @@ AVG, P10 = "average", "bottom decile (p10)"
 def record_figure(out: Path, panel: str, results: dict[str, Any]) -> None:
     """Keep ``panel`` (a dataset or setting: its title) of the summary figure in ``out/figure.json``: per method, its
     final average and bottom-decile test accuracy over clients (%), mean and std over seeds where it ran several."""
-    from ..report import write_json
+    from ..runs.report import write_json
 
     rows: dict[str, Any] = {}
     for label, r in results.items():
@@ -198,7 +198,7 @@ def _panels(path: Path) -> dict[str, Any]:
 def summary_figure(top: Path, title: str) -> Path | None:
     """``top/summary.png`` and ``summary.pdf``: every panel kept in ``top`` and its sub-folders (``record_figure``),
     methods down the side, average and bottom-decile accuracy as bars with +-1 std error bars; None without panels."""
-    from ..report import plot_bars
+    from ..runs.report import plot_bars
 
     panels: dict[str, Any] = {}
     for f in [top / FIGURE, *sorted(top.glob(f"*/{FIGURE}"))]:
@@ -211,14 +211,14 @@ def summary_figure(top: Path, title: str) -> Path | None:
     return top / "summary.png"
 
 
-__all__ = ["method_overrides", "overrides", "read_tables", "record_figure", "run_methods", "run_one", "run_seeds",
-           "show", "summary_figure"]
+__all__ = ["method_overrides", "overrides", "read_tables", "record_figure", "run_method_seeds", "run_methods",
+           "run_one", "show", "summary_figure"]
 
 
 def publish(out: Path, table: str, summary: Any, markdown: Callable[[Path], str]) -> str:
     """Write ``out/summary.json``, then ``out/table``: what ``markdown`` makes of it (the function ``fedmtl tables``
     regenerates the stored table with); print the table and return it."""
-    from ..report import write_json, write_table
+    from ..runs.report import write_json, write_table
 
     write_json(out / "summary.json", summary)
     md = markdown(out)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, load
-from ..engine.driver import build_data
 from ..engine.evaluation import (
     PARTICIPATION_GAP,
     SEEN_TEST_ACC,
@@ -27,10 +26,11 @@ from ..engine.evaluation import (
     SEEN_TEST_ACC_P10,
     UNSEEN_TEST_ACC_MEAN,
 )
-from ..progress import Progress
-from ..report import markdown_table, plot_bands, plot_curves, write_json, write_table
 from ..resources import configs_root
-from .common import read_tables, record_figure, run_one, run_seeds, show
+from ..runs.driver import build_data
+from ..runs.progress import Progress
+from ..runs.report import markdown_table, plot_bands, plot_curves, write_json, write_table
+from .common import read_tables, record_figure, run_method_seeds, run_one, show
 
 _TABLES = read_tables("fedem.toml")
 #: Marfoq et al. (NeurIPS 2021), Table 1, Synthetic: average / bottom decile test accuracy (%) (``fedem.toml``)
@@ -70,7 +70,7 @@ def run_suite(out: Path, config_dir: Path, variant: str, overrides: list[str], u
         tag = variant + ("-unseen" if unseen_frac else "")
         t0 = time.perf_counter()
         run_dir = out / "runs" / tag / path.stem
-        summary = run_seeds(cfg, run_dir, data, seeds) if seeds else run_one(cfg, run_dir, data)
+        summary = run_method_seeds(cfg, run_dir, data, seeds) if seeds else run_one(cfg, run_dir, data)
         summary["wall_seconds"] = time.perf_counter() - t0
         results[path.stem] = summary  # the config's name: pfedme and pfedme_reference run one algorithm
         f = summary["final"]

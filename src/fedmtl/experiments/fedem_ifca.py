@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..config import load
-from ..engine.driver import run_experiment
+from ..runs.driver import run_experiment
 
 
 def _linear(comps: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ from ..engine.systems import SystemsModel, TimeModel
 from ..mtl.mocha import MochaConfig, solve
 from ..mtl.omega import TaskCovariance, identity
 from ..mtl.problem import MTLData, error_rate
-from ..report import save_figure, write_table
+from ..runs.report import save_figure, write_table
 
 log = logging.getLogger("fedmtl")
 

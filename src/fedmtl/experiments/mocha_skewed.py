@@ -46,7 +46,7 @@ from ..data.synthetic import related_task_arrays
 from ..data.vision import fmnist_pair_arrays
 from ..engine.systems import SystemsModel
 from ..mtl.problem import MTLData, error_rate
-from ..report import write_table
+from ..runs.report import write_table
 from .mocha import Tasks, _split, cv_lambda, fit
 
 log = logging.getLogger("fedmtl")

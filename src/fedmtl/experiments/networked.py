@@ -32,7 +32,7 @@ import numpy as np
 
 from ..graph import Graph, sbm
 from ..networked.gtv import GTVConfig, NodeData, solve
-from ..report import save_figure
+from ..runs.report import save_figure
 
 W_TRUE = np.array([[2.0, 2.0], [-2.0, 2.0]])
 

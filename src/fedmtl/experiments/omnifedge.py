@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN
-from ..report import markdown_table, plot_curves, write_json, write_table
 from ..resources import config_path
+from ..runs.report import markdown_table, plot_curves, write_json, write_table
 from .common import method_overrides, read_tables, run_methods, show
 
 #: label -> ``--set`` overrides of every method

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..data.federated import FederatedData
-from ..report import markdown_table
+from ..runs.report import markdown_table
 from .common import publish
 
 BATCH, LR, SEEDS = 10, 0.005, (1, 2, 3)

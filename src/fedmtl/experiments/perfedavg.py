@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from ..report import markdown_table
 from ..resources import config_path
+from ..runs.report import markdown_table
 from .common import method_overrides, publish, read_tables, run_methods
 
 _TABLE = read_tables("perfedavg.toml")["perfedavg"]

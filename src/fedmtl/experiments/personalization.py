@@ -10,8 +10,8 @@ from typing import Any
 
 from ..config import load
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from ..report import markdown_table
 from ..resources import config_path
+from ..runs.report import markdown_table
 from .common import method_overrides, publish, read_tables, run_methods
 
 _TABLES = read_tables("personalization.toml")
@@ -116,7 +116,7 @@ def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
 def comparison_figure(results: Path) -> Path | None:
     """``summary.png`` / ``.pdf`` of the comparison from its stored ``summary.json`` (one panel per federation: every
     method's average and bottom decile, mean ± std over seeds), its numbers in ``figure.json``."""
-    from ..report import write_json
+    from ..runs.report import write_json
     from .common import AVG, FIGURE, P10, summary_figure
 
     s = json.loads((results / "summary.json").read_text())

@@ -37,9 +37,9 @@ import numpy as np
 from ..config import load
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN
 from ..engine.sampling import clients_per_round
-from ..report import markdown_table, plot_curves, save_figure, write_json, write_table
 from ..resources import configs_root
 from ..robust.aggregators import RobustConfig
+from ..runs.report import markdown_table, plot_curves, save_figure, write_json, write_table
 from .common import method_overrides, overrides, read_tables, run_methods, show
 
 _TABLES = read_tables("robustness.toml")

@@ -39,7 +39,7 @@ def regenerate(results: Path, check: bool = False) -> list[str]:
     """Rewrite every table of ``TABLES`` under ``results`` (or, with ``check``, only compare); returns the tables
     that differed from their stored file."""
     from ..config import ConfigError
-    from ..report import write_table
+    from ..runs.report import write_table
 
     if not results.is_dir():
         shown = str(results) if len(str(results)) <= 80 else f"{str(results)[:77]}..."

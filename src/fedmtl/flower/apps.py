@@ -3,10 +3,10 @@
 * **ServerApp** (``server_main``): asks every SuperNode which clients it serves and what their data looks like
   (``query``: client ids, training-set sizes, feature shape and dtype, classes and the dataset's public metadata,
   ``fedmtl.data.federated.public_meta``; never data), refuses nodes that disagree, then runs the engine's round
-  loop (``fedmtl.engine.round.Engine`` driven by ``fedmtl.engine.driver.drive``) with the Flower executor
+  loop (``fedmtl.engine.round.Engine`` driven by ``fedmtl.runs.driver.drive``) with the Flower executor
   (``executor.FlowerClients``): the same sampling, systems model, NaN exclusion, aggregation, evaluation, run
   directory, checkpoints and resume as ``fedmtl run``.  The run directory (run config ``fedmtl-out``) is locked
-  for the whole run (``fedmtl.engine.rundir.RunDirectory``): a second ServerApp writing it is refused, naming the
+  for the whole run (``fedmtl.runs.rundir.RunDirectory``): a second ServerApp writing it is refused, naming the
   directory and the lock's owner; a directory holding a checkpoint is resumed, one holding results without a
   checkpoint is refused unless the run config sets ``fedmtl-overwrite = true``.
   Flower's built-in strategies are not used: they cannot carry several models per reply (FedEM's M components
@@ -46,14 +46,14 @@ from ..algorithms.base import Context as AlgContext
 from ..config import ExperimentConfig, validate
 from ..data.federated import FederatedData, public_meta
 from ..engine.clients import LocalClients
-from ..engine.driver import RunResult, drive
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
-from ..engine.rundir import RunDirectory, RunDirError
 from ..files import check_file
 from ..model import Model
-from ..progress import Progress, format_row
 from ..ranges import parse_ids
+from ..runs.driver import RunResult, drive
+from ..runs.progress import Progress, format_row
+from ..runs.rundir import RunDirectory, RunDirError
 from ..schema import shown
 from ..tree import Tree
 from .executor import FlowerClients, context_config, orders_of, send_and_receive

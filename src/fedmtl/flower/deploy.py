@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
-from ..engine.rundir import alive
+from ..runs.rundir import alive
 
 
 def _name(cn: str) -> x509.Name:
@@ -45,7 +45,7 @@ def _name(cn: str) -> x509.Name:
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
     """Write ``data`` atomically; a private key 0600 from its first byte (never world-readable, not even briefly)."""
-    from ..report import atomic
+    from ..files import atomic
 
     with atomic(path, "wb", private=private) as fh:
         fh.write(data)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..engine.driver import RunResult
+from ..runs.driver import RunResult
 from .apps import ServerOptions, config_from_text, make_client_app, make_server_app
 from .relay_app import secure_mod
 

@@ -63,7 +63,7 @@ def save_peft(params: dict[str, Tensor], cfg: AdapterConfig, out: str | Path, ba
     model does not have (the attribute under which a wrapper module holds the Hugging Face model, e.g. ``"model."``)."""
     from safetensors.torch import save_file
 
-    from ..report import atomic
+    from ..files import atomic
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,9 +35,10 @@ import numpy as np
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import FederatedData
 from ..model import Model
-from ..report import atomic, plot_bands, run_figures_on, write_json
+from ..files import atomic
+from .report import plot_bands, run_figures_on, write_json
 from .driver import Replica, RunResult, build_local, drive_many, prepare
-from .evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
 from .rundir import COMMIT, NEXT, RunDirectory, check_resumable, seed_dirs
 
 
@@ -171,7 +172,7 @@ def history_stats(histories: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
 
 
 def write_seeds(out: Path, result: SeedsResult, title: str) -> None:
-    from ..report import write_history_csv
+    from .report import write_history_csv
 
     rows = history_stats([r.history for r in result.runs])
     write_history_csv(out / "metrics.csv", rows)

@@ -22,7 +22,7 @@ import torch
 
 from .. import tree as T
 from ..files import check_file
-from .round import EngineState
+from ..engine.round import EngineState
 
 FORMAT = "fedmtl-checkpoint/2"
 

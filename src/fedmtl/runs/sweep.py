@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, load, parse_override
-from .engine.driver import run_experiment
-from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from .report import atomic, save_figure, style, write_json
-from .schema import shown
+from ..config import ConfigError, load, parse_override
+from .driver import run_experiment
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
+from ..files import atomic
+from .report import save_figure, style, write_json
+from ..schema import shown
 
 #: at most this many settings (the product of the swept values) in one sweep
 MAX_SETTINGS = 1000
@@ -73,7 +74,7 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
     """Run every setting into ``out/<key>=<value>/`` and write the sweep's table and figure; its rows.  A folder that
     already holds files is refused unless ``resume`` (settings with a checkpoint continue, finished ones are read
     back, the others start) or ``overwrite`` (every setting starts over)."""
-    from .engine.rundir import check_output
+    from .rundir import check_output
 
     out = Path(out)
     fixed, swept = plan(sets)
@@ -89,7 +90,7 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
         name = ",".join(f"{k}={v}" for k, v in combo).replace("/", "_")
         row: dict[str, Any] = {k: parse_override(f"{k}={v}")[2] for k, v in combo}
         if cfg.run.seeds:  # every setting with every seed: the seeds' mean, and their std for the bands
-            from .engine.seeds import run_seeds
+            from .seeds import run_seeds
 
             # resume: a setting whose seeds hold checkpoints continues (an earlier, interrupted sweep)
             has_ckpt = resume and any((out / name).glob("seed-*/checkpoint.pt"))

@@ -12,7 +12,7 @@
   fails before that, so that a replacing run that cannot start loses nothing).
 * ``resume`` without ``checkpoint.pt`` is an error (nothing would be resumed).
 * Temporary files of interrupted atomic writes (``.*.tmp``) are removed.
-* ``seeds=True``: the top level of a run with several seeds (``fedmtl.engine.seeds``): the lock only; what it holds
+* ``seeds=True``: the top level of a run with several seeds (``fedmtl.runs.seeds``): the lock only; what it holds
   was checked by ``check_resumable`` first, and ``overwrite`` also removes its ``seed-*`` folders.
 
 ``layout(path)`` tells what a directory holds (nothing, a single-seed run, or a run with several seeds and which),
@@ -249,7 +249,7 @@ def is_out_of_space(e: BaseException) -> bool:
 
 
 # a run with several seeds commits its replicas' checkpoints together: each writes NEXT, then the top level's
-# COMMIT marker makes the group durable, then each NEXT is renamed to checkpoint.pt (fedmtl.engine.seeds)
+# COMMIT marker makes the group durable, then each NEXT is renamed to checkpoint.pt (fedmtl.runs.seeds)
 NEXT = "checkpoint.next.pt"
 COMMIT = "seeds-commit.json"
 REPLACED = ".replaced"  # results an overwrite set aside until the replacing run is built (RunDirectory.commit)

@@ -15,27 +15,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, SEEN_TRAIN_ACC_MEAN, UNSEEN_TEST_ACC_MEAN
-
-
-@contextlib.contextmanager
-def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[Any]]:
-    """Open a unique temporary file beside ``path``; on success fsync it and rename it over ``path`` (readers see
-    the old file or the new one, never a part); on failure (a full disk, Ctrl-C) delete it.  ``private``: the
-    file stays 0600 (mkstemp's mode) from its first byte, for keys."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode, newline=None if "b" in mode else "") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        if not private:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from ..files import atomic
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, SEEN_TRAIN_ACC_MEAN, UNSEEN_TEST_ACC_MEAN
 
 
 # a context variable (set by ``quick_mode`` for its block), not process-wide state

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .schema import brief, shown
+from ..schema import brief, shown
 
 log = logging.getLogger("fedmtl")
 
@@ -70,7 +70,7 @@ def register_logger(name: str, factory: Callable[[Path, Any, bool], RunLogger], 
 class LogConfig:
     """The ``[log]`` table."""
 
-    #: per-round logs: "tensorboard", "mlflow" or a registered logger (fedmtl.loggers.register_logger)
+    #: per-round logs: "tensorboard", "mlflow" or a registered logger (fedmtl.runs.loggers.register_logger)
     loggers: tuple[str, ...] = ()
     #: the same as loggers = ["tensorboard"]
     tensorboard: bool = False

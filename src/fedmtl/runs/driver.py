@@ -34,20 +34,21 @@ from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
 from ..machine import torch_device
 from ..model import Model
-from ..progress import Progress
-from ..report import atomic, plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json
+from .progress import Progress
+from ..files import atomic
+from .report import plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json
 from ..robust.attacks import flip_labels
 from ..tree import Tree
 from . import checkpoint
-from .clients import Clients, LocalClients, evaluate_together, train_together
-from .distributed import DistributedClients, Group, owned, shard
-from .evaluation import SEEN_TEST_ACC_MEAN, summarize
-from .executors import Executor, StackedExecutor, make_executor
-from .resident import place
-from .round import Engine, EngineState, Federation
+from ..engine.clients import Clients, LocalClients, evaluate_together, train_together
+from ..engine.distributed import DistributedClients, Group, owned, shard
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN, summarize
+from ..engine.executors import Executor, StackedExecutor, make_executor
+from ..engine.resident import place
+from ..engine.round import Engine, EngineState, Federation
 from .rundir import COMMIT, NEXT, RunDirectory, RunDirError, check_resumable
-from .spec import RunSpec
-from .store import StoreError
+from ..engine.spec import RunSpec
+from ..engine.store import StoreError
 
 log = logging.getLogger("fedmtl")
 
@@ -168,7 +169,7 @@ def run_experiment(
 ) -> RunResult:
     """Train and evaluate in this process; the summary is also written to ``out/summary.json``.  The run
     directory is locked for the run; one that holds results needs ``resume`` or ``overwrite``.  (A config with
-    ``run.seeds`` is run by ``fedmtl.engine.seeds.run_seeds``.)  ``group``: this process is a rank of a distributed
+    ``run.seeds`` is run by ``fedmtl.runs.seeds.run_seeds``.)  ``group``: this process is a rank of a distributed
     run (``fedmtl.engine.distributed``); rank 0 writes the run directory, the others only read its checkpoint."""
     if cfg.run.seeds:
         raise ConfigError(f"{cfg.source}: run.seeds = {list(cfg.run.seeds)}: several seeds are run by run_seeds "
@@ -229,7 +230,7 @@ class Replica:
     state: EngineState | None = None
     per_client: dict[str, Any] | None = None
     t_train: float = 0.0
-    loggers: list[Any] = field(default_factory=list)  # the [log] loggers' RunLogger objects (fedmtl.loggers)
+    loggers: list[Any] = field(default_factory=list)  # the [log] loggers' RunLogger objects (fedmtl.runs.loggers)
     summary: RunSummary | None = None  # the run's summary once it finished (what its loggers close with)
     writes: bool = True  # False: a rank of a distributed run other than 0 (it reads the run directory, never writes)
     written: float = float("-inf")  # time.monotonic() of the last live write of metrics.csv and progress.json
@@ -325,7 +326,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         with atomic(rep.out_dir / "config.toml") as f:
             f.write(dumps(cfg.raw))
         if cfg.log.names:
-            from ..loggers import open_loggers
+            from .loggers import open_loggers
 
             rep.loggers = open_loggers(rep.out_dir, cfg, saved is not None, rep.label)
     milestones = cfg.optim.milestone_rounds(cfg.run.rounds)
@@ -407,7 +408,7 @@ def _after_round(rep: Replica, row: dict[str, Any], dt: float, prog: Progress, e
 def _log(rep: Replica, what: str, *args: Any) -> None:
     """Call ``what`` on every logger of ``rep``; a logger that fails (an unreachable tracking server, a full disk of
     its own) is dropped with a warning naming it: the run and its run directory go on."""
-    from ..loggers import log_all
+    from .loggers import log_all
 
     log_all(rep.loggers, what, rep.label, *args)
 

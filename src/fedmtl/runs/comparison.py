@@ -23,18 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError
-from .engine.evaluation import (
+from ..config import ConfigError
+from ..engine.evaluation import (
     PARTICIPATION_GAP,
     SEEN_TEST_ACC_BOTTOM10_MEAN,
     SEEN_TEST_ACC_MEAN,
     SEEN_TEST_ACC_P10,
     UNSEEN_TEST_ACC_MEAN,
 )
-from .engine.seeds import history_stats, stats
-from .files import read_json, read_text
-from .report import MAX_WIDTH_IN, atomic, plot_bands, save_figure, write_json
-from .schema import shown
+from .seeds import history_stats, stats
+from ..files import read_json, read_text
+from ..files import atomic
+from .report import MAX_WIDTH_IN, plot_bands, save_figure, write_json
+from ..schema import shown
 
 METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
            (SEEN_TEST_ACC_BOTTOM10_MEAN, "worst 10% mean"), (UNSEEN_TEST_ACC_MEAN, "unseen avg"),

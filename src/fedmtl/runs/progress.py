@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Literal, TextIO
 
-from .engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
+from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
 
 Mode = Literal["auto", "bar", "lines", "off"]
 
