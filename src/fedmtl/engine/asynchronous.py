@@ -22,7 +22,8 @@ Clients do all their local steps (no deadline: an asynchronous server has no rou
 One engine "round" is one server step (one arrival for FedAsync, K for FedBuff): ``run.rounds`` counts server
 steps, the metrics carry ``est_time_s``, the simulated clock.  Training is exact and batched: a client's update
 depends only on the model version it was sent, so the clients dispatched at one version train together, in one
-executor call, just before the server model changes (their arrival times are known without training them).  Each
+executor call (``Engine.train``), just before the server model changes (their arrival times are known without
+training them).  Each server step ends with the synchronous round's books (``Engine.settle``).  Each
 client keeps its own state (Ditto's personal model, FedEM's pi) as it would synchronously; an evaluation while a
 client is in flight sees the state it will return with.
 
@@ -47,38 +48,50 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..data.federated import usable_counts
+from ..algorithms.base import Algorithm
+from ..data.federated import Orders
 from ..tree import Tree
-from .clients import LocalClients
-from .sampling import clients_per_round, round_generator
+from .clients import Clients, LocalClients, RoundPlan, TrainOut
+from .sampling import clients_per_round
+from .spec import RunSpec
 
 
 class EngineState(Protocol):
     """What this module reads and writes of ``round.EngineState`` (a protocol: ``round`` imports this module)."""
 
     server: Any
-    round: Any
-    counters: Any
+    round: int
     aux: Any
 
 
 class Engine(Protocol):
-    """What this module uses of ``round.Engine`` (a protocol, for the same reason)."""
+    """The public steps of ``round.Engine`` this module schedules (a protocol, for the same reason)."""
 
-    alg: Any
-    spec: Any
-    clients: Any
-    pipeline: Any
-    cfg: Any
-    fed: Any
-    systems: Any
-    step_flops: Any
-    payload_bytes: Any
-    opt: Any
-    ctx: Any
-    device: Any
+    spec: RunSpec
+    payload_bytes: float
 
-    def check_diverged(self, state: Any, r: int, nothing_usable: bool) -> None: ...
+    @property
+    def num_clients(self) -> int: ...
+
+    def counts(self, ids: Tensor) -> Tensor: ...
+
+    def step_budget(self, counts: Tensor) -> np.ndarray: ...
+
+    def estimated_seconds(self, steps: float, nbytes: float) -> float: ...
+
+    def local_lr(self, r: int) -> float: ...
+
+    def payload(self, server: Tree) -> Tree: ...
+
+    def batch_orders(self, counts: Tensor, r: int) -> Orders: ...
+
+    def train(self, plan: RoundPlan) -> TrainOut | None: ...
+
+    def aggregate(self, server: Tree, updates: Tree, weights: Tensor, ids: Tensor) -> Tree: ...
+
+    def settle(self, state: Any, *, lr: float, ids: Tensor, bad: Tensor, dropped: int, excluded: int, loss: float,
+               clock: float) -> dict[str, Any]: ...
+
 
 log = logging.getLogger("fedmtl")
 
@@ -147,50 +160,48 @@ class AsyncState:
             self.held = T.tmap(lambda x: torch.cat([x, x.new_zeros((1, *x.shape[1:]))]), self.held)
 
 
-def check(engine: Engine) -> None:
+def check(spec: RunSpec, alg: Algorithm, clients: Clients, num_clients: int) -> None:
     """Refuse, before any work, what the asynchronous modes do not run (``ValueError`` naming the key)."""
-    cfg, spec, alg = engine.spec.asynchronous, engine.spec, engine.alg
+    cfg = spec.asynchronous
     if not alg.runs_async:
         from ..registry import ALGORITHMS
 
         able = sorted(n for n, c in ALGORITHMS.items() if c.runs_async)
         raise ValueError(f"[async] mode = {cfg.mode!r}: {alg.name} does not run asynchronously (its clients do not "
                          f"send models in the coordinates of the broadcast); the methods that do: {able}")
-    if not isinstance(engine.clients, LocalClients):
+    if not isinstance(clients, LocalClients):
         raise ValueError(f"[async] mode = {cfg.mode!r} runs in the simulator only (not over Flower or torchrun)")
     for table, on in (("privacy", spec.privacy.enabled), ("robust", not spec.robust.is_plain),
-                      ("attack", spec.attack.active), ("server_opt", engine.pipeline.server is not None)):
+                      ("attack", spec.attack.active), ("server_opt", spec.server_opt.enabled)):
         if on:
             raise ValueError(f"[async] mode = {cfg.mode!r} does not combine with [{table}] (they act on a synchronous "
                              "round's updates)")
-    if cfg.mode == "fedbuff" and cfg.buffer_size > concurrency(engine):
-        raise ValueError(f"[async] buffer_size = {cfg.buffer_size} exceeds the concurrency {concurrency(engine)}: "
-                         "the buffer would never fill")
+    if cfg.mode == "fedbuff" and cfg.buffer_size > concurrency(spec, num_clients):
+        raise ValueError(f"[async] buffer_size = {cfg.buffer_size} exceeds the concurrency "
+                         f"{concurrency(spec, num_clients)}: the buffer would never fill")
 
 
-def concurrency(engine: Engine) -> int:
+def concurrency(spec: RunSpec, num_clients: int) -> int:
     """Clients training at once: ``[async] concurrency``, or the run's clients per round."""
-    c = engine.spec.asynchronous.concurrency or clients_per_round(engine.cfg, engine.fed.num_clients)
-    return min(c, engine.fed.num_clients)
+    c = spec.asynchronous.concurrency or clients_per_round(spec.run, num_clients)
+    return min(c, num_clients)
 
 
 def _dispatch(engine: Engine, st: AsyncState) -> None:
     """Give the free slots to idle clients drawn uniformly (each draw from the run's seed and the dispatch count),
     with their arrival times on the systems clock."""
-    cfg, n = engine.cfg, engine.fed.num_clients
-    while int((~st.cols["buffered"]).sum()) < concurrency(engine):
+    spec, n = engine.spec, engine.num_clients
+    seed = spec.run.seed
+    while int((~st.cols["buffered"]).sum()) < concurrency(spec, n):
         idle = np.setdiff1d(np.arange(n), st.cols["ids"], assume_unique=True)
         if idle.size == 0:
             return
         d = st.dispatched
-        rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, d, 17]))
+        rng = np.random.default_rng(np.random.SeedSequence([seed, d, 17]))
         cid = int(idle[rng.integers(idle.size)])
-        count = engine.fed.train_counts[cid:cid + 1]
-        budget = float(engine.alg.step_budget(usable_counts(count, cfg.batch_size, cfg.drop_last), cfg.batch_size,
-                                              cfg.local_epochs)[0])
-        draw = engine.systems.draw(cfg.seed, d, np.asarray([cid]))
-        seconds = engine.systems.time_model.round_seconds(budget / float(draw.speed[0]) * engine.step_flops,
-                                                          engine.payload_bytes, engine.payload_bytes)
+        budget = float(engine.step_budget(engine.counts(torch.tensor([cid])))[0])
+        draw = spec.systems.draw(seed, d, np.asarray([cid]))
+        seconds = engine.estimated_seconds(budget / float(draw.speed[0]), engine.payload_bytes)
         st.append(ids=cid, version=st.version, dispatch=d, arrival=st.clock + seconds, dropped=bool(draw.dropped[0]),
                   trained=False, ok=False, loss=math.nan, buffered=False)
         st.dispatched += 1
@@ -202,14 +213,13 @@ def _train(engine: Engine, st: AsyncState, server: Tree, lr: float, step_idx: in
     todo = np.nonzero(~st.cols["trained"] & ~st.cols["dropped"])[0]
     if todo.size == 0:
         return
-    cfg = engine.cfg
     order = todo[np.argsort(st.cols["ids"][todo])]  # the executors take sorted ids
     ids = torch.from_numpy(st.cols["ids"][order].copy())
-    counts = engine.fed.train_counts[ids]
-    payload = engine.alg.payload(server)
-    gen = round_generator(cfg.seed, step_idx, 2)  # one call per server step: the synchronous round's stream
-    orders = engine.alg.draw_orders(counts, cfg.local_epochs, cfg.batch_size, gen)
-    out = engine.clients.train(payload, ids, orders, lr, st.version)
+    counts = engine.counts(ids)
+    payload = engine.payload(server)
+    orders = engine.batch_orders(counts, step_idx)  # one call per server step: the synchronous round's stream
+    out = engine.train(RoundPlan(st.version, ids, counts, orders, lr, payload, len(ids), 0, 0.0))
+    assert out is not None  # somebody trains
     ok = (out.ok & ~out.failed).cpu().numpy()
     upd = out.updates
     if engine.spec.asynchronous.mode == "fedbuff":
@@ -236,12 +246,12 @@ def _mix(server: Tree, target: Tree, step: float) -> Tree:
 
 
 def step(engine: Engine, state: EngineState) -> dict[str, Any]:
-    """One server step of the asynchronous modes: arrivals in time order until the buffer is full (one for
-    FedAsync), then the server update."""
+    """One server step of the asynchronous modes, its metrics row: arrivals in time order until the buffer is full
+    (one for FedAsync), then the server update, then ``Engine.settle``."""
     cfg = engine.spec.asynchronous
     st: AsyncState = state.aux
     v = state.round
-    lr = engine.opt.lr_at(v, engine.cfg.rounds)
+    lr = engine.local_lr(v)
     k = 1 if cfg.mode == "fedasync" else cfg.buffer_size
     dropped = 0
     _dispatch(engine, st)
@@ -262,10 +272,6 @@ def step(engine: Engine, state: EngineState) -> dict[str, Any]:
     _train(engine, st, state.server, lr, v)  # everything dispatched at this version, before the server changes
     buf = np.nonzero(st.cols["buffered"])[0]
     valid = st.cols["ok"][buf]
-    excluded = int((~valid).sum())
-    if excluded:
-        log.warning("server step %d: excluded %d client update(s) with NaN/Inf: clients %s", v, excluded,
-                    st.cols["ids"][buf][~valid].tolist()[:20])
     stale = st.version - st.cols["version"][buf]
     if valid.any():
         assert st.held is not None
@@ -273,27 +279,24 @@ def step(engine: Engine, state: EngineState) -> dict[str, Any]:
         idx = torch.from_numpy(use)
         rows = T.tmap(lambda h: h.index_select(0, idx.to(h.device)), st.held)
         ids = torch.from_numpy(st.cols["ids"][use].copy())
-        weights = engine.fed.train_counts[ids].to(torch.float64)
+        weights = engine.counts(ids).to(torch.float64)
         s = cfg.weight(st.version - st.cols["version"][use])
         if cfg.mode == "fedasync":
-            target = engine.alg.aggregate(engine.ctx, state.server, rows, weights.to(engine.device), ids)
-            state.server = T.to(_mix(state.server, target, cfg.mixing * float(s[0])), engine.device)
+            target = engine.aggregate(state.server, rows, weights, ids)
+            state.server = _mix(state.server, target, cfg.mixing * float(s[0]))
         else:
-            payload = engine.alg.payload(state.server)
+            payload = engine.payload(state.server)
             sw = torch.from_numpy(s)
             rebased = T.tmap(lambda p, dl: p.unsqueeze(0) + sw.to(dl.dtype).to(dl.device).reshape(
                 -1, *([1] * (dl.dim() - 1))) * dl, _part(payload, rows), rows)  # x_now + s_i Delta_i
-            target = engine.alg.aggregate(engine.ctx, state.server, rebased, weights.to(engine.device), ids)
-            state.server = T.to(_mix(state.server, target, cfg.server_lr), engine.device)
+            target = engine.aggregate(state.server, rebased, weights, ids)
+            state.server = _mix(state.server, target, cfg.server_lr)
         st.version += 1
+    arrived = torch.from_numpy(st.cols["ids"][buf])
     losses = st.cols["loss"][buf][valid]
     st.keep(~st.cols["buffered"])
-    engine.check_diverged(state, v, excluded > 0 and not valid.any())
-    state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded
-    state.counters["dropped_updates"] = int(state.counters.get("dropped_updates", 0)) + dropped
-    state.counters["est_time_s"] = st.clock
-    state.round = v + 1
-    return {"round": v + 1, "lr": lr, "clients": int(buf.size), "dropped": dropped, "excluded": excluded,
-            "train_loss": float(losses.mean()) if losses.size else float("nan"), "est_time_s": st.clock,
-            "staleness_mean": float(stale.mean()) if stale.size else 0.0,
+    row = engine.settle(state, lr=lr, ids=arrived, bad=torch.from_numpy(~valid), dropped=dropped,
+                        excluded=int((~valid).sum()), loss=float(losses.mean()) if losses.size else float("nan"),
+                        clock=st.clock)
+    return {**row, "staleness_mean": float(stale.mean()) if stale.size else 0.0,
             "staleness_max": int(stale.max()) if stale.size else 0}

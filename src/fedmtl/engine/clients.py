@@ -1,5 +1,6 @@
 """The clients a round loop talks to: ``Clients`` (the interface) and ``LocalClients`` (clients held in this
-process: their data, their ``ClientStore`` and a local executor).
+process: their data, their ``ClientStore`` and a local executor); what a round asks of them (``RoundPlan``) and what
+they answer (``TrainOut``).
 
 In a simulation one ``LocalClients`` holds the whole federation.  On a Flower SuperNode one holds that node's
 share of it (``global_ids``), and ``fedmtl.flower.executor.FlowerClients`` implements the same interface on
@@ -35,6 +36,21 @@ class TrainOut(NamedTuple):
     #: the distributed executor's summed round: ``updates`` are then a zero-copy view, the weighted mean already
     #: combined across ranks, and ``aggregate`` must read them through this combiner (``engine.distributed``)
     combine: Any = None
+
+
+class RoundPlan(NamedTuple):
+    """What a round asks of its clients, before any of them runs (``Engine.plan``; an asynchronous server step asks
+    the clients it dispatched the same way)."""
+
+    round: int  # the round the clients train in (an asynchronous step: the server version); their states keep it
+    ids: Tensor  # (K,) the clients that train (sampled, not dropped), sorted
+    counts: Tensor  # (K,) their training examples
+    orders: Orders | None  # their batch orders (None when nobody trains)
+    lr: float  # the clients' learning rate
+    payload: Tree  # what the server sends them
+    n_sampled: int  # clients sampled, the dropped ones included
+    n_dropped: int  # sampled clients the systems model dropped (they never train)
+    est_seconds: float  # the round's estimated wall-clock time (``fedmtl.engine.systems``)
 
 
 class Clients(Protocol):

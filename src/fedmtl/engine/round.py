@@ -1,10 +1,17 @@
-"""The one round loop.  Every algorithm, on every executor (vmap, loop, Flower), runs through ``Engine.round``:
+"""The one round.  ``Engine`` exposes its steps, and every algorithm, on every executor (vmap, loop, Flower), runs
+through them:
 
     plan:   sample -> systems draw (stragglers, drops) -> payload, batch orders
     train:  the clients run (``Clients.train``: an executor, locally or over Flower) and keep their new states
     finish: screen (NaN/Inf, failed replies) -> the update pipeline (attack, clipping, robust combination, DP noise:
-            ``fedmtl.engine.updates``) -> aggregate -> server optimizer -> post-round sync (gossip)
-    [evaluate, checkpoint: ``engine.driver``]
+            ``fedmtl.engine.updates``) -> aggregate -> server optimizer -> post-round sync (gossip) -> settle
+    settle: the books: warnings naming excluded and failed clients, the divergence check, counters, the clock
+    [evaluate, checkpoint: ``fedmtl.runs.driver``]
+
+``Engine.round`` is one round of one run.  The schedulers compose the same steps: ``fedmtl.runs.driver`` trains the
+plans of several seeds' replicas in one batched call between their plans and finishes, and the asynchronous modes
+(``fedmtl.engine.asynchronous``) train the clients they dispatch on the systems clock with ``Engine.train`` and close
+each server step with ``Engine.settle``.
 
 Randomness comes only from the run's seed: round r draws its client sample, batch orders and evaluation
 adaptation batches from generators seeded with ``(seed, r, purpose)``, so a resumed run repeats an
@@ -30,7 +37,7 @@ from ..model import Model, ModelError
 from ..registry import ALGORITHMS
 from ..tree import Tree
 from . import asynchronous
-from .clients import Clients, TrainOut
+from .clients import Clients, RoundPlan, TrainOut
 from .sampling import (
     clients_per_round,
     poisson_sample,
@@ -45,6 +52,11 @@ from .steps.privacy import DPNoise
 from .updates import build_pipeline
 
 log = logging.getLogger("fedmtl")
+
+
+def _nbytes(tree: Tree) -> float:
+    """The bytes of ``tree``'s tensors."""
+    return float(sum(int(x.numel()) * x.element_size() for x in T.leaves(tree)))
 
 
 def batch_norm_methods() -> list[str]:
@@ -82,20 +94,6 @@ DIVERGED_AFTER = 3  # consecutive rounds in which every update is non-finite
 
 class TrainingDiverged(ValueError):
     """Every client update was non-finite for ``DIVERGED_AFTER`` rounds in a row."""
-
-
-class RoundPlan(NamedTuple):
-    """A round as ``Engine.plan`` lays it out, before any client runs."""
-
-    round: int
-    ids: Tensor  # (K,) the clients that train (sampled, not dropped), sorted
-    counts: Tensor  # (K,) their training examples
-    orders: Orders | None  # their batch orders (None when nobody trains)
-    lr: float
-    payload: Tree
-    n_sampled: int
-    n_dropped: int
-    est_seconds: float
 
 
 @dataclass
@@ -145,7 +143,7 @@ class Engine:
         self.step_flops = 6.0 * self._n_params * cfg.batch_size  # one local step, forward and backward
         self.payload_bytes = 0.0  # of the broadcast (set by init_state)
         if spec.asynchronous.enabled:
-            asynchronous.check(self)
+            asynchronous.check(spec, algorithm, clients, federation.num_clients)
 
     @property
     def privacy(self) -> DPNoise | None:
@@ -179,7 +177,7 @@ class Engine:
         # the run's device from here on
         server0 = T.to(self.alg.init_server(self.ctx, params, self.cfg.seed), self.device)
         opt0 = self.pipeline.server.init(server0) if self.pipeline.server is not None else NoState()
-        self.payload_bytes = float(sum(int(x.numel()) * x.element_size() for x in T.leaves(self.alg.payload(server0))))
+        self.payload_bytes = _nbytes(self.alg.payload(server0))
         aux = None
         if self.spec.asynchronous.enabled:
             aux = asynchronous.AsyncState.empty() if resume is None else asynchronous.AsyncState.of(
@@ -208,30 +206,26 @@ class Engine:
         return sample_clients(self.cfg, self.fed.num_clients, r)
 
     def round(self, state: EngineState) -> dict[str, Any]:
-        """One round: ``plan`` it, train its clients, ``finish`` it (under ``[async]``: one server step of the
-        event-ordered simulation, ``asynchronous.step``)."""
+        """One round of this run, its metrics row: ``plan``, ``train``, ``finish`` (under ``[async]``: one server
+        step of the event-ordered simulation, ``asynchronous.step``)."""
         if state.aux is not None:
             return asynchronous.step(self, state)
         plan = self.plan(state)
-        out = None
-        if plan.ids.numel() > 0:
-            assert plan.orders is not None  # drawn whenever somebody trains
-            out = self.clients.train(plan.payload, plan.ids, plan.orders, plan.lr, plan.round)
-        return self.finish(state, plan, out)
+        return self.finish(state, plan, self.train(plan))
 
     def plan(self, state: EngineState) -> RoundPlan:
-        """What round ``state.round`` asks of the clients: the sample (less dropped clients), their batch orders
-        (straggler limits applied), the learning rate and the payload.  Pure in the state: nothing is changed."""
-        r, cfg, alg = state.round, self.cfg, self.alg
+        """Step one: what round ``state.round`` asks of the clients: the sample (less dropped clients), their batch
+        orders (straggler limits applied), the learning rate and the payload.  Pure in the state: nothing is changed."""
+        r, cfg = state.round, self.cfg
         ids = self._sample(r)
-        lr = self.opt.lr_at(r, cfg.rounds)
-        payload = alg.payload(state.server)
-        counts = self.fed.train_counts[ids]
-        usable = usable_counts(counts, cfg.batch_size, cfg.drop_last)
-        budget = alg.step_budget(usable, cfg.batch_size, cfg.local_epochs).numpy()
+        lr = self.local_lr(r)
+        payload = self.payload(state.server)
+        counts = self.counts(ids)
+        budget = self.step_budget(counts)
         draw = self.systems.draw(cfg.seed, r, ids.numpy())
         done = self.systems.steps(draw, budget)
-        est = self._estimated_seconds(payload, draw, budget, done)
+        # the round's clock cycle (or its slowest node, in wait mode), the payload down and an update as large up
+        est = self.estimated_seconds(self.systems.compute_time_steps(draw, budget, done), _nbytes(payload))
         n_sampled = len(ids)
         n_dropped = int(draw.dropped.sum())
         if n_dropped:
@@ -239,66 +233,83 @@ class Engine:
             ids, counts, done = ids[torch.from_numpy(keep)], counts[torch.from_numpy(keep)], done[keep]
         orders = None
         if len(ids):
-            orders = alg.draw_orders(counts, cfg.local_epochs, cfg.batch_size, round_generator(cfg.seed, r, 2))
-            orders = orders._replace(limit=torch.from_numpy(done))
+            orders = self.batch_orders(counts, r)._replace(limit=torch.from_numpy(done))
         return RoundPlan(r, ids, counts, orders, lr, payload, n_sampled, n_dropped, est)
 
+    def train(self, plan: RoundPlan) -> TrainOut | None:
+        """Step two: ``plan``'s clients train from its payload in its batch orders (``Clients.train``: an executor,
+        locally or over Flower) and keep their new states.  None when nobody trains."""
+        if plan.ids.numel() == 0:
+            return None
+        assert plan.orders is not None  # drawn whenever somebody trains
+        return self.clients.train(plan.payload, plan.ids, plan.orders, plan.lr, plan.round)
+
     def finish(self, state: EngineState, plan: RoundPlan, out: TrainOut | None) -> dict[str, Any]:
-        """Screen the clients' results ``out`` of ``plan``, pass them through the update pipeline, aggregate, step
-        the server and advance ``state`` a round."""
+        """Step three: screen the clients' results ``out`` of ``plan`` (round ``state.round``), pass them through the
+        update pipeline, aggregate, step the server, sync the clients (decentralized methods) and ``settle``."""
         r = plan.round
-        state.counters["est_time_s"] = float(state.counters.get("est_time_s", 0.0)) + plan.est_seconds
         if out is None and self.pipeline.releases_empty_rounds:  # a private round releases its noise anyway
             out = self._no_updates(plan.payload)
-        row: dict[str, Any] = {"round": r + 1, "lr": plan.lr, "clients": len(plan.ids), "dropped": plan.n_dropped}
+        bad = failed = torch.zeros(len(plan.ids), dtype=torch.bool)
         excluded, loss = 0, float("nan")
         if out is not None:
-            u = self.pipeline.updates(self._screen(plan, out, row), RoundInfo(r, self.cfg.seed, plan.payload))
+            failed = out.failed.cpu()
+            bad = ~out.ok.cpu() & ~failed
+            u = self.pipeline.updates(self._screen(plan, out, bad, failed), RoundInfo(r, self.cfg.seed, plan.payload))
             before = state.server
-            state.server = T.to(self.alg.aggregate(u.ctx, before, u.updates, u.weights.to(self.device), u.ids),
-                                self.device)
+            state.server = self.aggregate(before, u.updates, u.weights, u.ids, u.ctx)
             if self.pipeline.server is not None and state.server is not before:
                 state.server, state.server_opt = self.pipeline.server(before, state.server, state.server_opt)
             ok = out.losses.detach().cpu()[u.valid]
             excluded, loss = u.excluded, float(ok.float().mean()) if ok.numel() else float("nan")
         if self.alg.syncs_clients:  # decentralized: every client gossips with its neighbours, sampled or not
             state.server = self.clients.gossip(lambda s, c: self.alg.sync(self.ctx, s, c), state.server, r)
-        self.check_diverged(state, r, excluded > 0 and row["clients"] - excluded <= 0)
-        if self.privacy is not None:
-            row["epsilon"] = self.privacy.accountant.epsilon_after(r + 1)
-        state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded
-        state.counters["dropped_updates"] = int(state.counters.get("dropped_updates", 0)) + row["dropped"]
-        state.round = r + 1
-        return {**row, "excluded": excluded, "train_loss": loss, "est_time_s": state.counters["est_time_s"]}
+        clock = float(state.counters.get("est_time_s", 0.0)) + plan.est_seconds
+        return self.settle(state, lr=plan.lr, ids=plan.ids, bad=bad, failed=failed, dropped=plan.n_dropped,
+                           excluded=excluded, loss=loss, clock=clock)
 
-    def _screen(self, plan: RoundPlan, out: TrainOut, row: dict[str, Any]) -> Updates:
-        """The round's results as the pipeline's input: failed replies (remote executors) counted as dropped in
-        ``row``, non-finite updates excluded (logged with the clients' ids)."""
-        ids, r = plan.ids, plan.round
-        failed = out.failed.cpu()
+    def _screen(self, plan: RoundPlan, out: TrainOut, bad: Tensor, failed: Tensor) -> Updates:
+        """The round's results as the pipeline's input: failed replies (remote executors) and non-finite updates
+        ``bad`` excluded."""
         valid = out.ok.cpu() & ~failed
-        bad = ~out.ok.cpu() & ~failed
+        weights = plan.counts.to(torch.float64) * valid.to(torch.float64)
+        ctx = self.ctx if out.combine is None else self.ctx._replace(combine=out.combine)  # combined across ranks
+        return Updates(plan.ids, out.updates, plan.counts, valid, weights, int(bad.sum()), ctx)
+
+    def settle(self, state: EngineState, *, lr: float, ids: Tensor, bad: Tensor, failed: Tensor | None = None,
+               dropped: int, excluded: int, loss: float, clock: float) -> dict[str, Any]:
+        """The books of round ``state.round`` (a synchronous round or an asynchronous server step), once the server
+        has stepped; returns the round's metrics row.
+
+        ``ids``: the clients whose results came back or failed to; ``bad`` and ``failed``: masks over them of the
+        non-finite results (excluded) and of the replies that never came (counted as dropped), each warned of with
+        their clients' ids; ``dropped``: clients that never trained; ``excluded``: the updates left out (non-finite,
+        or by a pipeline step); ``loss``: the others' mean training loss; ``clock``: the simulated clock after the
+        round (``est_time_s``).  Stops a run whose every update was non-finite for ``DIVERGED_AFTER`` rounds in a
+        row (``TrainingDiverged``), adds to the counters of excluded and dropped updates and advances ``state``."""
+        r = state.round
         if bool(bad.any()):
             log.warning("round %d: excluded %d client update(s) with NaN/Inf: clients %s", r, int(bad.sum()),
                         ids[bad].tolist()[:20])
-        if bool(failed.any()):
-            n_failed = int(failed.sum())
-            row["dropped"] += n_failed
-            row["clients"] -= n_failed
+        n_failed = 0 if failed is None else int(failed.sum())
+        if failed is not None and n_failed:
             log.warning("round %d: %d of %d clients failed to answer: %s", r, n_failed, len(ids),
                         ids[failed].tolist()[:20])
-        weights = plan.counts.to(torch.float64) * valid.to(torch.float64)
-        ctx = self.ctx if out.combine is None else self.ctx._replace(combine=out.combine)  # combined across ranks
-        return Updates(ids, out.updates, plan.counts, valid, weights, int(bad.sum()), ctx)
-
-    def check_diverged(self, state: EngineState, r: int, nothing_usable: bool) -> None:
-        """Stop a run whose every update was non-finite for ``DIVERGED_AFTER`` rounds in a row."""
-        streak = int(state.counters.get("all_excluded_streak", 0)) + 1 if nothing_usable else 0
+        clients, dropped = len(ids) - n_failed, dropped + n_failed
+        row: dict[str, Any] = {"round": r + 1, "lr": lr, "clients": clients, "dropped": dropped}
+        state.counters["est_time_s"] = clock
+        streak = int(state.counters.get("all_excluded_streak", 0)) + 1 if excluded > 0 and clients <= excluded else 0
         state.counters["all_excluded_streak"] = streak
         if streak >= DIVERGED_AFTER:
             raise TrainingDiverged(f"every client update was NaN/Inf in rounds {r + 2 - DIVERGED_AFTER}-{r + 1}: "
                                    f"training diverged (optim.lr = {self.opt.lr:g} too large?); nothing is "
                                    "reported as a result")
+        if self.privacy is not None:
+            row["epsilon"] = self.privacy.accountant.epsilon_after(r + 1)
+        state.counters["excluded_updates"] = int(state.counters.get("excluded_updates", 0)) + excluded
+        state.counters["dropped_updates"] = int(state.counters.get("dropped_updates", 0)) + dropped
+        state.round = r + 1
+        return {**row, "excluded": excluded, "train_loss": loss, "est_time_s": clock}
 
     def _no_updates(self, payload: Tree) -> TrainOut:
         """A round's results when no client trained: zero rows shaped like the payload (under ``[privacy]``)."""
@@ -306,12 +317,45 @@ class Engine:
         like = self.alg.update_like(self.ctx, payload)
         return TrainOut(T.tmap(lambda p: p.unsqueeze(0)[:0], like), torch.zeros(0), none, none)
 
-    def _estimated_seconds(self, payload: Tree, draw: Any, budget: Any, done: Any) -> float:
-        """Estimated wall-clock seconds of this round on the systems model's device network: the compute of
-        the round's clock cycle (or of its slowest node, in ``wait`` mode) at 6 FLOPs per parameter per
-        example (forward and backward), plus the payload down and an update as large up."""
-        nbytes = float(sum(int(x.numel()) * x.element_size() for x in T.leaves(payload)))
-        steps = self.systems.compute_time_steps(draw, budget, done)
+    # ------------------------------------------------------------------------------------------ what a step reads
+    @property
+    def num_clients(self) -> int:
+        """The federation's (seen) clients."""
+        return self.fed.num_clients
+
+    def counts(self, ids: Tensor) -> Tensor:
+        """The training examples of clients ``ids``."""
+        return self.fed.train_counts[ids]
+
+    def step_budget(self, counts: Tensor) -> np.ndarray:
+        """The local steps clients with ``counts`` training examples take in full (``Algorithm.step_budget`` of their
+        usable examples): the work the systems model cuts a straggler's from."""
+        cfg = self.cfg
+        usable = usable_counts(counts, cfg.batch_size, cfg.drop_last)
+        return self.alg.step_budget(usable, cfg.batch_size, cfg.local_epochs).numpy()
+
+    def local_lr(self, r: int) -> float:
+        """The clients' learning rate in round ``r`` (the ``[optim]`` schedule over ``run.rounds``)."""
+        return self.opt.lr_at(r, self.cfg.rounds)
+
+    def payload(self, server: Tree) -> Tree:
+        """What the server sends the clients from its state ``server``."""
+        return self.alg.payload(server)
+
+    def batch_orders(self, counts: Tensor, r: int) -> Orders:
+        """The batch orders of clients with ``counts`` training examples, drawn from round ``r``'s stream."""
+        cfg = self.cfg
+        return self.alg.draw_orders(counts, cfg.local_epochs, cfg.batch_size, round_generator(cfg.seed, r, 2))
+
+    def aggregate(self, server: Tree, updates: Tree, weights: Tensor, ids: Tensor, ctx: Context | None = None) -> Tree:
+        """The algorithm's aggregate of ``updates`` (stacked rows of clients ``ids``, weighted by ``weights``) into
+        ``server``, on the run's device; ``ctx``: how to combine them (default: the run's, the weighted mean)."""
+        ctx = self.ctx if ctx is None else ctx
+        return T.to(self.alg.aggregate(ctx, server, updates, weights.to(self.device), ids), self.device)
+
+    def estimated_seconds(self, steps: float, nbytes: float) -> float:
+        """Estimated wall-clock seconds, on the systems model's device network, of ``steps`` full-speed local steps
+        (6 FLOPs per parameter per example, forward and backward) plus ``nbytes`` down and an update as large up."""
         return self.systems.time_model.round_seconds(steps * self.step_flops, nbytes, nbytes)
 
     # ------------------------------------------------------------------------------------------ evaluation
