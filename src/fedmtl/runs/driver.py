@@ -40,7 +40,7 @@ from .report import plot_history, run_figures_on, write_clients_csv, write_histo
 from ..robust.attacks import flip_labels
 from ..tree import Tree
 from . import checkpoint
-from ..engine.clients import Clients, LocalClients, evaluate_together, train_together
+from ..engine.clients import Clients, LocalClients, RoundPlan, TrainOut, evaluate_together, train_together
 from ..engine.distributed import DistributedClients, Group, owned, shard
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, summarize
 from ..engine.executors import Executor, StackedExecutor, make_executor
@@ -349,26 +349,36 @@ def _batchable(reps: list[Replica]) -> bool:
 
 
 def _rounds(group: list[Replica]) -> list[dict[str, Any]]:
-    """One round of every replica of ``group`` (all at the same round)."""
+    """One round of every replica of ``group`` (all at the same round): each engine's ``Engine.round`` or, where the
+    replicas batch, each one's ``plan``, their clients trained together (``_train_together``), each one's
+    ``finish``."""
+    states: list[EngineState] = []
+    for rep in group:
+        assert rep.state is not None
+        states.append(rep.state)
     if not _batchable(group):
-        return [rep.engine.round(rep.state) for rep in group]  # type: ignore[arg-type]
-    plans = [rep.engine.plan(rep.state) for rep in group]  # type: ignore[arg-type]
+        return [rep.engine.round(st) for rep, st in zip(group, states, strict=True)]
+    plans = [rep.engine.plan(st) for rep, st in zip(group, states, strict=True)]
+    outs = _train_together([rep.engine for rep in group], plans)
+    return [rep.engine.finish(st, p, o) for rep, st, p, o in zip(group, states, plans, outs, strict=True)]
+
+
+def _train_together(engines: list[Engine], plans: list[RoundPlan]) -> list[TrainOut | None]:
+    """``Engine.train`` of each plan (replicas of one run, in the same round), in one batched computation
+    (``clients.train_together``): every client's result is what its own engine's ``train`` gives it."""
     active = [i for i, p in enumerate(plans) if p.ids.numel()]
-    outs: list[Any] = [None] * len(group)
     # replicas whose payloads differ in shape (Clustered FL after one replica split its clusters) train apart
     if len({tuple((tuple(x.shape), x.dtype) for x in T.leaves(plans[i].payload)) for i in active}) > 1:
-        for i in active:
-            p = plans[i]
-            assert p.orders is not None
-            outs[i] = group[i].engine.clients.train(p.payload, p.ids, p.orders, p.lr, p.round)
-    elif active:
-        trained = train_together([group[i].engine.clients for i in active],  # type: ignore[misc]
+        return [engine.train(p) for engine, p in zip(engines, plans, strict=True)]
+    outs: list[TrainOut | None] = [None] * len(plans)
+    if active:
+        trained = train_together([engines[i].clients for i in active],  # type: ignore[misc]
                                  [plans[i].payload for i in active], [plans[i].ids for i in active],
                                  [plans[i].orders for i in active],  # type: ignore[misc]
                                  plans[active[0]].lr, plans[active[0]].round)
         for i, o in zip(active, trained, strict=True):
             outs[i] = o
-    return [rep.engine.finish(rep.state, p, o) for rep, p, o in zip(group, plans, outs, strict=True)]  # type: ignore[arg-type]
+    return outs
 
 
 def _evaluate(reps: list[Replica]) -> list[dict[str, Any]]:
