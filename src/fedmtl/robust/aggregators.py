@@ -58,7 +58,7 @@ from torch import Tensor
 
 from .. import tree as T
 from ..registry import AGGREGATORS, RegistryError, register_aggregator
-from ..schema import Annotated, OneOf, Range, check_fields, shown
+from ..schema import Annotated, OneOf, Range, brief, check_fields, shown
 from ..tree import Tree, TreeT
 
 log = logging.getLogger("fedmtl")
@@ -327,7 +327,7 @@ def check_aggregator(name: str, aggregate: Aggregator) -> None:
     try:
         out = aggregate(stacked, weights, RobustConfig(aggregator=name))
     except Exception as e:
-        raise RegistryError(f"{what} raised {type(e).__name__}: {shown(str(e), 200)} on five identical updates and "
+        raise RegistryError(f"{what} raised {type(e).__name__}: {brief(str(e), 200)} on five identical updates and "
                             "one excluded (weight 0, NaN); it is called as (updates, weights, config)") from e
     same = (a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
             for a, b in zip([*T.leaves(stacked), weights], [*T.leaves(given[0]), given[1]], strict=True))

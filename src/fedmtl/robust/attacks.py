@@ -59,7 +59,7 @@ from torch import Tensor
 from .. import tree as T
 from ..data.federated import FederatedData
 from ..registry import ATTACKS, RegistryError, register_attack
-from ..schema import Annotated, OneOf, Range, check_fields, shown
+from ..schema import Annotated, OneOf, Range, brief, check_fields, shown
 from ..tree import Tree
 
 
@@ -267,7 +267,7 @@ def check_attack(name: str, attack: Attack) -> None:
     try:
         out = attack(rnd)
     except Exception as e:
-        raise RegistryError(f"{what} raised {type(e).__name__}: {shown(str(e), 200)} on a round of five updates, two "
+        raise RegistryError(f"{what} raised {type(e).__name__}: {brief(str(e), 200)} on a round of five updates, two "
                             "of them the attackers'; it is called with one AttackRound") from e
     if not all(torch.equal(a, b) for a, b in zip(T.leaves(updates), T.leaves(given), strict=True)):
         raise RegistryError(f"{what} changed the round's updates; it must return what the attackers send instead")
