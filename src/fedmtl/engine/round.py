@@ -41,7 +41,7 @@ from .sampling import (
 from .server_opt import NoState, legacy_state_names
 from .spec import RunSpec
 from .steps.base import RoundInfo, Updates
-from .steps.privacy import DPNoise
+from .steps.privacy import ClipAndNoise
 from .updates import build_pipeline
 
 log = logging.getLogger("fedmtl")
@@ -148,7 +148,7 @@ class Engine:
             asynchronous.check(self)
 
     @property
-    def privacy(self) -> DPNoise | None:
+    def privacy(self) -> ClipAndNoise | None:
         """The run's DP step (its accountant and noise multiplier), or None without ``[privacy]``."""
         return self.pipeline.get("privacy")
 
