@@ -24,7 +24,9 @@ from .engine.driver import RunResult
 from .engine.seeds import SeedsResult
 from .model import Model, ModelError
 from .optim import SGD, Batches, local_sgd, masked_steps
-from .registry import register_aggregator, register_algorithm, register_attack, register_dataset, register_model
+from .registry import register_algorithm, register_dataset, register_model
+from .robust.aggregators import register_aggregator
+from .robust.attacks import register_attack
 
 __version__ = "0.2.0"
 

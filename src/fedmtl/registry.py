@@ -3,7 +3,9 @@
 A config's ``[algorithm] name``, ``[model] name``, ``[data] name``, ``[robust] aggregator`` and ``[attack] kind``
 are looked up here.  Built-ins register themselves when their modules are imported (``fedmtl.algorithms``,
 ``fedmtl.models``, ``fedmtl.data``, ``fedmtl.robust``); plugins register with the decorators and are imported by
-``fedmtl run --import MODULE`` or through the entry-point group ``fedmtl.plugins`` (``load_plugins``)::
+``fedmtl run --import MODULE`` or through the entry-point group ``fedmtl.plugins`` (``load_plugins``).  The
+decorators of aggregators and attacks live beside their contract checks (``fedmtl.robust.aggregators``,
+``fedmtl.robust.attacks``), built on ``register_checked``::
 
     @fedmtl.register_algorithm
     @dataclass(frozen=True)
@@ -120,11 +122,12 @@ def register_dataset(name: str | Callable[..., Any] | None = None, *, replace: b
     return _register_fn(DATASETS, "dataset", name, replace)
 
 
-def _register_checked(registry: dict[str, Any], kind: str, name: str | Callable[..., Any] | None, replace: bool,
+def register_checked(registry: dict[str, Any], kind: str, name: str | Callable[..., Any] | None, replace: bool,
                       arity: int, signature: str, check: Callable[[str, Callable[..., Any]], None]) -> Any:
-    """Register a function after checking it: it takes ``arity`` positional arguments (``signature`` in words) and
-    passes ``check(name, fn)`` (it raises ``RegistryError``), run with the function registered (a config naming it
-    is valid while it runs) and undone when it fails."""
+    """A decorator (``@deco``, ``@deco("name")``, ``deco("name")(fn)``) that registers a function after checking it:
+    it takes ``arity`` positional arguments (``signature`` in words) and passes ``check(name, fn)`` (which raises
+    ``RegistryError``), run with the function registered (a config naming it is valid while it runs) and undone when
+    it fails.  ``fedmtl.register_aggregator`` and ``fedmtl.register_attack`` (``fedmtl.robust``) are two."""
 
     def deco(fn: F, label: str | None = None) -> F:
         import inspect
@@ -156,44 +159,6 @@ def _register_checked(registry: dict[str, Any], kind: str, name: str | Callable[
     if callable(name):  # used bare: @register_aggregator
         return deco(name)
     return lambda fn: deco(fn, name)
-
-
-def register_aggregator(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
-    """Decorator for a robust aggregator ``(updates, weights, config) -> update``, then usable as ``[robust]
-    aggregator = "NAME"``: ``updates`` a tree of stacked rows (K, ...), one per client of the round, ``weights``
-    (K,) float64 (the clients' example counts; 0 for an excluded update, whose row may hold NaN and must not
-    count), ``config`` the run's ``RobustConfig``; it returns one row's tree.  ``@register_aggregator`` uses the
-    function's name.
-
-    Checked when registered: the signature, the name (taken names need ``replace=True``; ``mean``, the algorithm's
-    own weighted mean, is never replaced), and on five identical updates of unequal weights, plus one of weight 0
-    holding NaN, it must return that update (within 1e-6) without changing its input."""
-    def check(key: str, fn: Callable[..., Any]) -> None:
-        from .robust.aggregators import check_aggregator  # function-level: the registry stays import-free
-
-        check_aggregator(key, fn)
-
-    return _register_checked(AGGREGATORS, "aggregator", name, replace, 3, "(updates, weights, config) -> update",
-                             check)
-
-
-def register_attack(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
-    """Decorator for an attack ``(round: AttackRound) -> what the attackers send``, then usable as ``[attack] kind =
-    "NAME"``: ``fedmtl.robust.attacks.AttackRound`` holds the round's updates (K, ...), the reference they deviate
-    from (the broadcast model), the attackers' rows, the honest valid rows, ``[attack] strength`` (None: the
-    attack's own default) and a generator of the run's seed and the round; the function returns a tree shaped like
-    the updates with one row per attacker, which replaces the attackers' rows.  ``@register_attack`` uses the
-    function's name.
-
-    Checked when registered: the signature, the name (taken names need ``replace=True``; ``none`` is never
-    replaced), and on a small round it must return one row per attacker in the updates' structure without
-    changing its input."""
-    def check(key: str, fn: Callable[..., Any]) -> None:
-        from .robust.attacks import check_attack
-
-        check_attack(key, fn)
-
-    return _register_checked(ATTACKS, "attack", name, replace, 1, "(round: AttackRound) -> sent updates", check)
 
 
 def import_plugins(modules: list[str]) -> None:

@@ -52,12 +52,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..registry import AGGREGATORS, RegistryError, register_aggregator
+from ..registry import AGGREGATORS, RegistryError, register_checked
 from ..schema import Annotated, OneOf, Range, brief, check_fields, shown
 from ..tree import Tree, TreeT
 
@@ -345,6 +346,21 @@ def check_aggregator(name: str, aggregate: Aggregator) -> None:
                             f"weight 0, which may hold NaN); on five identical updates it returned {shown(out, 200)}")
 
 
+def register_aggregator(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
+    """Decorator for a robust aggregator ``(updates, weights, config) -> update``, then usable as ``[robust]
+    aggregator = "NAME"``: ``updates`` a tree of stacked rows (K, ...), one per client of the round, ``weights``
+    (K,) float64 (the clients' example counts; 0 for an excluded update, whose row may hold NaN and must not
+    count), ``config`` the run's ``RobustConfig``; it returns one row's tree.  ``@register_aggregator`` uses the
+    function's name.
+
+    Checked when registered (``check_aggregator``; a refusal raises ``fedmtl.registry.RegistryError``): the
+    signature, the name (taken names need ``replace=True``; ``mean``, the algorithm's own weighted mean, is never
+    replaced), and on five identical updates of unequal weights, plus one of weight 0 holding NaN, it must return
+    that update (within 1e-6) without changing its input."""
+    return register_checked(AGGREGATORS, "aggregator", name, replace, 3, "(updates, weights, config) -> update",
+                            check_aggregator)
+
+
 #: the built-in aggregators, in the order they are listed; a new one is a function above and one line here
 register_aggregator("mean")(lambda u, w, c: T.weighted_mean(u, w))
 register_aggregator("median")(lambda u, w, c: median(u, w))
@@ -356,4 +372,4 @@ register_aggregator("centered_clip")(lambda u, w, c: centered_clip(u, w, c.cc_ta
 
 
 __all__ = ["BUCKETING_STREAM", "Aggregator", "RobustConfig", "bucketed", "bulyan", "centered_clip", "check_aggregator",
-           "clip_updates", "krum", "krum_scores", "median", "reference_of", "trimmed_mean"]
+           "clip_updates", "krum", "krum_scores", "median", "reference_of", "register_aggregator", "trimmed_mean"]

@@ -50,7 +50,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ from torch import Tensor
 
 from .. import tree as T
 from ..data.federated import FederatedData
-from ..registry import ATTACKS, RegistryError, register_attack
+from ..registry import ATTACKS, RegistryError, register_checked
 from ..schema import Annotated, OneOf, Range, brief, check_fields, shown
 from ..tree import Tree
 
@@ -293,6 +293,19 @@ def flip_labels(data: FederatedData, attackers: Tensor) -> FederatedData:
     return dataclasses.replace(data, seen=seen)
 
 
+def register_attack(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
+    """Decorator for an attack ``(round: AttackRound) -> what the attackers send``, then usable as ``[attack] kind =
+    "NAME"``: the ``AttackRound`` holds the round's updates (K, ...), the reference they deviate from (the broadcast
+    model), the attackers' rows, the honest valid rows, ``[attack] strength`` (None: the attack's own default) and
+    a generator of the run's seed and the round; the function returns a tree shaped like the updates with one row
+    per attacker, which replaces the attackers' rows.  ``@register_attack`` uses the function's name.
+
+    Checked when registered (``check_attack``; a refusal raises ``fedmtl.registry.RegistryError``): the signature,
+    the name (taken names need ``replace=True``; ``none`` is never replaced), and on a small round it must return
+    one row per attacker in the updates' structure without changing its input."""
+    return register_checked(ATTACKS, "attack", name, replace, 1, "(round: AttackRound) -> sent updates", check_attack)
+
+
 #: the built-in attacks, in the order they are listed; a new one is a function above and one line here
 register_attack("none")(as_trained)
 register_attack("scale")(scale)
@@ -305,4 +318,4 @@ register_attack("minmax")(minmax)
 
 
 __all__ = ["Attack", "AttackConfig", "AttackRound", "alie", "alie_z", "as_trained", "check_attack", "corrupt",
-           "flip_labels", "gaussian", "ipm", "minmax", "minmax_gamma", "scale", "signflip"]
+           "flip_labels", "gaussian", "ipm", "minmax", "minmax_gamma", "register_attack", "scale", "signflip"]
