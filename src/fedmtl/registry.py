@@ -123,7 +123,7 @@ def register_dataset(name: str | Callable[..., Any] | None = None, *, replace: b
 
 
 def register_checked(registry: dict[str, Any], kind: str, name: str | Callable[..., Any] | None, replace: bool,
-                      arity: int, signature: str, check: Callable[[str, Callable[..., Any]], None]) -> Any:
+                     arity: int, signature: str, check: Callable[[str, Callable[..., Any]], None]) -> Any:
     """A decorator (``@deco``, ``@deco("name")``, ``deco("name")(fn)``) that registers a function after checking it:
     it takes ``arity`` positional arguments (``signature`` in words) and passes ``check(name, fn)`` (which raises
     ``RegistryError``), run with the function registered (a config naming it is valid while it runs) and undone when

@@ -52,7 +52,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -115,7 +115,7 @@ class RobustConfig:
         aggregate: Aggregator = AGGREGATORS[self.aggregator]
 
         def combine(u: TreeT, w: Tensor) -> TreeT:
-            return aggregate(u, w, self)  # type: ignore[return-value]
+            return cast(TreeT, aggregate(u, w, self))
 
         return combine
 
