@@ -24,7 +24,7 @@ from fedmtl.cli import build_parser
 from fedmtl.config import _signature_types, table_targets
 from fedmtl.models.lora import AdapterConfig
 from fedmtl.registry import ALGORITHMS, DATASETS, MODELS
-from fedmtl.schema import range_of, strip
+from fedmtl.schema import choices_of, range_of, strip
 
 from .fuzz_harness import TINY, Accepted, check_line, expect_error, expect_refused, make_fifo, make_huge, run_cli
 
@@ -74,6 +74,8 @@ def set_values(tp: object) -> list[tuple[str, bool]]:
         rng, base = rng or range_of(args[0]), strip(args[0])
     origin = typing.get_origin(base)
     common = [(HUGE_LIST, True), (DEEP, True)]
+    if choices_of(tp) is not None:  # Literal[...] or a registry's names
+        return [('"bogus"', True), ("1", True), (HUGE_STR, True), ("[1]", True), ("nan", True), *common]
     if base in (int, float):
         vals = [("nan", True), ("inf", True), ("-inf", True), ("1e400", True), ('"7"', True), ("true", True),
                 (HUGE_STR, True), *common] + [(v, True) for v in _outside(base, rng)]

@@ -16,7 +16,8 @@ from fedmtl import tree as T
 from fedmtl.algorithms.feddyn import DynServer, FedDyn
 from fedmtl.config import ConfigError, validate
 from fedmtl.data.federated import FederatedData
-from fedmtl.privacy import Accountant, PrivacyConfig, dp_combine, epsilon
+from fedmtl.engine.steps.privacy import ClipAndNoise, add_gaussian_noise
+from fedmtl.privacy import Accountant, PrivacyConfig, epsilon
 from fedmtl.runs.driver import run_experiment
 from fedmtl.testing import ContractError, check_algorithm
 
@@ -64,8 +65,12 @@ def test_noise_has_the_stated_scale():
     """Zero deviations: the combined update is pure noise of std sigma * clip / denominator per coordinate."""
     ref = {"w": torch.zeros(200_000)}
     ups = {"w": torch.zeros(5, 200_000)}
-    gen = torch.Generator().manual_seed(0)
-    out = dp_combine(ref, 2.0, 1.5, 4.0, gen)(ups, torch.ones(5))["w"].double()
+    cfg = PrivacyConfig(clip_norm=2.0, noise_multiplier=1.5)
+    step = ClipAndNoise(cfg, 1.5, 4.0, Accountant(cfg, 1.5, 10, 4, 0.4), "fedavg")
+    out = step.noised_mean(ups, torch.ones(5), ref, torch.Generator().manual_seed(0))["w"].double()
+    # the one place the noise is added: N(0, (noise_multiplier * clip_norm)^2) on the sum, from the generator given
+    again = add_gaussian_noise(torch.zeros(200_000, dtype=torch.float64), 1.5, 2.0, torch.Generator().manual_seed(0))
+    assert torch.equal(out, (again / 4.0).float().double())
     want = 1.5 * 2.0 / 4.0
     # std of the sample std of n normals: want / sqrt(2 n) ~ 0.0012; 5 of those are a failing tolerance
     assert abs(float(out.std()) - want) < 5 * want / math.sqrt(2 * out.numel())
@@ -178,7 +183,7 @@ def test_the_noise_cannot_be_recomputed_from_the_public_seed():
                                data=_equal_clients()).server.params
         gen = round_generator(3, 0, 5)
         gap = 0.0
-        for name, w in noisy.items():  # dp_combine's draws, leaf by leaf, scaled by sigma * clip / k
+        for name, w in noisy.items():  # add_gaussian_noise's draws, leaf by leaf, scaled by sigma * clip / k
             noise = torch.randn(w.shape, generator=gen, dtype=torch.float64) * 1.0 * 0.5 / 8
             gap = max(gap, float((w.double() - noise - plain[name].double()).abs().max()))
         return gap

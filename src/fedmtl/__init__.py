@@ -10,9 +10,9 @@ The public API (everything else is internal and free to change)::
     result.final["seen_test_acc_mean"]
 
 ``fedmtl.compare(run_dirs, out)`` puts finished runs side by side (``fedmtl compare``).
-``register_algorithm`` / ``register_model`` / ``register_dataset`` add your own (``fedmtl run --import MODULE``
-loads them on the command line), and ``fedmtl.testing.check_algorithm`` runs the contract suite on an
-algorithm of your own.
+``register_algorithm`` / ``register_model`` / ``register_dataset`` / ``register_aggregator`` / ``register_attack``
+add your own (``fedmtl run --import MODULE`` loads them on the command line), and
+``fedmtl.testing.check_algorithm`` runs the contract suite on an algorithm of your own.
 """
 
 from .algorithms.base import Algorithm, ClientId, Context, GlobalModel
@@ -22,6 +22,8 @@ from .data.federated import DataError, FederatedData
 from .model import Model, ModelError
 from .optim import SGD, Batches, local_sgd, masked_steps
 from .registry import register_algorithm, register_dataset, register_model
+from .robust.aggregators import register_aggregator
+from .robust.attacks import register_attack
 from .runs.comparison import compare
 from .runs.driver import RunResult
 from .runs.seeds import SeedsResult
@@ -31,5 +33,5 @@ __version__ = "0.2.0"
 __all__ = [
     "SGD", "Algorithm", "BatchNorm", "Batches", "ClientId", "Context", "DataError", "FederatedData", "GlobalModel",
     "Model", "ModelError", "RunResult", "SeedsResult", "__version__", "compare", "local_sgd", "masked_steps",
-    "register_algorithm", "register_dataset", "register_model", "run",
+    "register_aggregator", "register_algorithm", "register_attack", "register_dataset", "register_model", "run",
 ]

@@ -56,7 +56,18 @@ from .registry import ALGORITHMS, DATASETS, MODELS
 from .robust.aggregators import RobustConfig
 from .robust.attacks import AttackConfig
 from .runs.loggers import LogConfig
-from .schema import MAX_ITEMS, Range, check_number, describe_type, range_of, shown, strip, type_hints
+from .schema import (
+    MAX_ITEMS,
+    Range,
+    check_number,
+    choices_hint,
+    choices_of,
+    describe_type,
+    range_of,
+    shown,
+    strip,
+    type_hints,
+)
 from .secure_aggregation import FlowerConfig, refusal
 
 TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
@@ -84,6 +95,11 @@ def _coerce(value: Any, tp: Any, where: str, rng: Range | None = None) -> Any:
     """Check ``value`` against the annotation ``tp`` (and its declared ``Range``, ``fedmtl.schema``); returns the
     value converted where lossless.  Errors say what the key expects in words (``describe_type``) and echo the
     value cut short (``shown``)."""
+    allowed = choices_of(tp)
+    if allowed is not None:  # Literal[...] or a registry's names (OneOf)
+        if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
+            raise ConfigError(f"{where}: must be one of {list(allowed)}, got {shown(value)}{choices_hint(tp)}")
+        return value
     rng = range_of(tp) or rng
     tp = strip(tp)
     origin = typing.get_origin(tp)
@@ -91,11 +107,6 @@ def _coerce(value: Any, tp: Any, where: str, rng: Range | None = None) -> Any:
     def wrong(what: str) -> ConfigError:
         return ConfigError(f"{where}: expected {what}, got {_kind(value)} {shown(value)}")
 
-    if origin is typing.Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
-            raise ConfigError(f"{where}: must be one of {list(allowed)}, got {shown(value)}")
-        return value
     if origin in (typing.Union, types.UnionType):
         near: ConfigError | None = None  # the error of the first arm of the value's kind (a list for a list arm)
         for arg in typing.get_args(tp):

@@ -10,6 +10,8 @@ clipped deviations and divides by a fixed denominator: the expected number of pa
 / N`` or ``sampling_rate``, never a rounded count), the sample size k with ``sampling = "fixed"`` (a uniform subset of
 fixed size).  Clients count equally (no n_k weights: a weight would change the sensitivity).  The neighbouring
 relation is user-level: adding or removing one client's whole data (Poisson), replacing one client (fixed size).
+The mechanism is one step of the update pipeline, ``fedmtl.engine.steps.privacy.ClipAndNoise``; the noise is added
+in one place, ``fedmtl.engine.steps.privacy.add_gaussian_noise``.
 
 **Every round releases**: a round in which no client was sampled, or every sampled client dropped out or sent a
 non-finite update, still releases the noised sum (of nothing), exactly the mechanism the accountant composes; such
@@ -53,11 +55,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
 
-from . import tree as T
 from .schema import Annotated, Range, check_fields
-from .tree import Tree
 
 
 @dataclass(frozen=True)
@@ -225,23 +224,5 @@ def secure_generator(seed: int | None = None) -> torch.Generator:
     return torch.Generator().manual_seed(secure_seed() if seed is None else seed)
 
 
-def dp_combine(reference: Tree, clip_norm: float, sigma: float, denominator: float,
-               generator: torch.Generator) -> Any:
-    """A combiner (``ctx.combine``) for one round: ``reference + (sum of the valid rows' deviations + N(0,
-    (sigma * clip_norm)^2)) / denominator``; the rows are already clipped (``robust.aggregators.clip_updates``)."""
-
-    def combine(updates: Tree, weights: Tensor) -> Tree:
-        ok = torch.nonzero(weights > 0).flatten()
-
-        def one(u: Tensor, r: Tensor) -> Tensor:
-            dev = (u.index_select(0, ok.to(u.device)) - r.unsqueeze(0)).double().sum(0)
-            noise = torch.randn(dev.shape, generator=generator, dtype=torch.float64).to(dev.device)
-            return (r.double() + (dev + sigma * clip_norm * noise) / denominator).to(u.dtype)
-
-        return T.tmap(one, updates, reference)
-
-    return combine
-
-
-__all__ = ["Accountant", "PrivacyConfig", "calibrate", "dp_combine", "epsilon", "sampling_probability",
-           "secure_generator", "secure_seed"]
+__all__ = ["Accountant", "PrivacyConfig", "calibrate", "epsilon", "sampling_probability", "secure_generator",
+           "secure_seed"]

@@ -1,9 +1,11 @@
-"""The three registries (algorithms, models, datasets) and the decorators that extend them.
+"""The registries (algorithms, models, datasets, robust aggregators, attacks) and the decorators that extend them.
 
-A config's ``[algorithm] name``, ``[model] name`` and ``[data] name`` are looked up here.  Built-ins
-register themselves when their packages are imported (``fedmtl.algorithms``, ``fedmtl.models``,
-``fedmtl.data``); plugins register with the decorators and are imported by ``fedmtl run --import MODULE``
-or through the entry-point group ``fedmtl.plugins`` (``load_plugins``)::
+A config's ``[algorithm] name``, ``[model] name``, ``[data] name``, ``[robust] aggregator`` and ``[attack] kind``
+are looked up here.  Built-ins register themselves when their modules are imported (``fedmtl.algorithms``,
+``fedmtl.models``, ``fedmtl.data``, ``fedmtl.robust``); plugins register with the decorators and are imported by
+``fedmtl run --import MODULE`` or through the entry-point group ``fedmtl.plugins`` (``load_plugins``).  The
+decorators of aggregators and attacks live beside their contract checks (``fedmtl.robust.aggregators``,
+``fedmtl.robust.attacks``), built on ``register_checked``::
 
     @fedmtl.register_algorithm
     @dataclass(frozen=True)
@@ -16,6 +18,12 @@ or through the entry-point group ``fedmtl.plugins`` (``load_plugins``)::
 
     @fedmtl.register_dataset("mydata")
     def mydata(num_clients: int = 10, seed: int = 0) -> fedmtl.FederatedData: ...
+
+    @fedmtl.register_aggregator("mymedian")
+    def mymedian(updates, weights, config: RobustConfig) -> Tree: ...  # the rows of weight > 0, combined
+
+    @fedmtl.register_attack("myattack")
+    def myattack(r: AttackRound) -> Tree: ...  # what the attackers r.attackers send
 
 This module imports nothing from the rest of the package, so every module may import it.
 """
@@ -38,6 +46,12 @@ if TYPE_CHECKING:  # for annotations only: this module imports nothing of the pa
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 MODELS: dict[str, Callable[..., Any]] = {}
 DATASETS: dict[str, Callable[..., Any]] = {}
+#: ``[robust] aggregator`` -> ``(updates (K, ...), weights (K,), RobustConfig) -> one update``
+AGGREGATORS: dict[str, Callable[..., Any]] = {}
+#: ``[attack] kind`` -> ``(AttackRound) -> what the round's attackers send``
+ATTACKS: dict[str, Callable[..., Any]] = {}
+#: names whose meaning the engine fixes (the algorithm's own mean, no attack): never replaced
+RESERVED = {"aggregator": "mean", "attack": "none"}
 
 PLUGIN_GROUP = "fedmtl.plugins"
 C = TypeVar("C")
@@ -108,9 +122,49 @@ def register_dataset(name: str | Callable[..., Any] | None = None, *, replace: b
     return _register_fn(DATASETS, "dataset", name, replace)
 
 
+def register_checked(registry: dict[str, Any], kind: str, name: str | Callable[..., Any] | None, replace: bool,
+                     arity: int, signature: str, check: Callable[[str, Callable[..., Any]], None]) -> Any:
+    """A decorator (``@deco``, ``@deco("name")``, ``deco("name")(fn)``) that registers a function after checking it:
+    it takes ``arity`` positional arguments (``signature`` in words) and passes ``check(name, fn)`` (which raises
+    ``RegistryError``), run with the function registered (a config naming it is valid while it runs) and undone when
+    it fails.  ``fedmtl.register_aggregator`` and ``fedmtl.register_attack`` (``fedmtl.robust``) are two."""
+
+    def deco(fn: F, label: str | None = None) -> F:
+        import inspect
+
+        if not callable(fn):
+            raise RegistryError(f"register_{kind} needs a function {signature}, got {fn!r}")
+        key = _check_name(label or getattr(fn, "__name__", None), kind)
+        try:
+            inspect.signature(fn).bind(*([None] * arity))
+        except TypeError as e:
+            raise RegistryError(f"register_{kind}({key!r}): {fn!r} must be a function {signature}; it cannot take "
+                                f"{arity} positional argument{'s' if arity > 1 else ''} ({e})") from None
+        except ValueError:  # no signature to read (a builtin): the check below calls it
+            pass
+        if RESERVED.get(kind) == key and key in registry and registry[key] is not fn:
+            raise RegistryError(f"{kind} {key!r} cannot be replaced: the engine gives it its fixed meaning")
+        before = registry.get(key)
+        _add(registry, key, fn, kind, replace)
+        try:
+            check(key, fn)
+        except BaseException:
+            if before is None:
+                registry.pop(key, None)
+            else:
+                registry[key] = before
+            raise
+        return fn
+
+    if callable(name):  # used bare: @register_aggregator
+        return deco(name)
+    return lambda fn: deco(fn, name)
+
+
 def import_plugins(modules: list[str]) -> None:
-    """Import modules that register algorithms, models or datasets (``fedmtl run --import MODULE``): a module name
-    (found on the current folder first, then PYTHONPATH and the installed packages) or a ``.py`` file's path."""
+    """Import modules that register algorithms, models, datasets, aggregators or attacks (``fedmtl run --import
+    MODULE``): a module name (found on the current folder first, then PYTHONPATH and the installed packages) or a
+    ``.py`` file's path."""
     import os
     import sys
     from pathlib import Path
@@ -220,7 +274,7 @@ def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
     import types
     import typing
 
-    from .schema import range_of, strip, type_hints
+    from .schema import choices_of, range_of, strip, type_hints
 
     hints = type_hints(cls)
     docs = field_docs(cls) if isinstance(cls, type) else {}
@@ -242,8 +296,8 @@ def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
         if typing.get_origin(base) in (typing.Union, types.UnionType):  # tuple | list, float | None: the first
             args = typing.get_args(base)
             optional = " or None" if type(None) in args else ""
-            if any(typing.get_origin(a) is typing.Literal for a in args):  # bool | Literal["auto"]: every choice
-                choices = " | ".join(" | ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is typing.Literal
+            if any(choices_of(a) is not None for a in args):  # bool | Literal["auto"]: every choice
+                choices = " | ".join(" | ".join(map(repr, choices_of(a) or ())) if choices_of(a) is not None
                                      else getattr(a, "__name__", str(a)) for a in args if a is not type(None))
             base = next(a for a in args if a is not type(None))
             rng = rng or range_of(base)
@@ -251,7 +305,9 @@ def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
         if typing.get_origin(base) in (tuple, list) and typing.get_args(base):
             rng = rng or range_of(typing.get_args(base)[0])
             base = typing.get_origin(base)
-        if typing.get_origin(base) is typing.Literal:
+        if choices_of(tp) is not None:  # Literal[...], or a registry's names (OneOf): the choices of now
+            text = " | ".join(repr(a) for a in choices_of(tp) or ())
+        elif typing.get_origin(base) is typing.Literal:
             text = " | ".join(repr(a) for a in typing.get_args(base))
         else:
             text = getattr(base, "__name__", None) or str(base).replace("typing.", "")

@@ -16,6 +16,11 @@ writing a case.
 Beyond its range, every float a config holds is finite, of magnitude at most ``MAX_FLOAT`` and, unless it is 0,
 at least ``MIN_MAGNITUDE``: 1e-320 is a subnormal float that means nothing as a learning rate, a sampling rate or
 a decay factor.
+
+A string key whose values are the names of a registry (``[robust] aggregator``, ``[attack] kind``) declares it with
+``OneOf``: ``Annotated[str, OneOf(AGGREGATORS, "fedmtl.register_aggregator")]``.  Its choices are the registry's
+names when the value is checked, so a name registered by a plugin is as valid as a built-in one; it is checked,
+described and listed as a ``Literal[...]`` key is (``choices_of``).
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ import math
 import reprlib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 __all__ = ["MAX_FLOAT", "MAX_INT", "MAX_ITEMS", "MIN_MAGNITUDE", "SHOWN_CHARS", "Annotated", "DataSeed", "Fraction",
-           "Range", "check_fields", "check_number", "describe_type", "range_of", "shown", "strip", "type_hints"]
+           "OneOf", "Range", "check_fields", "check_number", "choices_hint", "choices_of", "describe_type", "range_of",
+           "shown", "strip", "type_hints"]
 
 MAX_FLOAT = 1e30
 MAX_INT = 10**9
@@ -97,6 +104,20 @@ class Range:
         return "any"
 
 
+class OneOf:
+    """The values a string key may take: the names of ``registry`` at the time of checking (``how``: what adds
+    one, named in the refusal)."""
+
+    def __init__(self, registry: Mapping[str, Any], how: str):
+        self.registry, self.how = registry, how
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.registry)
+
+    def __repr__(self) -> str:
+        return f"OneOf({list(self.registry)})"
+
+
 #: a dataset's seed
 DataSeed = Annotated[int, Range(0, 2**32 - 1)]
 #: a fraction of the examples or clients held out (test, validation, unseen): [0, 1)
@@ -135,13 +156,13 @@ def describe_type(tp: Any, plural: bool = False) -> str:
     10**5)]`` -> "an integer in [1, 10^5]", ``tuple[Width, ...] | list[Width]`` -> "a list of integers in [1,
     10^5]", ``Literal["a", "b"]`` -> "one of 'a', 'b'": what an error message says a key expects (never a
     ``typing`` repr)."""
-    rng = range_of(tp)
+    rng, choices = range_of(tp), choices_of(tp)
     tp = strip(tp)
     origin = typing.get_origin(tp)
     where = f" in {rng.text()}" if rng is not None and rng.lo is not None and rng.hi is not None else (
         f" {rng.text()}" if rng is not None else "")
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if choices is not None:
+        return "one of " + ", ".join(repr(a) for a in choices)
     if origin in (typing.Union, types.UnionType):
         words: list[str] = []
         for arg in typing.get_args(tp):
@@ -168,6 +189,24 @@ def range_of(tp: Any) -> Range | None:
     return None
 
 
+def choices_of(tp: Any) -> tuple[Any, ...] | None:
+    """The values a ``Literal[...]`` annotation allows, or the current names of a ``OneOf`` registry (through
+    ``Annotated``); None for any other annotation."""
+    if typing.get_origin(tp) is Annotated:
+        one = next((m for m in tp.__metadata__ if isinstance(m, OneOf)), None)
+        if one is not None:
+            return one.names()
+        tp = strip(tp)
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+
+
+def choices_hint(tp: Any) -> str:
+    """What a refusal of a ``OneOf`` key adds after its choices: how to add one (empty for any other key)."""
+    one = next((m for m in tp.__metadata__ if isinstance(m, OneOf)), None) \
+        if typing.get_origin(tp) is Annotated else None
+    return f" ({one.how} adds one)" if one is not None else ""
+
+
 def strip(tp: Any) -> Any:
     """The annotation without its ``Annotated`` wrapper."""
     return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
@@ -189,10 +228,11 @@ def type_hints(obj: Any) -> dict[str, Any]:
 
 
 def _check(value: Any, tp: Any, where: str) -> None:
-    if typing.get_origin(strip(tp)) is typing.Literal:
-        allowed = typing.get_args(strip(tp))
+    allowed = choices_of(tp)
+    if allowed is not None:
         if value not in allowed:
-            raise ValueError(f"{where} must be one of {', '.join(map(str, allowed))}, got {shown(value)}")
+            raise ValueError(f"{where} must be one of {', '.join(map(str, allowed))}, got {shown(value)}"
+                             f"{choices_hint(tp)}")
         return
     if isinstance(value, bool):
         return

@@ -48,7 +48,7 @@ from .sampling import (
 from .server_opt import NoState, legacy_state_names
 from .spec import RunSpec
 from .steps.base import RoundInfo, Updates
-from .steps.privacy import DPNoise
+from .steps.privacy import ClipAndNoise
 from .updates import build_pipeline
 
 log = logging.getLogger("fedmtl")
@@ -146,7 +146,7 @@ class Engine:
             asynchronous.check(spec, algorithm, clients, federation.num_clients)
 
     @property
-    def privacy(self) -> DPNoise | None:
+    def privacy(self) -> ClipAndNoise | None:
         """The run's DP step (its accountant and noise multiplier), or None without ``[privacy]``."""
         return self.pipeline.get("privacy")
 

@@ -5,11 +5,11 @@ it through the run's ``UpdateStep`` s in a fixed order, lets the algorithm aggre
 server states through the ``ServerStep`` s.  Each step is one small class in its own module of
 ``fedmtl.engine.steps`` (the server optimizer: ``fedmtl.engine.server_opt``), built from the config by
 ``build_pipeline`` from the registry ``UPDATE_STEPS`` -- the way Flower wraps a strategy with its DP and robust
-strategies and optax chains gradient transforms.  A new attack, clipping rule, aggregator or server optimizer is a
-module and one line here.
+strategies and optax chains gradient transforms.  A new step or server optimizer is a module and one line here; a
+new aggregator or attack is one ``register_aggregator`` / ``register_attack`` line (``fedmtl.robust``).
 
-Order (the order the features always ran in):  attack injection -> clipping -> robust combination -> DP noise
--> ``Algorithm.aggregate`` -> server optimizer.
+Order:  attack injection -> clipping -> robust combination -> DP clipping and noise (``ClipAndNoise``: the round's
+combiner becomes its noised mean) -> ``Algorithm.aggregate`` (which calls the combiner) -> server optimizer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .spec import RunSpec
 from .steps.attack import AttackStep
 from .steps.base import RoundInfo, ServerStep, Setting, Updates, UpdateStep
 from .steps.clip import ClipStep
-from .steps.privacy import DPNoise
+from .steps.privacy import ClipAndNoise
 from .steps.robust import RobustCombination
 
 #: a step factory: the step for this run, or None when its table leaves it off
@@ -35,7 +35,7 @@ UPDATE_STEPS: dict[str, StepFactory] = {
     "attack": AttackStep.build,
     "clip": ClipStep.build,
     "robust": RobustCombination.build,
-    "privacy": DPNoise.build,
+    "privacy": ClipAndNoise.build,
 }
 
 

@@ -41,6 +41,9 @@ whose server averages updates (FedAvg and its variants, FedEM's M components, Cl
   ``centered_clip``) keep FedAvg's weights; the unweighted rules ignore them as without bucketing.
 
 Only rows with positive weight take part: excluded (non-finite) and failed updates never reach a combiner.
+
+Each aggregator registers itself with ``fedmtl.register_aggregator`` (one line at the end of this module), as a
+plugin's does: ``(updates, weights, config) -> update``.
 """
 
 from __future__ import annotations
@@ -49,20 +52,21 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..schema import Annotated, Range, check_fields
+from ..registry import AGGREGATORS, RegistryError, register_checked
+from ..schema import Annotated, OneOf, Range, brief, check_fields, shown
 from ..tree import Tree, TreeT
 
 log = logging.getLogger("fedmtl")
 
-AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clip"]
-AGGREGATORS: tuple[str, ...] = get_args(AggregatorName)
 Combine = T.Combine
+#: a registered aggregator: ``(updates (K, ...), weights (K,), config) -> one update``
+Aggregator = Callable[[Tree, Tensor, "RobustConfig"], Tree]
 #: the stream of ``round_generator(seed, round, stream)`` that bucketing's permutations come from
 BUCKETING_STREAM = 15
 
@@ -71,7 +75,8 @@ BUCKETING_STREAM = 15
 class RobustConfig:
     """The ``[robust]`` table."""
 
-    aggregator: AggregatorName = "mean"
+    #: a registered aggregator (fedmtl.register_aggregator adds one)
+    aggregator: Annotated[str, OneOf(AGGREGATORS, "fedmtl.register_aggregator")] = "mean"
     trim: Annotated[float, Range(0, 0.5, hi_open=True)] = 0.1  # trimmed_mean: fraction cut at each end
     num_byzantine: Annotated[int, Range(0, 10**6)] = 0  # krum / multi_krum / bulyan: f, the attackers tolerated
     multi_krum_m: Annotated[int, Range(0, 10**6)] = 0  # multi_krum: updates averaged (0 = K - f)
@@ -107,7 +112,12 @@ class RobustConfig:
         return bucketed_combine
 
     def _base(self) -> Combine:
-        return _AGGREGATORS[self.aggregator](self)
+        aggregate: Aggregator = AGGREGATORS[self.aggregator]
+
+        def combine(u: TreeT, w: Tensor) -> TreeT:
+            return cast(TreeT, aggregate(u, w, self))
+
+        return combine
 
 
 def _valid(stacked: TreeT, weights: Tensor) -> tuple[TreeT, Tensor]:
@@ -305,47 +315,61 @@ def reference_of(updates: Tree, payload: Tree) -> Tree | None:
     return T.from_named({n: pay[n] for n in ups}, one)
 
 
-def _trimmed_mean(c: RobustConfig) -> Combine:
-    def combine(u: TreeT, w: Tensor) -> TreeT:
-        return trimmed_mean(u, w, c.trim)
-
-    return combine
-
-
-def _krum(c: RobustConfig, multi: bool) -> Combine:
-    def combine(u: TreeT, w: Tensor) -> TreeT:
-        return krum(u, w, c.num_byzantine, (c.multi_krum_m or None) if multi else 1)
-
-    return combine
-
-
-def _bulyan(c: RobustConfig) -> Combine:
-    def combine(u: TreeT, w: Tensor) -> TreeT:
-        return bulyan(u, w, c.num_byzantine)
-
-    return combine
-
-
-def _centered_clip(c: RobustConfig) -> Combine:
-    def combine(u: TreeT, w: Tensor) -> TreeT:
-        return centered_clip(u, w, c.cc_tau or None, c.cc_iterations)
-
-    return combine
-
-
-#: aggregator name -> the combine function its ``[robust]`` settings give; a new aggregator is a function above and
-#: one line here (and its name in ``AggregatorName``)
-_AGGREGATORS: dict[str, Callable[[RobustConfig], Combine]] = {
-    "mean": lambda c: T.weighted_mean,
-    "median": lambda c: median,
-    "trimmed_mean": _trimmed_mean,
-    "krum": lambda c: _krum(c, False),
-    "multi_krum": lambda c: _krum(c, True),
-    "bulyan": _bulyan,
-    "centered_clip": _centered_clip,
-}
-assert tuple(_AGGREGATORS) == AGGREGATORS
+def check_aggregator(name: str, aggregate: Aggregator) -> None:
+    """``register_aggregator``'s contract check (``RegistryError`` naming what broke): on five identical updates of
+    unequal weights, plus a sixth of weight 0 holding NaN (an excluded update), ``aggregate`` returns that update
+    (within 1e-6, in its structure, shapes and dtypes) and leaves its input as it was."""
+    row = {"w": torch.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": torch.tensor([0.5, -0.25])}
+    stacked = {k: torch.cat([v.unsqueeze(0).repeat(5, *([1] * v.dim())), torch.full((1, *v.shape), math.nan)])
+               for k, v in row.items()}
+    weights = torch.tensor([1.0, 2.0, 3.0, 1.0, 2.0, 0.0], dtype=torch.float64)
+    given = T.tmap(lambda x: x.clone(), stacked), weights.clone()
+    what = f"register_aggregator({name!r}): {getattr(aggregate, '__name__', aggregate)!r}"
+    try:
+        out = aggregate(stacked, weights, RobustConfig(aggregator=name))
+    except Exception as e:
+        raise RegistryError(f"{what} raised {type(e).__name__}: {brief(str(e), 200)} on five identical updates and "
+                            "one excluded (weight 0, NaN); it is called as (updates, weights, config)") from e
+    same = (a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+            for a, b in zip([*T.leaves(stacked), weights], [*T.leaves(given[0]), given[1]], strict=True))
+    if not all(same):
+        raise RegistryError(f"{what} changed its input (the stacked updates or the weights); it must not")
+    try:
+        T.tmap(lambda x, r: x, out, row)  # the structure of one update
+        ok = all(isinstance(x, Tensor) and x.shape == r.shape and x.dtype == r.dtype
+                 and torch.allclose(x, r, rtol=1e-6, atol=1e-6) for x, r in zip(T.leaves(out), T.leaves(row),
+                                                                               strict=True))
+    except Exception:
+        ok = False
+    if not ok:
+        raise RegistryError(f"{what} must return the update itself when every update is the same (and ignore rows of "
+                            f"weight 0, which may hold NaN); on five identical updates it returned {shown(out, 200)}")
 
 
-__all__ = ["AGGREGATORS", "BUCKETING_STREAM", "AggregatorName", "RobustConfig", "bucketed", "bulyan", "centered_clip",
-           "clip_updates", "krum", "krum_scores", "median", "reference_of", "trimmed_mean"]
+def register_aggregator(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
+    """Decorator for a robust aggregator ``(updates, weights, config) -> update``, then usable as ``[robust]
+    aggregator = "NAME"``: ``updates`` a tree of stacked rows (K, ...), one per client of the round, ``weights``
+    (K,) float64 (the clients' example counts; 0 for an excluded update, whose row may hold NaN and must not
+    count), ``config`` the run's ``RobustConfig``; it returns one row's tree.  ``@register_aggregator`` uses the
+    function's name.
+
+    Checked when registered (``check_aggregator``; a refusal raises ``fedmtl.registry.RegistryError``): the
+    signature, the name (taken names need ``replace=True``; ``mean``, the algorithm's own weighted mean, is never
+    replaced), and on five identical updates of unequal weights, plus one of weight 0 holding NaN, it must return
+    that update (within 1e-6) without changing its input."""
+    return register_checked(AGGREGATORS, "aggregator", name, replace, 3, "(updates, weights, config) -> update",
+                            check_aggregator)
+
+
+#: the built-in aggregators, in the order they are listed; a new one is a function above and one line here
+register_aggregator("mean")(lambda u, w, c: T.weighted_mean(u, w))
+register_aggregator("median")(lambda u, w, c: median(u, w))
+register_aggregator("trimmed_mean")(lambda u, w, c: trimmed_mean(u, w, c.trim))
+register_aggregator("krum")(lambda u, w, c: krum(u, w, c.num_byzantine, 1))
+register_aggregator("multi_krum")(lambda u, w, c: krum(u, w, c.num_byzantine, c.multi_krum_m or None))
+register_aggregator("bulyan")(lambda u, w, c: bulyan(u, w, c.num_byzantine))
+register_aggregator("centered_clip")(lambda u, w, c: centered_clip(u, w, c.cc_tau or None, c.cc_iterations))
+
+
+__all__ = ["BUCKETING_STREAM", "Aggregator", "RobustConfig", "bucketed", "bulyan", "centered_clip", "check_aggregator",
+           "clip_updates", "krum", "krum_scores", "median", "reference_of", "register_aggregator", "trimmed_mean"]

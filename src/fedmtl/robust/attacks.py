@@ -38,15 +38,19 @@ statistics from the attackers' own honest updates instead.
 
 Attacks act on the update a client sends, never on its own state.  ``fraction`` of the seen clients (rounded) are
 attackers; ``summary.json`` lists them under ``"attackers"``.
+
+Each attack registers itself with ``fedmtl.register_attack`` (``labelflip`` too: its update is sent as trained, the
+poisoning is ``flip_labels``), as a plugin's does: ``(AttackRound) -> what the attackers send``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Literal, get_args
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -54,23 +58,17 @@ from torch import Tensor
 
 from .. import tree as T
 from ..data.federated import FederatedData
-from ..schema import Annotated, Range, check_fields
+from ..registry import ATTACKS, RegistryError, register_checked
+from ..schema import Annotated, OneOf, Range, brief, check_fields, shown
 from ..tree import Tree
-
-AttackKind = Literal["none", "scale", "signflip", "gaussian", "labelflip", "ipm", "alie", "minmax"]
-KINDS: tuple[str, ...] = get_args(AttackKind)
-#: attacks that need the round's honest updates (omniscient attackers)
-OMNISCIENT: tuple[str, ...] = ("ipm", "alie", "minmax")
-#: each attack's ``strength`` when none is given (ALIE's default z depends on the round: ``alie_z``)
-DEFAULT_STRENGTH: dict[str, float] = {"scale": 1.0, "signflip": 1.0, "gaussian": 1.0, "labelflip": 1.0, "ipm": 0.1,
-                                      "minmax": 1.0}
 
 
 @dataclass(frozen=True)
 class AttackConfig:
     """The ``[attack]`` table."""
 
-    kind: AttackKind = "none"
+    #: a registered attack (fedmtl.register_attack adds one)
+    kind: Annotated[str, OneOf(ATTACKS, "fedmtl.register_attack")] = "none"
     fraction: Annotated[float, Range(0, 1)] = 0.0
     # each attack's own parameter (see the module's docstring); None = the attack's default
     strength: Annotated[float | None, Range(-1e6, 1e6)] = None
@@ -85,10 +83,6 @@ class AttackConfig:
     def active(self) -> bool:
         return self.kind != "none" and self.fraction > 0
 
-    def strength_or_default(self) -> float | None:
-        """``strength``, else the attack's default (None for ``alie``: z from n and f, per round)."""
-        return self.strength if self.strength is not None else DEFAULT_STRENGTH.get(self.kind)
-
     def attackers(self, num_clients: int, seed: int) -> Tensor:
         """The malicious clients (sorted ids), the same for the whole run."""
         if not self.active:
@@ -96,6 +90,24 @@ class AttackConfig:
         k = int(round(self.fraction * num_clients))
         rng = np.random.default_rng(np.random.SeedSequence([seed, 13]))
         return torch.from_numpy(np.sort(rng.choice(num_clients, size=k, replace=False))).long()
+
+
+class AttackRound(NamedTuple):
+    """What an attack sees of a round (a registered attack's one argument)."""
+
+    updates: Tree  # (K, ...) every update of the round, as trained
+    reference: Tree  # what they deviate from: the broadcast model (zeros where the updates are not model-shaped)
+    attackers: Tensor  # (A,) long: the rows of the attackers' valid updates
+    honest: Tensor  # (H,) long: the rows of the honest valid updates (what omniscient attackers see)
+    strength: float | None  # attack.strength; None: the attack's own default
+    generator: torch.Generator  # of the run's seed and the round: the attack's randomness
+
+    def strength_or(self, default: float) -> float:
+        return default if self.strength is None else self.strength
+
+
+#: a registered attack: ``(AttackRound) -> what the attackers send`` (the updates' structure, A rows)
+Attack = Callable[[AttackRound], Tree]
 
 
 def alie_z(n: int, f: int) -> float:
@@ -115,28 +127,87 @@ def _deviations(updates: Tree, ref: Tree) -> list[Tensor]:
                                                                                strict=True)]
 
 
-def omniscient_deviation(cfg: AttackConfig, dev: list[Tensor], honest: Tensor, n_valid: int, n_attack: int
-                         ) -> list[Tensor]:
-    """The one malicious deviation (per leaf, float64, without the row axis) that ``ipm`` / ``alie`` / ``minmax``
-    attackers send, from the honest rows ``honest`` of the per-leaf deviations ``dev``."""
-    hon = [d.index_select(0, honest.to(d.device)) for d in dev]
+def _like(updates: Tree, new_leaves: list[Tensor]) -> Tree:
+    """A tree shaped like ``updates`` holding ``new_leaves`` (in ``T.leaves`` order)."""
+    it = iter(new_leaves)
+    return T.tmap(lambda x: next(it) if isinstance(x, Tensor) else x, updates)
+
+
+def _each_attacker(r: AttackRound, send: Callable[[Tensor, Tensor], Tensor]) -> Tree:
+    """Per leaf, ``send(the attackers' rows, the reference as one row in their dtype)``."""
+    new = [send(x.index_select(0, r.attackers.to(x.device)), ref.unsqueeze(0).to(x.dtype))
+           for x, ref in zip(T.leaves(r.updates), T.leaves(r.reference), strict=True)]
+    return _like(r.updates, new)
+
+
+def _honest_deviations(r: AttackRound) -> list[Tensor]:
+    """Per leaf (float64), the deviations of the rows omniscient attackers see: the honest valid ones, or with none,
+    the attackers' own."""
+    seen = r.honest if r.honest.numel() else r.attackers
+    return [d.index_select(0, seen.to(d.device)) for d in _deviations(r.updates, r.reference)]
+
+
+def _all_send(r: AttackRound, deviation: list[Tensor]) -> Tree:
+    """Every attacker sends the reference plus the one malicious ``deviation`` (per leaf, float64)."""
+    n = r.attackers.numel()
+    new = [(ref.double().to(m.device) + m).unsqueeze(0).expand(n, *m.shape)
+           for ref, m in zip(T.leaves(r.reference), deviation, strict=True)]
+    return _like(r.updates, new)
+
+
+def as_trained(r: AttackRound) -> Tree:
+    """The attackers send their updates as trained (``none``; ``labelflip``, whose poison is in the data)."""
+    return T.tmap(lambda x: x.index_select(0, r.attackers.to(x.device)), r.updates)
+
+
+def scale(r: AttackRound) -> Tree:
+    """``payload + strength * d`` (default strength 1)."""
+    s = r.strength_or(1.0)
+    return _each_attacker(r, lambda sel, base: base + s * (sel - base))
+
+
+def signflip(r: AttackRound) -> Tree:
+    """``payload - strength * d`` (default strength 1)."""
+    s = r.strength_or(1.0)
+    return _each_attacker(r, lambda sel, base: base - s * (sel - base))
+
+
+def gaussian(r: AttackRound) -> Tree:
+    """``payload + strength * N(0, I)`` (default strength 1), drawn leaf by leaf from the round's generator."""
+    s = r.strength_or(1.0)
+
+    def send(sel: Tensor, base: Tensor) -> Tensor:
+        noise = torch.randn(sel.shape, generator=r.generator, dtype=torch.float64).to(sel.device, sel.dtype)
+        return base + s * noise
+
+    return _each_attacker(r, send)
+
+
+def ipm(r: AttackRound) -> Tree:
+    """Inner product manipulation: ``payload - epsilon * mean(d_h)`` (epsilon = strength, default 0.1)."""
+    eps = r.strength_or(0.1)
+    return _all_send(r, [-eps * h.mean(0) for h in _honest_deviations(r)])
+
+
+def alie(r: AttackRound) -> Tree:
+    """A little is enough: ``payload + mean(d_h) - z * std(d_h)`` (z = strength, default ``alie_z(n, f)``)."""
+    hon = _honest_deviations(r)
+    z = r.strength if r.strength is not None else alie_z(int(r.honest.numel() + r.attackers.numel()),
+                                                         int(r.attackers.numel()))
+    return _all_send(r, [h.mean(0) - z * h.std(0, correction=0) for h in hon])
+
+
+def minmax(r: AttackRound) -> Tree:
+    """AGR-agnostic min-max: ``payload + mean(d_h) - gamma * std(d_h)``, gamma the largest keeping the distance bound
+    (strength, default 1; ``minmax_gamma``)."""
+    hon = _honest_deviations(r)
     mean = [h.mean(0) for h in hon]
-    if cfg.kind == "ipm":
-        eps = cfg.strength_or_default()
-        assert eps is not None
-        return [-eps * m for m in mean]
     std = [h.std(0, correction=0) for h in hon]
-    if cfg.kind == "alie":
-        z = cfg.strength if cfg.strength is not None else alie_z(n_valid, n_attack)
-        return [m - z * s for m, s in zip(mean, std, strict=True)]
-    # minmax: mean + gamma * p, p = -std, gamma the largest value keeping the distance bound
-    bound = cfg.strength_or_default()
-    assert bound is not None
     flat = torch.cat([h.reshape(h.shape[0], -1) for h in hon], 1)
     mu = torch.cat([m.reshape(-1) for m in mean])
     p = -torch.cat([s.reshape(-1) for s in std])
-    gamma = minmax_gamma(flat, mu, p, bound)
-    return [m + gamma * (-s) for m, s in zip(mean, std, strict=True)]
+    gamma = minmax_gamma(flat, mu, p, r.strength_or(1.0))
+    return _all_send(r, [m + gamma * (-s) for m, s in zip(mean, std, strict=True)])
 
 
 def minmax_gamma(honest: Tensor, mean: Tensor, direction: Tensor, bound: float = 1.0) -> float:
@@ -164,42 +235,51 @@ def minmax_gamma(honest: Tensor, mean: Tensor, direction: Tensor, bound: float =
 
 def corrupt(cfg: AttackConfig, updates: Tree, reference: Tree | None, rows: Tensor, seed: int,
             round_idx: int, honest: Tensor | None = None) -> Tree:
-    """The updates with rows ``rows`` (positions of the round's attackers) replaced by what they send.
+    """The updates with rows ``rows`` (positions of the round's attackers) replaced by what they send (the attack
+    ``cfg.kind`` registered in ``fedmtl.registry.ATTACKS``).
 
     ``honest``: positions of the round's honest *valid* rows (what omniscient attackers see; default: every row
     not in ``rows``, which is right only when every row is valid)."""
-    if cfg.kind in ("none", "labelflip") or rows.numel() == 0:
+    if rows.numel() == 0:
         return updates
-    out = T.tmap(lambda x: x.clone(), updates)
     ref = reference if reference is not None else T.tmap(lambda x: torch.zeros_like(x[0]), updates)
-    if cfg.kind in OMNISCIENT:
+    if honest is None:
         n_rows = T.leaves(updates)[0].shape[0]
-        if honest is None:
-            honest = torch.tensor([i for i in range(n_rows) if i not in set(rows.tolist())], dtype=torch.long)
-        seen = honest if honest.numel() else rows  # no honest row: the attackers' own honest updates
-        mal = omniscient_deviation(cfg, _deviations(updates, ref), seen, int(honest.numel() + rows.numel()),
-                                   int(rows.numel()))
-        for dst, r, m in zip(T.leaves(out), T.leaves(ref), mal, strict=True):
-            rr = rows.to(dst.device)
-            new = (r.double().to(dst.device) + m).unsqueeze(0).expand(rr.numel(), *m.shape)
-            dst.index_copy_(0, rr, new.to(dst.dtype))
-        return out
+        honest = torch.tensor([i for i in range(n_rows) if i not in set(rows.tolist())], dtype=torch.long)
     gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, round_idx, 14]).generate_state(1)[0]))
-    strength = cfg.strength_or_default()
-    assert strength is not None
-    for dst, r in zip(T.leaves(out), T.leaves(ref), strict=True):
-        rr = rows.to(dst.device)
-        sel = dst.index_select(0, rr)
-        base = r.unsqueeze(0).to(dst.dtype)
-        if cfg.kind == "scale":
-            new = base + strength * (sel - base)
-        elif cfg.kind == "signflip":
-            new = base - strength * (sel - base)
-        else:  # gaussian
-            noise = torch.randn(sel.shape, generator=gen, dtype=torch.float64).to(dst.device, dst.dtype)
-            new = base + strength * noise
-        dst.index_copy_(0, rr, new.to(dst.dtype))
+    sent = ATTACKS[cfg.kind](AttackRound(updates, ref, rows, honest, cfg.strength, gen))
+    out = T.tmap(lambda x: x.clone(), updates)
+    for dst, new in zip(T.leaves(out), T.leaves(sent), strict=True):
+        dst.index_copy_(0, rows.to(dst.device), new.to(dst.device, dst.dtype))
     return out
+
+
+def check_attack(name: str, attack: Attack) -> None:
+    """``register_attack``'s contract check (``RegistryError`` naming what broke): on a round of five distinct
+    updates, two of them the attackers', ``attack`` returns two rows in the updates' structure and shapes and leaves
+    its input as it was."""
+    updates = {"w": torch.arange(30.0).reshape(5, 2, 3).sin(), "b": torch.arange(10.0).reshape(5, 2).cos()}
+    reference = {"w": torch.zeros(2, 3), "b": torch.full((2,), 0.1)}
+    given = T.tmap(lambda x: x.clone(), updates)
+    what = f"register_attack({name!r}): {getattr(attack, '__name__', attack)!r}"
+    rnd = AttackRound(updates, reference, torch.tensor([1, 3]), torch.tensor([0, 2, 4]), None,
+                      torch.Generator().manual_seed(0))
+    try:
+        out = attack(rnd)
+    except Exception as e:
+        raise RegistryError(f"{what} raised {type(e).__name__}: {brief(str(e), 200)} on a round of five updates, two "
+                            "of them the attackers'; it is called with one AttackRound") from e
+    if not all(torch.equal(a, b) for a, b in zip(T.leaves(updates), T.leaves(given), strict=True)):
+        raise RegistryError(f"{what} changed the round's updates; it must return what the attackers send instead")
+    try:
+        T.tmap(lambda x, u: x, out, updates)  # the updates' structure
+        ok = all(isinstance(x, Tensor) and x.shape == (2, *u.shape[1:])
+                 for x, u in zip(T.leaves(out), T.leaves(updates), strict=True))
+    except Exception:
+        ok = False
+    if not ok:
+        raise RegistryError(f"{what} must return a tree like the updates with one row per attacker (here 2); it "
+                            f"returned {shown(out, 200)}")
 
 
 def flip_labels(data: FederatedData, attackers: Tensor) -> FederatedData:
@@ -213,5 +293,29 @@ def flip_labels(data: FederatedData, attackers: Tensor) -> FederatedData:
     return dataclasses.replace(data, seen=seen)
 
 
-__all__ = ["DEFAULT_STRENGTH", "KINDS", "OMNISCIENT", "AttackConfig", "AttackKind", "alie_z", "corrupt",
-           "flip_labels", "minmax_gamma", "omniscient_deviation"]
+def register_attack(name: str | Callable[..., Any] | None = None, *, replace: bool = False) -> Any:
+    """Decorator for an attack ``(round: AttackRound) -> what the attackers send``, then usable as ``[attack] kind =
+    "NAME"``: the ``AttackRound`` holds the round's updates (K, ...), the reference they deviate from (the broadcast
+    model), the attackers' rows, the honest valid rows, ``[attack] strength`` (None: the attack's own default) and
+    a generator of the run's seed and the round; the function returns a tree shaped like the updates with one row
+    per attacker, which replaces the attackers' rows.  ``@register_attack`` uses the function's name.
+
+    Checked when registered (``check_attack``; a refusal raises ``fedmtl.registry.RegistryError``): the signature,
+    the name (taken names need ``replace=True``; ``none`` is never replaced), and on a small round it must return
+    one row per attacker in the updates' structure without changing its input."""
+    return register_checked(ATTACKS, "attack", name, replace, 1, "(round: AttackRound) -> sent updates", check_attack)
+
+
+#: the built-in attacks, in the order they are listed; a new one is a function above and one line here
+register_attack("none")(as_trained)
+register_attack("scale")(scale)
+register_attack("signflip")(signflip)
+register_attack("gaussian")(gaussian)
+register_attack("labelflip")(as_trained)
+register_attack("ipm")(ipm)
+register_attack("alie")(alie)
+register_attack("minmax")(minmax)
+
+
+__all__ = ["Attack", "AttackConfig", "AttackRound", "alie", "alie_z", "as_trained", "check_attack", "corrupt",
+           "flip_labels", "gaussian", "ipm", "minmax", "minmax_gamma", "register_attack", "scale", "signflip"]
