@@ -5,11 +5,12 @@ out at their defaults, and the values' types."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 
 from fedmtl import config
+from fedmtl.schema import Range
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, bool]]] = {
     "minimal": ({"data": {"name": "fedem_synthetic"}, "model": {"name": "linear"}, "algorithm": {"name": "fedavg"}},
@@ -510,3 +511,49 @@ def test_with_seed_is_pinned() -> None:
     want = EXPECTED_TOML["everything"].replace("seed = 1234\n", "seed = 5\n").replace("seeds = [1, 2]\n", "")
     assert config.dumps(cfg.with_seed(5).raw) == want
     assert cfg.with_seed(5).run == dataclasses.replace(cfg.run, seed=5, seeds=())
+
+
+def test_the_registry_drives_the_config_and_the_run_spec() -> None:
+    from fedmtl.config import NAMED_TABLES, TABLES, ExperimentConfig
+    from fedmtl.engine.spec import RunSpec
+
+    assert list(TABLES) == ["optim", "run", "systems", "robust", "attack", "privacy", "log", "server_opt", "async",
+                            "flower"]
+    assert not set(NAMED_TABLES) & set(TABLES)
+    assert sorted(f.name for f in dataclasses.fields(RunSpec)) == sorted(t.attr for t in TABLES.values() if t.engine)
+    cfg = config.validate(CASES["everything"][0])
+    for name, t in TABLES.items():
+        assert getattr(cfg, t.attr) is cfg.tables[name]
+        assert isinstance(cfg.tables[name], t.cls)
+        assert getattr(ExperimentConfig, t.attr) is t
+    spec = cfg.run_spec()
+    assert all(getattr(spec, f.name) is getattr(cfg, f.name) for f in dataclasses.fields(RunSpec))
+    assert cfg.asynchronous.mode == "fedbuff" and cfg.run.seeds == (1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Example:
+    """A table of the test's own."""
+
+    #: how loud
+    level: Annotated[int, Range(0, 9)] = 0
+    #: a key recorded only away from its default
+    tag: str = ""
+
+
+def test_a_new_table_is_a_dataclass_and_one_line(monkeypatch, capsys) -> None:
+    from fedmtl.cli import main
+    from fedmtl.config import TABLES, ConfigError, Table, Tables
+
+    monkeypatch.setattr(Tables, "example", Table(_Example, "example", when_given=True, defaults_left_out=("tag",),
+                                                 engine=False), raising=False)
+    monkeypatch.setitem(TABLES, "example", Tables.example)
+    raw = {**CASES["minimal"][0], "example": {"level": 3}}
+    cfg = config.validate(raw)
+    assert cfg.example == _Example(level=3)
+    assert config.dumps(cfg.raw) == EXPECTED_TOML["minimal"] + "\n[example]\nlevel = 3\n"
+    assert "example" not in config.validate(CASES["minimal"][0]).raw  # recorded only when given
+    with pytest.raises(ConfigError, match=r"\[example\]\.level must be in \[0, 9\], got 10"):
+        config.validate({**raw, "example": {"level": 10}})
+    assert main(["list", "--table", "example"]) == 0
+    assert "level" in capsys.readouterr().out

@@ -41,6 +41,7 @@ model, momentum SGD), each with tolerances that a wrong algorithm fails:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import tempfile
@@ -129,7 +130,7 @@ def simulator(alg: Algorithm, data: FederatedData, model: Model | None = None, o
     model = model or build_model("linear", data.feature_shape, data.num_classes, data.meta)
     opt = opt or SGD(lr=0.1, momentum=0.9, weight_decay=5e-4, lr_milestones=(0.5, 0.75))
     cfg = {"rounds": 6, "batch_size": 32, "seed": 7, **run}
-    names = ("systems", "robust", "attack", "privacy", "server_opt", "asynchronous")
+    names = [f.name for f in dataclasses.fields(RunSpec) if f.name not in ("run", "optim")]  # the server-side tables
     tables = {k: cfg.pop(k) for k in names if cfg.get(k) is not None}
     for k in names:
         cfg.pop(k, None)

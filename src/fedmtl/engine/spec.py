@@ -90,7 +90,8 @@ class RunConfig:
 class RunSpec:
     """Everything ``Engine`` runs besides the algorithm, model, clients and federation: the ``[run]`` table, the
     local optimizer, the systems model and the server-side tables the update pipeline is built from
-    (``fedmtl.engine.updates``)."""
+    (``fedmtl.engine.updates``).  Its fields are the config tables marked ``engine`` in ``fedmtl.config.Tables``,
+    under the same names (``ExperimentConfig.run_spec()``)."""
 
     run: RunConfig = field(default_factory=RunConfig)
     optim: SGD = field(default_factory=SGD)
