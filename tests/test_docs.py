@@ -114,7 +114,7 @@ def test_the_correctness_record_is_generated_from_the_tests_and_covers_every_met
     """docs/guide/correctness.md is what ``python -m tests.correctness_page`` writes from the tests marked
     ``@pytest.mark.correctness``, and every registered method and asynchronous mode has at least one check."""
     from fedmtl.algorithms import ALGORITHMS
-    from fedmtl.engine.async_spec import ASYNC_MODES
+    from fedmtl.engine.async_config import ASYNC_MODES
 
     from .correctness_page import PAGE, collect, render
 

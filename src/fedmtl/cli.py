@@ -236,7 +236,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("algorithms (fedmtl list --algorithm NAME for their hyperparameters):")
     for name, cls in sorted(ALGORITHMS.items()):
         print(f"  {name:12s} {describe(cls)}")
-    from .engine.async_spec import ASYNC_MODES
+    from .engine.async_config import ASYNC_MODES
 
     able = ", ".join(n for n, c in sorted(ALGORITHMS.items()) if c.runs_async)
     print(f"asynchronous modes ([async] mode = NAME; fedmtl list --table async; for {able}):")

@@ -7,7 +7,7 @@
     [algorithm]  name = "fedem"           + the algorithm dataclass's fields
     [optim]      fields of fedmtl.optim.SGD
     [run]        fields of fedmtl.engine.round.RunConfig
-    [systems]    fields of fedmtl.engine.systems.SystemsModel (stragglers, drops, network for the time estimate)
+    [systems]    fields of fedmtl.engine.systems.SystemsConfig (stragglers, drops, network for the time estimate)
     [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm,
                  bucketing, cc_tau, cc_iterations)
     [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness (scale, signflip,
@@ -45,10 +45,10 @@ from typing import Any, Generic, TypeVar, overload
 from . import algorithms as _algorithms  # noqa: F401  (registers the built-in algorithms)
 from . import data as _data  # noqa: F401  (registers the built-in datasets)
 from . import models as _models  # noqa: F401  (registers the built-in models)
-from .engine.async_spec import AsyncConfig
+from .engine.async_config import AsyncConfig
 from .engine.server_opt import ServerOptConfig
 from .engine.spec import RunConfig, RunSpec
-from .engine.systems import SystemsModel
+from .engine.systems import SystemsConfig
 from .loggers import LogConfig
 from .machine import physical_memory
 from .optim import SGD
@@ -114,7 +114,7 @@ class Tables:
 
     optim = Table(SGD, defaults_left_out=("lr_milestone_rounds",))
     run = Table(RunConfig, defaults_left_out=("drop_last", "data_on_device", "seeds"))
-    systems = Table(SystemsModel)
+    systems = Table(SystemsConfig)
     robust = Table(RobustConfig, when_given=True)
     attack = Table(AttackConfig, when_given=True)
     privacy = Table(PrivacyConfig, when_given=True, defaults_left_out=("reproducible_noise",))

@@ -258,7 +258,7 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
     eng = sim()
     if not (eng.alg.clients_form() and eng.model.supports_clients):
         return
-    from .engine.systems import SystemsModel
+    from .engine.systems import SystemsConfig
 
     forms: dict[str, tuple[Any, Any, list[float], dict[str, Any]]] = {}
     for runner in ("stacked", "loop"):
@@ -274,7 +274,7 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
     if not np.allclose(la, lb, atol=atol, rtol=atol):
         raise ContractError(f"training losses, stacked {la} vs loop {lb}")
     _summaries_close(ea, eb, atol, "evaluation, stacked vs loop")
-    systems = SystemsModel(variability="high", drop_prob=0.2)  # stragglers' limits cut steps; some clients drop
+    systems = SystemsConfig(variability="high", drop_prob=0.2)  # stragglers' limits cut steps; some clients drop
     outs = [run_rounds(sim(runner=r, systems=systems, chunk_size=c), 2)[0].server
             for r, c in (("stacked", 3), ("loop", 0))]
     _close(outs[0], outs[1], atol, "stacked (chunks of 3) vs loop with stragglers and drops")
@@ -328,9 +328,9 @@ def _everything_on(alg: Algorithm, sim: Callable[..., Engine], rounds: int) -> N
     noise), stragglers and drops all on, the algorithm either refuses the combination before any work
     (``ValueError`` naming it) or trains: every logged loss finite, nothing silently excluded every round, and the
     training loss below its start.  Never a silent divergence."""
-    from .engine.systems import SystemsModel
+    from .engine.systems import SystemsConfig
 
-    options: dict[str, Any] = {"systems": SystemsModel(variability="high", drop_prob=0.1), "sampling_rate": 0.5}
+    options: dict[str, Any] = {"systems": SystemsConfig(variability="high", drop_prob=0.1), "sampling_rate": 0.5}
     try:
         alg.check_privacy()
         options["privacy"] = PrivacyConfig(clip_norm=10.0, noise_multiplier=0.01, sampling="poisson",

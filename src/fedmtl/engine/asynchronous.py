@@ -59,7 +59,7 @@ class EngineState(Protocol):
     server: Any
     round: Any
     counters: Any
-    aux: Any
+    asynchronous: Any
 
 
 class Engine(Protocol):
@@ -239,7 +239,7 @@ def step(engine: Engine, state: EngineState) -> dict[str, Any]:
     """One server step of the asynchronous modes: arrivals in time order until the buffer is full (one for
     FedAsync), then the server update."""
     cfg = engine.spec.asynchronous
-    st: AsyncState = state.aux
+    st: AsyncState = state.asynchronous
     v = state.round
     lr = engine.opt.lr_at(v, engine.cfg.rounds)
     k = 1 if cfg.mode == "fedasync" else cfg.buffer_size
