@@ -6,7 +6,7 @@
     [model]      name = "linear"          + the model builder's keyword arguments
     [algorithm]  name = "fedem"           + the algorithm dataclass's fields
     [optim]      fields of fedmtl.optim.SGD
-    [run]        fields of fedmtl.engine.round.RunConfig
+    [run]        fields of fedmtl.engine.spec.RunConfig
     [systems]    fields of fedmtl.engine.systems.SystemsConfig (stragglers, drops, network for the time estimate)
     [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm,
                  bucketing, cc_tau, cc_iterations)
@@ -14,11 +14,14 @@
                  gaussian, labelflip, ipm, alie, minmax)
     [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
     [log]        fields of fedmtl.loggers.LogConfig (loggers = ["tensorboard", "mlflow"]: per-round metric logs)
-    [server_opt] fields of fedmtl.server_opt.ServerOptConfig (name = sgd | avgm | adam | yogi | adagrad, lr, beta1,
-                 beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
+    [server_opt] fields of fedmtl.engine.server_opt.ServerOptConfig (name = none | sgd | avgm | adam | yogi | adagrad,
+                 lr, beta1, beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
+    [async]      fields of fedmtl.engine.async_config.AsyncConfig (mode = off | fedasync | fedbuff, concurrency,
+                 buffer_size, staleness, ...): asynchronous training
     [flower]     fields of fedmtl.secure_aggregation.FlowerConfig (secure_aggregation = true: SecAgg+ over Flower;
                  num_shares, reconstruction_threshold, clipping_range, quantization_range)
 
+The fixed tables (all but the first three) are registered in ``Tables``, one line each.
 Unknown tables or keys, wrong value types, values outside a field's ``Literal[...]`` choices and numbers outside a
 key's declared range (``fedmtl.schema``; ``fedmtl list --table NAME``) raise ``ConfigError`` naming the key and the
 file, before any data is built or any work is done.

@@ -339,8 +339,8 @@ def _batchable(reps: list[Replica]) -> bool:
     """Several replicas simulated in this process over one dataset (a label-flipping attack gives each replica
     its own flipped copy: those run one after the other), on a vmap or loop executor.  The stacked executor already
     runs a replica's clients as one computation per local step, so it runs the replicas one after the other: merged,
-    every client would carry its replica's own model, which costs FedEM its shared E-step (five FedEM seeds trained
-    in 39 s merged against 5 x 5.2 s apart, measured).  Asynchronous runs (``[async]``) run one after the other."""
+    every client would carry its replica's own model, which costs FedEM its shared E-step (the handbook's Seeds
+    results page).  Asynchronous runs (``[async]``) run one after the other."""
     local = [rep.engine.clients for rep in reps if isinstance(rep.engine.clients, LocalClients)]
     return (len(reps) > 1 and len(local) == len(reps) and all(c.data is local[0].data for c in local)
             and not isinstance(local[0].executor, StackedExecutor)
