@@ -2,7 +2,7 @@
 
 * ``reference/config.md``: every key of every config table, with its type, declared range and default, from the
   same source ``fedmtl list --table`` / ``--algorithm`` / ``--dataset`` / ``--model`` print
-  (``fedmtl.config.table_targets``, the registries and ``fedmtl.registry.field_table``, which reads the ranges
+  (``fedmtl.config.TABLES``, the registries and ``fedmtl.registry.field_table``, which reads the ranges
   declared in the dataclasses' annotations, ``fedmtl.schema``).  No second description of the config exists.
 * ``results/data/<path>.md``: one page per JSON file under ``benchmarks/results/``: what it records about the
   machine (device, torch, threads, CPU count) and a table of its keys and values; the JSON files and the figures
@@ -51,7 +51,7 @@ def _keys_table(target: Any) -> str:
 
 def config_reference() -> str:
     """The configuration reference page, from the config dataclasses and builders themselves."""
-    from fedmtl.config import ALGORITHMS, DATASETS, MODELS, table_targets
+    from fedmtl.config import ALGORITHMS, DATASETS, MODELS, TABLES
     from fedmtl.registry import describe
 
     parts = [
@@ -66,9 +66,8 @@ def config_reference() -> str:
         "## Fixed tables",
         "",
     ]
-    for table, target in table_targets().items():
-        parts += [f"### `[{table}]`", "", f"`{getattr(target, '__module__', '')}.{target.__name__}`", "",
-                  _keys_table(target)]
+    for table, t in TABLES.items():
+        parts += [f"### `[{table}]`", "", f"`{t.cls.__module__}.{t.cls.__name__}`", "", _keys_table(t.cls)]
     parts += ["## `[algorithm]`: one set of keys per `name`", "",
               "The table's `name` picks the algorithm; its other keys are the algorithm dataclass's fields.", ""]
     for name, cls in sorted(ALGORITHMS.items()):

@@ -10,8 +10,8 @@ import torch
 
 from fedmtl import tree as T
 from fedmtl.algorithms import Ditto, FedAvg, FedEM, FedNova, FedRep
-from fedmtl.engine.async_spec import AsyncConfig
-from fedmtl.engine.systems import SystemsModel
+from fedmtl.engine.async_config import AsyncConfig
+from fedmtl.engine.systems import SystemsConfig
 from fedmtl.models import build_model
 from fedmtl.optim import SGD
 from fedmtl.runs import checkpoint
@@ -74,7 +74,7 @@ def test_fedasync_mixes_each_arrival_into_the_server_with_the_staleness_weight(s
     # several clients at once: later arrivals are stale, and the clock runs forward
     cfg4 = AsyncConfig(mode="fedasync", concurrency=4, mixing=0.5, staleness="polynomial", staleness_a=1.0)
     _, rows = run_rounds(make_sim(FedAvg(), small_data, opt=SGD(0.1), asynchronous=cfg4,
-                                  systems=SystemsModel(variability="high")), 6)
+                                  systems=SystemsConfig(variability="high")), 6)
     assert max(r["staleness_max"] for r in rows) >= 1
     times = [r["est_time_s"] for r in rows]
     assert times == sorted(times) and times[-1] > 0
@@ -83,7 +83,7 @@ def test_fedasync_mixes_each_arrival_into_the_server_with_the_staleness_weight(s
 def test_arrivals_follow_the_systems_clock(small_data):
     """Slow devices finish late: with high speed variability the server handles updates in the order of their
     simulated finishing times, and the clock never runs backwards."""
-    sys = SystemsModel(variability="high", drop_prob=0.2)
+    sys = SystemsConfig(variability="high", drop_prob=0.2)
     cfg = AsyncConfig(mode="fedbuff", concurrency=8, buffer_size=3)
     e = make_sim(FedAvg(), small_data, opt=SGD(0.1), asynchronous=cfg, systems=sys)
     st, rows = run_rounds(e, 8)
@@ -102,7 +102,7 @@ def test_arrivals_follow_the_systems_clock(small_data):
 def test_fedbuff_learns_with_a_personalized_method(small_data):
     cfg = AsyncConfig(mode="fedbuff", concurrency=8, buffer_size=4)
     e = make_sim(FedRep(), small_data, model=build_model("mlp", 10, 2, hidden=(16,)), opt=SGD(0.1),
-                 asynchronous=cfg, systems=SystemsModel(variability="high"))
+                 asynchronous=cfg, systems=SystemsConfig(variability="high"))
     st = e.init_state()
     acc0 = float(e.evaluate(st, ("seen",))["seen"]["test"]["acc"].mean())
     for _ in range(30):
@@ -117,12 +117,12 @@ def test_fedbuff_learns_with_a_personalized_method(small_data):
 )
 def test_resumed_asynchronous_run_repeats_an_uninterrupted_one(small_data, tmp_path):
     cfg = AsyncConfig(mode="fedbuff", concurrency=8, buffer_size=3)
-    sys = SystemsModel(variability="high")
+    sys = SystemsConfig(variability="high")
     full = make_sim(Ditto(lam=0.1), small_data, opt=SGD(0.1), asynchronous=cfg, systems=sys)
     sf, rows = run_rounds(full, 6)
     part = make_sim(Ditto(lam=0.1), small_data, opt=SGD(0.1), asynchronous=cfg, systems=sys)
     sp, _ = run_rounds(part, 3)
-    assert len(sp.aux) > 0  # clients in flight at the checkpoint
+    assert len(sp.asynchronous) > 0  # clients in flight at the checkpoint
     checkpoint.save(tmp_path / "ck.pt", sp, {}, part.clients.state_dict())
     again = make_sim(Ditto(lam=0.1), small_data, opt=SGD(0.1), asynchronous=cfg, systems=sys)
     sr = again.init_state(checkpoint.load(tmp_path / "ck.pt"))

@@ -60,13 +60,13 @@ def test_api_reference_renders_every_public_name(site):
 
 
 def test_config_reference_is_generated_from_the_dataclasses(site):
-    from fedmtl.config import ALGORITHMS, table_targets
+    from fedmtl.config import ALGORITHMS, TABLES
     from fedmtl.registry import field_table
 
     html = _page(site, "reference/config")
-    for table, target in table_targets().items():
+    for table, t in TABLES.items():
         assert f"[{table}]" in html, table
-        for name, *_ in field_table(target):
+        for name, *_ in field_table(t.cls):
             assert f"<code>{name}</code>" in html, f"[{table}] {name}"
     for name in ALGORITHMS:
         assert f'name = "{name}"' in html.replace("&quot;", '"'), name
@@ -114,7 +114,7 @@ def test_the_correctness_record_is_generated_from_the_tests_and_covers_every_met
     """docs/guide/correctness.md is what ``python -m tests.correctness_page`` writes from the tests marked
     ``@pytest.mark.correctness``, and every registered method and asynchronous mode has at least one check."""
     from fedmtl.algorithms import ALGORITHMS
-    from fedmtl.engine.async_spec import ASYNC_MODES
+    from fedmtl.engine.async_config import ASYNC_MODES
 
     from .correctness_page import PAGE, collect, render
 

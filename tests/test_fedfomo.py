@@ -15,7 +15,7 @@ from fedmtl.algorithms.fedavg import FedAvg
 from fedmtl.algorithms.fedfomo import FedFomo, FomoPayload, FomoServer, FomoUpdate, validation_examples
 from fedmtl.data.synthetic import permuted_groups
 from fedmtl.engine.evaluation import SEEN_TEST_ACC_MEAN, summarize
-from fedmtl.engine.systems import SystemsModel
+from fedmtl.engine.systems import SystemsConfig
 from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches, local_sgd
 
@@ -202,7 +202,7 @@ def test_loop_equals_vmap_with_stragglers():
     """The held-out split masks steps out of the ragged (loop) and padded (vmap) batches alike, straggler limits
     and drops included."""
     data = permuted_groups(num_clients=8, num_groups=2, dim=6, num_classes=2, n_train=45, n_test=20, seed=1)
-    systems = SystemsModel(variability="high", drop_prob=0.2)
+    systems = SystemsConfig(variability="high", drop_prob=0.2)
     outs = []
     for runner in ("loop", "vmap"):
         eng = make_sim(FedFomo(num_models=2), data, runner=runner, systems=systems, batch_size=8, local_epochs=2)

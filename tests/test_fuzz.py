@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fedmtl.cli import main
-from fedmtl.config import dumps, table_targets
+from fedmtl.config import TABLES, dumps
 from fedmtl.registry import ALGORITHMS, DATASETS, MODELS
 from fedmtl.schema import MIN_MAGNITUDE, Range, range_of, strip, type_hints
 
@@ -218,7 +218,7 @@ def _numeric_keys(target) -> list[tuple[str, type, Range | None, object]]:
 
 def _targets():
     """(table, fixed keys, constructor): every table of the schema."""
-    out = [(t, {}, c) for t, c in table_targets().items()]
+    out = [(name, {}, t.cls) for name, t in TABLES.items()]
     out += [("algorithm", {"name": n}, c) for n, c in sorted(ALGORITHMS.items())]
     out += [("data", {"name": n}, f) for n, f in sorted(DATASETS.items())]
     out += [("model", {"name": n}, f) for n, f in sorted(MODELS.items())]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fedmtl.cli import build_parser
-from fedmtl.config import _signature_types, table_targets
+from fedmtl.config import TABLES, _signature_types
 from fedmtl.models.lora import AdapterConfig
 from fedmtl.registry import ALGORITHMS, DATASETS, MODELS
 from fedmtl.schema import choices_of, range_of, strip
@@ -45,8 +45,8 @@ def _in_tmp(tmp_path, monkeypatch):
 def _keys() -> list[tuple[str, str, object]]:
     """(table, key, annotation) of every key ``--set`` can reach on the TINY config."""
     out = []
-    for table, target in table_targets().items():
-        out += [(table, k, tp) for k, tp in _signature_types(target).items()]
+    for table, t in TABLES.items():
+        out += [(table, k, tp) for k, tp in _signature_types(t.cls).items()]
     for table, target in (("algorithm", ALGORITHMS["fedem"]), ("data", DATASETS["fedem_synthetic"]),
                           ("model", MODELS["linear"])):
         out += [(table, k, tp) for k, tp in _signature_types(target).items() if k not in SKIP]

@@ -25,7 +25,7 @@ from fedmtl.algorithms.gpfl import (
     valve,
 )
 from fedmtl.data.synthetic import permuted_groups
-from fedmtl.engine.async_spec import AsyncConfig
+from fedmtl.engine.async_config import AsyncConfig
 from fedmtl.engine.evaluation import summarize
 from fedmtl.model import ModelError
 from fedmtl.models import build_model

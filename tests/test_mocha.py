@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedmtl.data.federated import DataError
-from fedmtl.engine.systems import SystemsModel
+from fedmtl.engine.systems import SystemsConfig
 from fedmtl.mtl import MochaConfig, MTLData, solve
 from fedmtl.mtl.omega import (
     ClusterRelaxation,
@@ -199,11 +199,11 @@ def test_drops_keep_dual_feasible_and_never_responding_node_stalls():
     xs, ys, data = tasks(7)
     lam = 0.05
     cfg = MochaConfig(lam=lam, inner=600, local_frac=1.0, record_every=100)
-    drop = solve(data, cfg, identity(data.m), SystemsModel(drop_prob=0.5))
+    drop = solve(data, cfg, identity(data.m), SystemsConfig(drop_prob=0.5))
     assert ((drop.beta >= -1e-12) & (drop.beta <= 1 + 1e-12)).all()
     assert all(r["gap"] >= -1e-9 for r in drop.trace)
     assert drop.trace[-1]["gap"] < 1e-4  # drops with p < 1 still converge
-    never = solve(data, cfg, identity(data.m), SystemsModel(never_respond=[1]))
+    never = solve(data, cfg, identity(data.m), SystemsConfig(never_respond=[1]))
     assert np.all(never.beta[1] == 0) and np.all(never.W[1] == 0)
     assert never.trace[-1]["gap"] > 1e-2  # ... but a node that never answers stops convergence
 

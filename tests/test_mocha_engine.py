@@ -16,7 +16,7 @@ from fedmtl import tree as T
 from fedmtl.algorithms import Mocha
 from fedmtl.cli import main
 from fedmtl.data.synthetic import related_task_arrays
-from fedmtl.engine.systems import SystemsModel
+from fedmtl.engine.systems import SystemsConfig
 from fedmtl.models import build_model
 from fedmtl.mtl import MochaConfig, MTLData, solve
 from fedmtl.mtl.omega import GraphicalLasso, TaskCovariance, mean_regularized
@@ -90,7 +90,7 @@ def test_engine_mocha_with_learned_omega_matches_the_reference(tasks, regularize
 
 def test_engine_mocha_under_stragglers_and_drops_resumes_exactly(tasks):
     fed, _ = tasks
-    systems = SystemsModel(variability="high", drop_prob=0.3)
+    systems = SystemsConfig(variability="high", drop_prob=0.3)
 
     def sim():
         return simulator(Mocha(lam=0.05, regularizer="task_covariance", omega_every=3),
@@ -119,7 +119,7 @@ def test_engine_mocha_under_stragglers_and_drops_resumes_exactly(tasks):
     fast = simulator(Mocha(lam=0.05), fed, build_model("linear", fed.feature_shape, 2, bias=False), SGD(1.0),
                      rounds=1, batch_size=1000, seed=2)
     slow = simulator(Mocha(lam=0.05), fed, build_model("linear", fed.feature_shape, 2, bias=False), SGD(1.0),
-                     rounds=1, batch_size=1000, seed=2, systems=SystemsModel(speed_low=0.1))
+                     rounds=1, batch_size=1000, seed=2, systems=SystemsConfig(speed_low=0.1))
     run_rounds(fast, 1)
     run_rounds(slow, 1)
     moved_fast = int((all_client_states(fast).beta != 0).sum())

@@ -8,7 +8,7 @@ import torch
 
 from fedmtl import tree as T
 from fedmtl.algorithms import ALGORITHMS
-from fedmtl.engine.systems import SystemsModel, TimeModel, uniform
+from fedmtl.engine.systems import SystemsConfig, TimeModel, uniform
 from fedmtl.models import build_model
 from fedmtl.optim import SGD, Batches, local_sgd
 from fedmtl.testing import all_client_states, simulator
@@ -24,7 +24,7 @@ def test_uniform_hash_is_uniform_and_independent():
 
 
 def test_draw_is_per_node_and_deterministic():
-    sm = SystemsModel(variability="high", drop_prob=0.3)
+    sm = SystemsConfig(variability="high", drop_prob=0.3)
     a = sm.draw(5, 2, np.arange(10))
     b = sm.draw(5, 2, np.array([3, 7]))
     assert np.allclose(a.speed[[3, 7]], b.speed) and (a.dropped[[3, 7]] == b.dropped).all()
@@ -36,14 +36,14 @@ def test_draw_is_per_node_and_deterministic():
 
 
 def test_steps_deadline_and_wait():
-    sm = SystemsModel(variability="low", never_respond=[1])
+    sm = SystemsConfig(variability="low", never_respond=[1])
     d = sm.draw(0, 0, np.arange(3))
     budget = np.array([10, 10, 40])
     done = sm.steps(d, budget)
     assert done[1] == 0 and d.dropped[1]
     assert (done[[0, 2]] >= np.floor(0.9 * budget[[0, 2]])).all() and (done <= budget).all()
     assert sm.compute_time_steps(d, budget, done) == 40
-    wait = SystemsModel(variability="high", mode="wait")
+    wait = SystemsConfig(variability="high", mode="wait")
     dw = wait.draw(0, 0, np.arange(3))
     assert (wait.steps(dw, budget) == budget).all()
     assert wait.compute_time_steps(dw, budget, budget) == pytest.approx(max(budget / dw.speed))
@@ -58,7 +58,7 @@ def test_time_model_presets():
     with pytest.raises(ValueError, match="network"):
         TimeModel("5g")
     with pytest.raises(ValueError, match="drop_prob"):
-        SystemsModel(drop_prob=1.0)
+        SystemsConfig(drop_prob=1.0)
 
 
 def test_limit_runs_exactly_the_first_steps():
@@ -84,7 +84,7 @@ def _sim(alg, data, systems, runner="vmap", **run):
 @pytest.mark.parametrize("name", ["fedavg", "fedem", "local", "pfedme", "apfl"])
 def test_stragglers_loop_equals_vmap(small_data, name):
     kw = {"fedem": {"num_components": 2}, "pfedme": {"inner_steps": 2}}.get(name, {})
-    sm = SystemsModel(variability="high", drop_prob=0.2)
+    sm = SystemsConfig(variability="high", drop_prob=0.2)
     outs = []
     for runner in ("vmap", "loop"):
         sim = _sim(ALGORITHMS[name](**kw), small_data, sm, runner)
@@ -99,8 +99,8 @@ def test_stragglers_loop_equals_vmap(small_data, name):
 
 
 def test_stragglers_change_training_and_never_respond_keeps_state(small_data):
-    ideal = _sim(ALGORITHMS["local"](), small_data, SystemsModel())
-    slow = _sim(ALGORITHMS["local"](), small_data, SystemsModel(variability="high", never_respond=[2]))
+    ideal = _sim(ALGORITHMS["local"](), small_data, SystemsConfig())
+    slow = _sim(ALGORITHMS["local"](), small_data, SystemsConfig(variability="high", never_respond=[2]))
     s0 = ideal.init_state()
     s1 = slow.init_state()
     init = T.take(all_client_states(slow), torch.tensor([2]))
@@ -126,7 +126,7 @@ def test_stragglers_change_training_and_never_respond_keeps_state(small_data):
 def test_estimated_time_grows_with_rounds_and_slower_networks(small_data):
     times = {}
     for net in ("wifi", "3g"):
-        sim = _sim(ALGORITHMS["fedavg"](), small_data, SystemsModel(network=net))
+        sim = _sim(ALGORITHMS["fedavg"](), small_data, SystemsConfig(network=net))
         st = sim.init_state()
         rows = [sim.round(st) for _ in range(3)]
         assert rows[0]["est_time_s"] < rows[1]["est_time_s"] < rows[2]["est_time_s"]
@@ -135,7 +135,7 @@ def test_estimated_time_grows_with_rounds_and_slower_networks(small_data):
 
 
 def test_all_dropped_round_keeps_server(small_data):
-    sim = _sim(ALGORITHMS["fedavg"](), small_data, SystemsModel(never_respond=list(range(16))))
+    sim = _sim(ALGORITHMS["fedavg"](), small_data, SystemsConfig(never_respond=list(range(16))))
     st = sim.init_state()
     before = T.tmap(lambda v: v.clone(), st.server)
     row = sim.round(st)

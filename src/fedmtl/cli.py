@@ -216,14 +216,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
         keys(cls)
         return 0
     if args.table:
-        from .config import table_targets
+        from .config import TABLES
 
-        targets = table_targets()
-        if args.table not in targets:
-            raise ConfigError(f"--table {shown(args.table)}: not one of {sorted(targets)} (the [algorithm] table: "
+        if args.table not in TABLES:
+            raise ConfigError(f"--table {shown(args.table)}: not one of {sorted(TABLES)} (the [algorithm] table: "
                               "--algorithm NAME; [data] and [model]: --dataset NAME, --model NAME)")
         print(f"[{args.table}]: every key with its type, valid range and default")
-        keys(targets[args.table])
+        keys(TABLES[args.table].cls)
         return 0
     for flag, registry in (("dataset", DATASETS), ("model", MODELS)):
         name = getattr(args, flag)
@@ -237,7 +236,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("algorithms (fedmtl list --algorithm NAME for their hyperparameters):")
     for name, cls in sorted(ALGORITHMS.items()):
         print(f"  {name:12s} {describe(cls)}")
-    from .engine.async_spec import ASYNC_MODES
+    from .engine.async_config import ASYNC_MODES
 
     able = ", ".join(n for n, c in sorted(ALGORITHMS.items()) if c.runs_async)
     print(f"asynchronous modes ([async] mode = NAME; fedmtl list --table async; for {able}):")

@@ -6,19 +6,22 @@
     [model]      name = "linear"          + the model builder's keyword arguments
     [algorithm]  name = "fedem"           + the algorithm dataclass's fields
     [optim]      fields of fedmtl.optim.SGD
-    [run]        fields of fedmtl.engine.round.RunConfig
-    [systems]    fields of fedmtl.engine.systems.SystemsModel (stragglers, drops, network for the time estimate)
+    [run]        fields of fedmtl.engine.spec.RunConfig
+    [systems]    fields of fedmtl.engine.systems.SystemsConfig (stragglers, drops, network for the time estimate)
     [robust]     fields of fedmtl.robust.RobustConfig (aggregator, trim, num_byzantine, multi_krum_m, clip_norm,
                  bucketing, cc_tau, cc_iterations)
     [attack]     fields of fedmtl.robust.AttackConfig (kind, fraction, strength): an attack harness (scale, signflip,
                  gaussian, labelflip, ipm, alie, minmax)
     [privacy]    fields of fedmtl.privacy.PrivacyConfig (user-level DP: clip_norm, noise_multiplier, accountant, ...)
     [log]        fields of fedmtl.runs.loggers.LogConfig (loggers = ["tensorboard", "mlflow"]: per-round metric logs)
-    [server_opt] fields of fedmtl.server_opt.ServerOptConfig (name = sgd | avgm | adam | yogi | adagrad, lr, beta1,
-                 beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
+    [server_opt] fields of fedmtl.engine.server_opt.ServerOptConfig (name = none | sgd | avgm | adam | yogi | adagrad,
+                 lr, beta1, beta2, tau): the server's step on the global model (Reddi et al., ICLR 2021)
+    [async]      fields of fedmtl.engine.async_config.AsyncConfig (mode = off | fedasync | fedbuff, concurrency,
+                 buffer_size, staleness, ...): asynchronous training
     [flower]     fields of fedmtl.secure_aggregation.FlowerConfig (secure_aggregation = true: SecAgg+ over Flower;
                  num_shares, reconstruction_threshold, clipping_range, quantization_range)
 
+The fixed tables (all but the first three) are registered in ``Tables``, one line each.
 Unknown tables or keys, wrong value types, values outside a field's ``Literal[...]`` choices and numbers outside a
 key's declared range (``fedmtl.schema``; ``fedmtl list --table NAME``) raise ``ConfigError`` naming the key and the
 file, before any data is built or any work is done.
@@ -40,15 +43,15 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from . import algorithms as _algorithms  # noqa: F401  (registers the built-in algorithms)
 from . import data as _data  # noqa: F401  (registers the built-in datasets)
 from . import models as _models  # noqa: F401  (registers the built-in models)
-from .engine.async_spec import AsyncConfig
+from .engine.async_config import AsyncConfig
 from .engine.server_opt import ServerOptConfig
 from .engine.spec import RunConfig, RunSpec
-from .engine.systems import SystemsModel
+from .engine.systems import SystemsConfig
 from .machine import physical_memory
 from .optim import SGD
 from .privacy import PrivacyConfig
@@ -70,16 +73,75 @@ from .schema import (
 )
 from .secure_aggregation import FlowerConfig, refusal
 
-TABLES = ("data", "model", "algorithm", "optim", "run", "systems", "robust", "attack", "privacy", "log",
-          "server_opt", "async", "flower")
+T = TypeVar("T")
 
 
-def table_targets() -> dict[str, Any]:
-    """The constructor behind each fixed config table (``[algorithm]``, ``[data]`` and ``[model]`` depend on the
-    name they hold)."""
-    return {"optim": SGD, "run": RunConfig, "systems": SystemsModel, "robust": RobustConfig, "attack": AttackConfig,
-            "privacy": PrivacyConfig, "log": LogConfig, "server_opt": ServerOptConfig, "async": AsyncConfig,
-            "flower": FlowerConfig}
+class Table(Generic[T]):
+    """One fixed config table: its keys are the fields of the frozen dataclass ``cls`` (``fedmtl list --table
+    NAME``, the handbook's key reference), and ``ExperimentConfig`` holds the built dataclass under the attribute
+    this ``Table`` is assigned to in ``Tables`` (``cfg.run``, ``cfg.asynchronous``).
+
+    ``name``: the table's name in a config file where it is not the attribute's (``[async]``).
+    ``when_given``: recorded in the resolved config only when the config gives it, so that configs (and
+    checkpoints) of runs without it keep their resolved form.  ``defaults_left_out``: keys recorded only away from
+    their default, for the same reason.  ``engine``: part of the engine's ``RunSpec`` (else read around the engine
+    only: loggers, Flower)."""
+
+    def __init__(self, cls: type[T], name: str = "", *, when_given: bool = False,
+                 defaults_left_out: tuple[str, ...] = (), engine: bool = True) -> None:
+        self.cls, self.name, self.when_given, self.engine = cls, name, when_given, engine
+        self.defaults_left_out = defaults_left_out
+        self.attr = name
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self.attr = attr
+        self.name = self.name or attr
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Table[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Table[T] | T:
+        if obj is None:
+            return self
+        value: T = obj.tables[self.name]
+        return value
+
+    def resolved(self, value: Any) -> dict[str, Any]:
+        """``value`` as the resolved config records it: its fields, less those of ``defaults_left_out`` that are at
+        their default."""
+        out = dataclasses.asdict(value)
+        default = self.cls()
+        for key in self.defaults_left_out:
+            if getattr(value, key) == getattr(default, key):
+                out.pop(key)
+        return out
+
+
+class Tables:
+    """The fixed config tables, one line each, in the order the resolved config records them.  A new table is a
+    frozen dataclass (its fields are the table's keys, with ``Annotated`` ranges, ``fedmtl.schema``) and a line
+    here; ``[data]``, ``[model]`` and ``[algorithm]`` are the named tables (``NAMED_TABLES``), built from a
+    registry by the name they hold."""
+
+    optim = Table(SGD, defaults_left_out=("lr_milestone_rounds",))
+    run = Table(RunConfig, defaults_left_out=("drop_last", "data_on_device", "seeds"))
+    systems = Table(SystemsConfig)
+    robust = Table(RobustConfig, when_given=True)
+    attack = Table(AttackConfig, when_given=True)
+    privacy = Table(PrivacyConfig, when_given=True, defaults_left_out=("reproducible_noise",))
+    log = Table(LogConfig, when_given=True, engine=False)
+    server_opt = Table(ServerOptConfig, when_given=True)
+    asynchronous = Table(AsyncConfig, "async", when_given=True)
+    flower = Table(FlowerConfig, when_given=True, engine=False)
+
+
+#: every fixed table by its name in a config file
+TABLES: dict[str, Table[Any]] = {t.name: t for t in vars(Tables).values() if isinstance(t, Table)}
+#: the tables whose ``name`` picks a builder from a registry
+NAMED_TABLES = ("data", "model", "algorithm")
 
 
 class ConfigError(ValueError):
@@ -197,24 +259,17 @@ def _check_table(
 
 
 @dataclass
-class ExperimentConfig:
-    """A validated experiment; ``raw`` is the resolved TOML content (what the run directory records)."""
+class ExperimentConfig(Tables):
+    """A validated experiment; ``raw`` is the resolved TOML content (what the run directory records).  Each fixed
+    table is an attribute (``Tables``: ``cfg.run``, ``cfg.privacy``, ...)."""
 
     data: dict[str, Any]
     model: dict[str, Any]
     algorithm: dict[str, Any]
-    optim: SGD
-    run: RunConfig
+    #: every fixed table's dataclass by table name (``TABLES``)
+    tables: dict[str, Any] = field(default_factory=lambda: {name: t.cls() for name, t in TABLES.items()})
     raw: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = "<config>"
-    systems: SystemsModel = field(default_factory=SystemsModel)
-    robust: RobustConfig = field(default_factory=RobustConfig)
-    attack: AttackConfig = field(default_factory=AttackConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
-    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
-    flower: FlowerConfig = field(default_factory=FlowerConfig)
 
     def with_seed(self, seed: int) -> ExperimentConfig:
         """This config as the single-seed run ``seed`` (``run.seed = seed``, no ``run.seeds``): one replica of
@@ -223,12 +278,12 @@ class ExperimentConfig:
         raw["run"]["seed"] = seed
         raw["run"].pop("seeds", None)
         run = dataclasses.replace(self.run, seed=seed, seeds=())
-        return dataclasses.replace(self, run=run, raw=raw)
+        return dataclasses.replace(self, tables={**self.tables, "run": run}, raw=raw)
 
     def run_spec(self) -> RunSpec:
-        """Everything the engine runs besides the algorithm, model, clients and federation (``RunSpec``)."""
-        return RunSpec(self.run, self.optim, self.systems, self.robust, self.attack, self.privacy, self.server_opt,
-                       self.asynchronous)
+        """Everything the engine runs besides the algorithm, model, clients and federation (``RunSpec``: the
+        tables marked ``engine``)."""
+        return RunSpec(**{t.attr: self.tables[name] for name, t in TABLES.items() if t.engine})
 
     def build_algorithm(self) -> Any:
         params = {k: v for k, v in self.algorithm.items() if k != "name"}
@@ -327,12 +382,13 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
 
     ``data_given`` / ``model_given``: the caller supplies the data / model objects, so ``[data]`` / ``[model]``
     must be left out (they are recorded as coming from Python)."""
+    names = [*NAMED_TABLES, *TABLES]
     for t in raw:
-        if t not in TABLES:
-            raise ConfigError(f"{source}: unknown table [{shown(t, bare=True)}]; allowed: {list(TABLES)}")
+        if t not in names:
+            raise ConfigError(f"{source}: unknown table [{shown(t, bare=True)}]; allowed: {names}")
         if not isinstance(raw[t], dict):
             raise ConfigError(f"{source}: {shown(t)} must be a table, got {_kind(raw[t])} {shown(raw[t])}")
-    tables = {t: dict(raw.get(t, {})) for t in TABLES}
+    tables = {t: dict(raw.get(t, {})) for t in names}
     for t, given, marker in (("data", data_given, PYTHON_DATA), ("model", model_given, PYTHON_MODEL)):
         if given and tables[t] and tables[t] != {"name": marker}:
             raise ConfigError(f"{source}: [{t}] is given twice: as a table and as a Python object; leave the "
@@ -378,57 +434,18 @@ def validate(raw: dict[str, Any], source: str = "<config>", data_given: bool = F
                                         f"{source}: [algorithm]")}
     try:
         acls(**{k: v for k, v in alg.items() if k != "name"})
-        optim = SGD(**_check_table(tables["optim"], SGD, f"{source}: [optim]"))
-        run = RunConfig(**_check_table(tables["run"], RunConfig, f"{source}: [run]"))
-        systems = SystemsModel(**_check_table(tables["systems"], SystemsModel, f"{source}: [systems]"))
-        robust = RobustConfig(**_check_table(tables["robust"], RobustConfig, f"{source}: [robust]"))
-        attack = AttackConfig(**_check_table(tables["attack"], AttackConfig, f"{source}: [attack]"))
-        privacy = PrivacyConfig(**_check_table(tables["privacy"], PrivacyConfig, f"{source}: [privacy]"))
-        logc = LogConfig(**_check_table(tables["log"], LogConfig, f"{source}: [log]"))
-        sopt = ServerOptConfig(**_check_table(tables["server_opt"], ServerOptConfig, f"{source}: [server_opt]"))
-        asyn = AsyncConfig(**_check_table(tables["async"], AsyncConfig, f"{source}: [async]"))
-        flower = FlowerConfig(**_check_table(tables["flower"], FlowerConfig, f"{source}: [flower]"))
+        built = {name: t.cls(**_check_table(tables[name], t.cls, f"{source}: [{name}]")) for name, t in TABLES.items()}
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"{source}: {e}") from e
-    resolved = {
-        "data": data, "model": model, "algorithm": alg,
-        "optim": dataclasses.asdict(optim), "run": dataclasses.asdict(run),
-        "systems": dataclasses.asdict(systems),
-    }
-    # [robust], [attack] and [privacy] are recorded only when given, so that configs (and checkpoints) of runs without
-    # them keep their resolved form
-    if tables["robust"]:
-        resolved["robust"] = dataclasses.asdict(robust)
-    if tables["attack"]:
-        resolved["attack"] = dataclasses.asdict(attack)
-    if tables["privacy"]:
-        resolved["privacy"] = dataclasses.asdict(privacy)
-    if tables["log"]:
-        resolved["log"] = dataclasses.asdict(logc)
-    if tables["server_opt"]:
-        resolved["server_opt"] = dataclasses.asdict(sopt)
-    if tables["async"]:
-        resolved["async"] = dataclasses.asdict(asyn)
-    if tables["flower"]:
-        resolved["flower"] = dataclasses.asdict(flower)
-        why = refusal(aname, robust, attack) if flower.secure_aggregation else None
-        if why is not None:  # refused before any data is built or any node contacted
-            raise ConfigError(f"{source}: {why}")
-    # recorded only when given (as [robust]): configs without them keep their resolved form (and checkpoints match)
-    if not run.seeds:
-        resolved["run"].pop("seeds")
-    if not optim.lr_milestone_rounds:
-        resolved["optim"].pop("lr_milestone_rounds")
-    if not run.drop_last:
-        resolved["run"].pop("drop_last")
-    if run.data_on_device == "auto":
-        resolved["run"].pop("data_on_device")
-    if "privacy" in resolved and not privacy.reproducible_noise:
-        resolved["privacy"].pop("reproducible_noise")
-    return ExperimentConfig(data, model, alg, optim, run, resolved, source, systems, robust, attack, privacy, logc,
-                            sopt, asyn, flower=flower)
+    resolved = {"data": data, "model": model, "algorithm": alg}
+    resolved.update({name: t.resolved(built[name]) for name, t in TABLES.items() if tables[name] or not t.when_given})
+    flower = built["flower"]
+    why = refusal(aname, built["robust"], built["attack"]) if flower.secure_aggregation else None
+    if why is not None:  # refused before any data is built or any node contacted
+        raise ConfigError(f"{source}: {why}")
+    return ExperimentConfig(data, model, alg, built, resolved, source)
 
 
 def _lookup_path(path: str, where: str) -> None:

@@ -230,7 +230,7 @@ class Model:
         clients inside it), checked against the module on the run's first examples.
         ``prefer_loop_on_cpu``: the executor on a CPU when the run says ``runner = "auto"``; None (default) decides by
         the module's layers: a module with convolutions or recurrent layers loops over clients there (compute-bound
-        layers run fastest per client on a CPU: measured), anything else runs the ``stacked`` executor where it has a
+        layers run fastest per client on a CPU), anything else runs the ``stacked`` executor where it has a
         clients form and vmaps otherwise.  On a GPU every module with a clients form runs ``stacked``.
         ``summary.json`` records the path taken, layer by layer.
         ``head``: the parameter names of the head for body/head methods; ``"auto"`` takes the last sub-module
@@ -417,7 +417,7 @@ class Model:
         """``value_and_grad`` of M stacked models on the same batch; ``weight`` (M, n); loss (M,).
 
         Models that ``stack`` (linear, mlp) compute all M components with one matrix product per layer (a nested
-        vmap over clients and components batches matmuls badly on CPU: ~15x slower here).
+        vmap over clients and components batches matmuls badly on CPU).
         """
         if self.stacks and self.analytic_grad is not None:
             if self.input_transform is not None:

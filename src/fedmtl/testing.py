@@ -41,6 +41,7 @@ model, momentum SGD), each with tolerances that a wrong algorithm fails:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import tempfile
@@ -129,7 +130,7 @@ def simulator(alg: Algorithm, data: FederatedData, model: Model | None = None, o
     model = model or build_model("linear", data.feature_shape, data.num_classes, data.meta)
     opt = opt or SGD(lr=0.1, momentum=0.9, weight_decay=5e-4, lr_milestones=(0.5, 0.75))
     cfg = {"rounds": 6, "batch_size": 32, "seed": 7, **run}
-    names = ("systems", "robust", "attack", "privacy", "server_opt", "asynchronous")
+    names = [f.name for f in dataclasses.fields(RunSpec) if f.name not in ("run", "optim")]  # the server-side tables
     tables = {k: cfg.pop(k) for k in names if cfg.get(k) is not None}
     for k in names:
         cfg.pop(k, None)
@@ -257,7 +258,7 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
     eng = sim()
     if not (eng.alg.clients_form() and eng.model.supports_clients):
         return
-    from .engine.systems import SystemsModel
+    from .engine.systems import SystemsConfig
 
     forms: dict[str, tuple[Any, Any, list[float], dict[str, Any]]] = {}
     for runner in ("stacked", "loop"):
@@ -273,7 +274,7 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
     if not np.allclose(la, lb, atol=atol, rtol=atol):
         raise ContractError(f"training losses, stacked {la} vs loop {lb}")
     _summaries_close(ea, eb, atol, "evaluation, stacked vs loop")
-    systems = SystemsModel(variability="high", drop_prob=0.2)  # stragglers' limits cut steps; some clients drop
+    systems = SystemsConfig(variability="high", drop_prob=0.2)  # stragglers' limits cut steps; some clients drop
     outs = [run_rounds(sim(runner=r, systems=systems, chunk_size=c), 2)[0].server
             for r, c in (("stacked", 3), ("loop", 0))]
     _close(outs[0], outs[1], atol, "stacked (chunks of 3) vs loop with stragglers and drops")
@@ -327,9 +328,9 @@ def _everything_on(alg: Algorithm, sim: Callable[..., Engine], rounds: int) -> N
     noise), stragglers and drops all on, the algorithm either refuses the combination before any work
     (``ValueError`` naming it) or trains: every logged loss finite, nothing silently excluded every round, and the
     training loss below its start.  Never a silent divergence."""
-    from .engine.systems import SystemsModel
+    from .engine.systems import SystemsConfig
 
-    options: dict[str, Any] = {"systems": SystemsModel(variability="high", drop_prob=0.1), "sampling_rate": 0.5}
+    options: dict[str, Any] = {"systems": SystemsConfig(variability="high", drop_prob=0.1), "sampling_rate": 0.5}
     try:
         alg.check_privacy()
         options["privacy"] = PrivacyConfig(clip_norm=10.0, noise_multiplier=0.01, sampling="poisson",

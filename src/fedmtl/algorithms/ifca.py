@@ -7,7 +7,7 @@ The server keeps k cluster models.  A sampled client evaluates every model on it
 with the lowest loss (its cluster estimate, re-estimated every round), runs ``run.local_epochs`` of local SGD
 from it and sends the new model with its choice; the server averages, for each cluster, the models of the
 clients that chose it, uniformly by client as the paper's model averaging does (``weighted = true``: by sample
-counts, as FedAvg and earlier releases of fedmtl did); a cluster nobody chose keeps its model.  Every client, seen
+counts, as FedAvg does); a cluster nobody chose keeps its model.  Every client, seen
 or unseen, is evaluated with the model of lowest loss on its training data.  Model j starts from the
 initializer seeded with seed + j, so model 0 is FedAvg's and IFCA with k = 1 is FedAvg (tested); the paper's
 random restarts of the initialization are left to the user (run several seeds).

@@ -16,9 +16,9 @@ steps from the global w, each on three *independent* batches D, D', D'':
 Batches: each round every role (D, D', D'') has its own uniform permutation of the client's examples, and meta-step
 t takes batch t (cycling) of each, so the three batches are independent draws.  A client with a single batch
 (n <= batch size) would get its whole set three times from permutations, so its D' and D'' are drawn *with
-replacement* (n examples each, a bootstrap of its data); D is its whole set.  (An earlier version took D, D', D''
-in turn from one shuffled list of batches: with one batch all three were the same batch, 59% of the synthetic
-clients at batch 128.)  A straggler (``[systems]``) makes fewer meta-steps.
+replacement* (n examples each, a bootstrap of its data); D is its whole set.  (Taken in turn from one shuffled
+list of batches, all three would be the same batch for such a client.)  A straggler (``[systems]``) makes fewer
+meta-steps.
 
 alpha and beta are separate fields (a peer library silently uses one rate for both).  The server
 averages the returned models uniformly (the paper).  Evaluation: each client takes the global model,

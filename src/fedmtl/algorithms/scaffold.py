@@ -12,7 +12,7 @@ counts as FedAvg does here.  Option II divides the displacement by K eta_l, the 
 gives its K (corrected) gradients.  With heavy-ball momentum beta in ``[optim]`` (the buffer restarted each round)
 step t moves by eta_l sum_{s<=t} beta^(t-s) g_s, so gradient s enters x - y_i with weight (1 - beta^(K-s+1)) /
 (1 - beta); the paper's formula, dividing by K eta_l, then overestimates the average gradient by up to 1 / (1 - beta)
-(10x at 0.9) and c_i grows round after round until the run diverges (measured: loss 4.7e11, accuracy 34%).  Here
+(10x at 0.9) and c_i grows round after round until the run diverges.  Here
 the displacement is divided by eta_l times the sum of those weights (``momentum_weight_sum``): c_i+ is the
 momentum-weighted average of the path's gradients, exactly the gradient where it is constant, and option II as
 the paper states it where beta = 0.  (A deviation for beta > 0, which the paper does not treat.)  Weight decay

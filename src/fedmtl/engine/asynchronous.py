@@ -61,7 +61,7 @@ class EngineState(Protocol):
 
     server: Any
     round: int
-    aux: Any
+    asynchronous: Any
 
 
 class Engine(Protocol):
@@ -249,7 +249,7 @@ def step(engine: Engine, state: EngineState) -> dict[str, Any]:
     """One server step of the asynchronous modes, its metrics row: arrivals in time order until the buffer is full
     (one for FedAsync), then the server update, then ``Engine.settle``."""
     cfg = engine.spec.asynchronous
-    st: AsyncState = state.aux
+    st: AsyncState = state.asynchronous
     v = state.round
     lr = engine.local_lr(v)
     k = 1 if cfg.mode == "fedasync" else cfg.buffer_size

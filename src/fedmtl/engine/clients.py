@@ -267,8 +267,8 @@ def evaluate_together(members: list[LocalClients], group: str, payloads: list[Tr
                       adapts: list[Orders | None], lr: float) -> list[dict[str, Any]]:
     """``LocalClients.evaluate`` of the same clients ``ids`` for several replicas of a run (their own stores,
     payloads and adaptation orders, one shared dataset): each chunk of evaluation data is gathered (padded) once
-    and every replica predicts on it.  (A vmap over the replicas inside the vmap over clients was measured 2x
-    slower than this loop: torch's batching rule copies the shared inputs once per replica.)"""
+    and every replica predicts on it.  (A vmap over the replicas inside the vmap over clients is slower than this
+    loop: torch's batching rule copies the shared inputs once per replica.)"""
     first = members[0]
     assert all(m.store is not None and m.ctx is not None for m in members), "start() first"
     alg, ctx, seen = first.alg, first.ctx, group == "seen"

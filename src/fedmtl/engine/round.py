@@ -105,7 +105,9 @@ class EngineState:
     history: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=lambda: {"excluded_updates": 0})
     server_opt: Tree = field(default_factory=NoState)  # the [server_opt] optimizer's state (its moments), if any
-    aux: Any = None  # the asynchronous modes' clients in flight and clock (``asynchronous.AsyncState``), if any
+    #: the asynchronous modes' clients in flight and clock (``asynchronous.AsyncState``), if any; a checkpoint
+    #: holds it under ``async``
+    asynchronous: Any = None
 
 
 class Engine:
@@ -178,18 +180,18 @@ class Engine:
         server0 = T.to(self.alg.init_server(self.ctx, params, self.cfg.seed), self.device)
         opt0 = self.pipeline.server.init(server0) if self.pipeline.server is not None else NoState()
         self.payload_bytes = _nbytes(self.alg.payload(server0))
-        aux = None
+        flight = None
         if self.spec.asynchronous.enabled:
-            aux = asynchronous.AsyncState.empty() if resume is None else asynchronous.AsyncState.of(
+            flight = asynchronous.AsyncState.empty() if resume is None else asynchronous.AsyncState.of(
                 resume.get("async", {}), self.alg.update_like(self.ctx, self.alg.payload(server0)), self.device)
         if resume is None:
             self.clients.start(self.ctx, server0)
-            return EngineState(round=0, server=server0, server_opt=opt0, aux=aux)
+            return EngineState(round=0, server=server0, server_opt=opt0, asynchronous=flight)
         server = T.from_named(resume["server"], server0, self.device)
         opt = T.from_named(legacy_state_names(resume.get("server_opt", {})), opt0, self.device) \
             if T.leaves(opt0) else opt0
         self.clients.start(self.ctx, server0, resume["clients"], int(resume["round"]))
-        return EngineState(int(resume["round"]), server, list(resume["history"]), dict(resume["counters"]), opt, aux)
+        return EngineState(int(resume["round"]), server, list(resume["history"]), dict(resume["counters"]), opt, flight)
 
     def _eval_sample(self, group: str) -> Tensor:
         n = int(self.fed.counts(group).numel())
@@ -208,7 +210,7 @@ class Engine:
     def round(self, state: EngineState) -> dict[str, Any]:
         """One round of this run, its metrics row: ``plan``, ``train``, ``finish`` (under ``[async]``: one server
         step of the event-ordered simulation, ``asynchronous.step``)."""
-        if state.aux is not None:
+        if state.asynchronous is not None:
             return asynchronous.step(self, state)
         plan = self.plan(state)
         return self.finish(state, plan, self.train(plan))

@@ -12,11 +12,11 @@ from ..privacy import PrivacyConfig
 from ..robust.aggregators import RobustConfig
 from ..robust.attacks import AttackConfig
 from ..schema import Annotated, Range, check_fields, shown
-from .async_spec import AsyncConfig
+from .async_config import AsyncConfig
 from .executors import ExecutorName
 from .resident import DataOnDevice
 from .server_opt import ServerOptConfig
-from .systems import SystemsModel
+from .systems import SystemsConfig
 
 #: at most this many seeds in one run (``run.seeds``, ``--seeds``)
 MAX_SEEDS = 1000
@@ -90,11 +90,12 @@ class RunConfig:
 class RunSpec:
     """Everything ``Engine`` runs besides the algorithm, model, clients and federation: the ``[run]`` table, the
     local optimizer, the systems model and the server-side tables the update pipeline is built from
-    (``fedmtl.engine.updates``)."""
+    (``fedmtl.engine.updates``).  Its fields are the config tables marked ``engine`` in ``fedmtl.config.Tables``,
+    under the same names (``ExperimentConfig.run_spec()``)."""
 
     run: RunConfig = field(default_factory=RunConfig)
     optim: SGD = field(default_factory=SGD)
-    systems: SystemsModel = field(default_factory=SystemsModel)
+    systems: SystemsConfig = field(default_factory=SystemsConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)

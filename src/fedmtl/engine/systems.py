@@ -114,7 +114,7 @@ class SystemsDraw(NamedTuple):
 
 
 @dataclass(frozen=True)
-class SystemsModel:
+class SystemsConfig:
     """The ``[systems]`` table.  The defaults model an ideal network: full speed, nobody drops."""
 
     #: none, low or high: per-round device speed ~ U[low, 1] with low = 1, 0.9 or 0.1

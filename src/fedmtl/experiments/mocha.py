@@ -35,7 +35,7 @@ import numpy as np
 from ..data.federated import DataError
 from ..data.synthetic import related_task_arrays as synthetic_tasks
 from ..data.vision import fmnist_pair_arrays as fmnist_tasks
-from ..engine.systems import SystemsModel, TimeModel
+from ..engine.systems import SystemsConfig, TimeModel
 from ..mtl.mocha import MochaConfig, solve
 from ..mtl.omega import TaskCovariance, identity
 from ..mtl.problem import MTLData, error_rate
@@ -94,7 +94,7 @@ def _split(tasks: Tasks, rng: np.random.Generator, frac: float = 0.75) -> tuple[
 
 
 def fit(method: str, train: MTLData, lam: float, seed: int = 0, rounds_scale: float = 1.0,
-        systems: SystemsModel | None = None) -> np.ndarray:
+        systems: SystemsConfig | None = None) -> np.ndarray:
     """(m, d) models of ``method`` in {"global", "local", "mtl"} trained on ``train`` (``systems``: MTL's
     stragglers and drops)."""
     if method == "local":
@@ -218,15 +218,15 @@ def optimization(data: MTLData, lam: float, scale: float = 1.0, seed: int = 0,
     out: dict[str, Any] = {"p_star": p_star, "final_gap_of_reference": ref.trace[-1]["gap"], "settings": {},
                            "max_time": max_time * scale}
 
-    def run(method: str, systems: SystemsModel, **kw: Any) -> list[dict[str, Any]]:
+    def run(method: str, systems: SystemsConfig, **kw: Any) -> list[dict[str, Any]]:
         cfg = MochaConfig(lam=lam, method=method, inner=500 if method == "cocoa" else 10**6, record_every=1,
                           seed=seed, max_time=max_time * scale, stop_subopt=1e-5, **kw)
         return solve(data, cfg, reg, systems, TimeModel.paper("lte"), p_star=p_star).trace
 
     settings = {
-        "statistical": (SystemsModel(), "n_t"),
-        "high_variability": (SystemsModel(variability="high"), "n_min"),
-        "low_variability": (SystemsModel(variability="low"), "n_min"),
+        "statistical": (SystemsConfig(), "n_t"),
+        "high_variability": (SystemsConfig(variability="high"), "n_min"),
+        "low_variability": (SystemsConfig(variability="low"), "n_min"),
     }
     for name, (systems, budget) in settings.items():
         res: dict[str, Any] = {}
@@ -252,8 +252,8 @@ def optimization(data: MTLData, lam: float, scale: float = 1.0, seed: int = 0,
     drops: dict[str, Any] = {}
     frac = out["settings"]["statistical"]["mocha"]["value"]
     for label, systems in (
-        ("p=0", SystemsModel()), ("p=0.2", SystemsModel(drop_prob=0.2)), ("p=0.5", SystemsModel(drop_prob=0.5)),
-        ("p=0.8", SystemsModel(drop_prob=0.8)), ("never_node0", SystemsModel(never_respond=[0])),
+        ("p=0", SystemsConfig()), ("p=0.2", SystemsConfig(drop_prob=0.2)), ("p=0.5", SystemsConfig(drop_prob=0.5)),
+        ("p=0.8", SystemsConfig(drop_prob=0.8)), ("never_node0", SystemsConfig(never_respond=[0])),
     ):
         drops[label] = {"trace": run("mocha", systems, local_frac=frac)}
     out["drops"] = drops
@@ -264,8 +264,8 @@ def full_method_drops(train: MTLData, test: MTLData, lam: float, scale: float = 
     """The full method (Omega learned) under drops: final objective and test error per drop setting."""
     out = {}
     for label, systems in (
-        ("p=0", SystemsModel()), ("p=0.5", SystemsModel(drop_prob=0.5)), ("p=0.8", SystemsModel(drop_prob=0.8)),
-        ("never_node0", SystemsModel(never_respond=[0])),
+        ("p=0", SystemsConfig()), ("p=0.5", SystemsConfig(drop_prob=0.5)), ("p=0.8", SystemsConfig(drop_prob=0.8)),
+        ("never_node0", SystemsConfig(never_respond=[0])),
     ):
         cfg = MochaConfig(lam=lam, outer=10, inner=max(5, int(100 * scale)), local_frac=0.5, record_every=10)
         res = solve(train, cfg, TaskCovariance(), systems)

@@ -44,7 +44,7 @@ import numpy as np
 from ..data.federated import DataError
 from ..data.synthetic import related_task_arrays
 from ..data.vision import fmnist_pair_arrays
-from ..engine.systems import SystemsModel
+from ..engine.systems import SystemsConfig
 from ..mtl.problem import MTLData, error_rate
 from ..runs.report import write_table
 from .mocha import Tasks, _split, cv_lambda, fit
@@ -151,8 +151,8 @@ def table4(tasks: Tasks, splits: int = 5, seed: int = 0, rounds_scale: float = 1
         for k in ("global", "local", "mtl"):
             errs[k].append(100.0 * float(error_rate(test, fit(k, train, lams[k], s, rounds_scale)).mean()))
         lam = lams["mtl"]
-        for k, systems in (("mtl_stragglers", SystemsModel(variability="high")),
-                           ("mtl_drops", SystemsModel(drop_prob=0.5))):
+        for k, systems in (("mtl_stragglers", SystemsConfig(variability="high")),
+                           ("mtl_drops", SystemsConfig(drop_prob=0.5))):
             W = fit("mtl", train, lam, s, rounds_scale, systems)
             errs[k].append(100.0 * float(error_rate(test, W).mean()))
         nodes, owner = spread(tr, rng)

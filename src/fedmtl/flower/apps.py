@@ -110,9 +110,9 @@ class NodeCache:
 class RunCaches:
     """A ``NodeCache`` per run id, the ``keep`` most recent runs.  Flower's simulation engine (1.42) builds the
     ClientApp anew for every message inside a long-lived Ray actor, so a cache owned by the app would be empty at
-    every message (each train message rebuilt the node's data: 1.0 s of a 2.6 s round, measured); one instance of
-    this class per process (``PROCESS_RUNS``) keeps it warm.  Keyed by run id: a new run, a resumed server
-    included, never sees another run's client states, as a fresh ClientApp process would not."""
+    every message (each train message would build the node's data again); one instance of this class per process
+    (``PROCESS_RUNS``) keeps it warm.  Keyed by run id: a new run, a resumed server included, never sees another
+    run's client states, as a fresh ClientApp process would not."""
 
     def __init__(self, keep: int = 2) -> None:
         from collections import OrderedDict

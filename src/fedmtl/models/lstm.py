@@ -5,12 +5,10 @@ slow per-sample path, so the forward pass is written with matrix products (``lst
 input projections of all time steps in one product per layer, then the recurrence; vmap over clients
 turns those into batched products.  It reads ``nn.LSTM``'s own parameters (gate order i, f, g, o) and
 equals the module's output (tested).  Outside torch.func transforms (the loop runner, evaluation on
-one client) the module itself runs, with nn.LSTM's fused CPU kernel and plain autograd: on 2 CPU cores
-that is ~5x faster than any batched form written with matmuls here, so the ``auto`` runner loops over
-clients for this model on CPU.  On a GPU too: vmapped, each step dispatches the recurrence's small batched
-operations one by one (thousands per step) where cuDNN runs one fused kernel per client (an H100, 100
-Shakespeare clients: the vmap runner 2.8 s a round against 2.1 s for the loop).  The prediction is made from the
-last time step.
+one client) the module itself runs, with nn.LSTM's fused CPU kernel and plain autograd, faster than any
+batched form written with matmuls here, so the ``auto`` runner loops over clients for this model on CPU.  On a
+GPU too: vmapped, each step dispatches the recurrence's small batched operations one by one (thousands per step)
+where cuDNN runs one fused kernel per client.  The prediction is made from the last time step.
 """
 
 from __future__ import annotations

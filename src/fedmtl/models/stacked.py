@@ -29,8 +29,8 @@ Layers = Sequence[tuple[str, str | None]]  # (weight name, bias name or None) of
 
 
 # At most this many output rows (M x out), a layer's product is formed transposed, w @ a^T: a GEMM with a few long
-# rows runs at twice the speed of a @ w^T with a few short columns under vmap on CPU (measured, 100-300 clients x
-# 128 x 150: 1.6 against 3.2-3.7 ms for 1 and 3 rows; from 10 rows the usual layout is faster).  Same sums.
+# rows runs faster than a @ w^T with a few short columns under vmap on CPU (from about 10 rows the usual layout is
+# faster).  Same sums.
 NARROW = 4
 
 
@@ -39,8 +39,7 @@ def _affine(a: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     Narrow layers (binary heads, FedEM's linear components) return a transposed view of w @ a^T + b."""
     if a.dim() == 2 and w.dim() == 3:  # a shared input, M stacked layers: one GEMM against all M x out rows
         m, o, i = w.shape
-        if m * o <= NARROW and not eager():  # under vmap only: one eager product over many rows is ~9x faster as
-            # a @ w^T (measured: 67,758 x 150 -> 3, 2 threads, 17.8 against 1.9 ms)
+        if m * o <= NARROW and not eager():  # under vmap only: one eager product over many rows is faster as a @ w^T
             flat = w.reshape(m * o, i)
             zt = flat @ a.T if b is None else torch.addmm(b.reshape(m * o, 1), flat, a.T)
             return zt.reshape(m, o, a.shape[0]).transpose(1, 2)  # (M, n, out), a view

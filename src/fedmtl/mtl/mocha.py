@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.systems import SystemsModel, TimeModel
+from ..engine.systems import SystemsConfig, TimeModel
 from .omega import Regularizer, identity, sigma_prime
 from .problem import Loss, MTLData, dual, dual_B, get_loss, primal, w_of
 
@@ -181,7 +181,7 @@ def local_gap(data: MTLData, loss: Loss, beta: np.ndarray, dbeta: np.ndarray, W:
 
 
 def solve(
-    data: MTLData, cfg: MochaConfig, reg: Regularizer | None = None, systems: SystemsModel | None = None,
+    data: MTLData, cfg: MochaConfig, reg: Regularizer | None = None, systems: SystemsConfig | None = None,
     time_model: TimeModel | None = None, p_star: float | None = None,
 ) -> MochaResult:
     """Run ``cfg.method`` for ``cfg.outer`` x ``cfg.inner`` rounds; the trace holds, per recorded round,
@@ -190,7 +190,7 @@ def solve(
     P(W), dual D(beta) and their gap (SDCA methods), and ``subopt = P - p_star`` when ``p_star`` is given."""
     loss = get_loss(cfg.loss)
     reg = reg or identity(data.m, float(data.m))
-    systems = systems or SystemsModel()
+    systems = systems or SystemsConfig()
     systems = dataclasses.replace(systems, mode="wait" if cfg.method == "cocoa" else "deadline")
     time_model = time_model or systems.time_model
     unit = 1.0 if time_model.network == "paper" else float(data.d)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from .. import tree as T
-from ..files import check_file
 from ..engine.round import EngineState
+from ..files import check_file
 
 FORMAT = "fedmtl-checkpoint/2"
 
@@ -74,8 +74,8 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
         "server": {k: v.detach().cpu() for k, v in T.to_named(state.server).items()},
         "clients": clients, "history": state.history, "counters": state.counters, "config": config,
     }
-    if state.aux is not None:
-        payload["async"] = state.aux.named()
+    if state.asynchronous is not None:
+        payload["async"] = state.asynchronous.named()
     if base is not None:
         payload["base_sha256"] = base
     if evaluation is not None:

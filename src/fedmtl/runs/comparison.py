@@ -31,11 +31,10 @@ from ..engine.evaluation import (
     SEEN_TEST_ACC_P10,
     UNSEEN_TEST_ACC_MEAN,
 )
-from .seeds import history_stats, stats
-from ..files import read_json, read_text
-from ..files import atomic
-from .report import MAX_WIDTH_IN, plot_bands, save_figure, write_json
+from ..files import atomic, read_json, read_text
 from ..schema import shown
+from .report import MAX_WIDTH_IN, plot_bands, save_figure, write_json
+from .seeds import history_stats, stats
 
 METRICS = [(SEEN_TEST_ACC_MEAN, "avg"), (SEEN_TEST_ACC_P10, "p10 (bottom decile)"),
            (SEEN_TEST_ACC_BOTTOM10_MEAN, "worst 10% mean"), (UNSEEN_TEST_ACC_MEAN, "unseen avg"),

@@ -32,23 +32,23 @@ from .. import tree as T
 from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
-from ..machine import torch_device
-from ..model import Model
-from .progress import Progress
-from ..files import atomic
-from .report import plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json
-from ..robust.attacks import flip_labels
-from ..tree import Tree
-from . import checkpoint
 from ..engine.clients import Clients, LocalClients, RoundPlan, TrainOut, evaluate_together, train_together
 from ..engine.distributed import DistributedClients, Group, owned, shard
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, summarize
 from ..engine.executors import Executor, StackedExecutor, make_executor
 from ..engine.resident import place
 from ..engine.round import Engine, EngineState, Federation
-from .rundir import COMMIT, NEXT, RunDirectory, RunDirError, check_resumable
 from ..engine.spec import RunSpec
 from ..engine.store import StoreError
+from ..files import atomic
+from ..machine import torch_device
+from ..model import Model
+from ..robust.attacks import flip_labels
+from ..tree import Tree
+from . import checkpoint
+from .progress import Progress
+from .report import plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json
+from .rundir import COMMIT, NEXT, RunDirectory, RunDirError, check_resumable
 
 log = logging.getLogger("fedmtl")
 
@@ -340,8 +340,8 @@ def _batchable(reps: list[Replica]) -> bool:
     """Several replicas simulated in this process over one dataset (a label-flipping attack gives each replica
     its own flipped copy: those run one after the other), on a vmap or loop executor.  The stacked executor already
     runs a replica's clients as one computation per local step, so it runs the replicas one after the other: merged,
-    every client would carry its replica's own model, which costs FedEM its shared E-step (five FedEM seeds trained
-    in 39 s merged against 5 x 5.2 s apart, measured).  Asynchronous runs (``[async]``) run one after the other."""
+    every client would carry its replica's own model, which costs FedEM its shared E-step (the handbook's Seeds
+    results page).  Asynchronous runs (``[async]``) run one after the other."""
     local = [rep.engine.clients for rep in reps if isinstance(rep.engine.clients, LocalClients)]
     return (len(reps) > 1 and len(local) == len(reps) and all(c.data is local[0].data for c in local)
             and not isinstance(local[0].executor, StackedExecutor)

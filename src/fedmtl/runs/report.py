@@ -6,18 +6,15 @@ import contextlib
 import csv
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
-from ..files import atomic
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, SEEN_TRAIN_ACC_MEAN, UNSEEN_TEST_ACC_MEAN
-
+from ..files import atomic
 
 # a context variable (set by ``quick_mode`` for its block), not process-wide state
 _QUICK: ContextVar[bool] = ContextVar("fedmtl_quick_mode", default=False)

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, load, parse_override
-from .driver import run_experiment
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..files import atomic
-from .report import save_figure, style, write_json
 from ..schema import shown
+from .driver import run_experiment
+from .report import save_figure, style, write_json
 
 #: at most this many settings (the product of the swept values) in one sweep
 MAX_SETTINGS = 1000

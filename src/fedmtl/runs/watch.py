@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from .rundir import alive, read_lock, seed_dirs
 from ..files import FileCheckError, read_text
+from .rundir import alive, read_lock, seed_dirs
 
 _LIMIT = 64 << 20  # bytes read of metrics.csv (a run of a million rounds stays below)
 _JSON_LIMIT = 16 << 20  # bytes read of summary.json and progress.json
