@@ -93,20 +93,40 @@ seed = 5
 """
 
 
-def _flower_equals_in_process(raw, tmp_path):
-    """A Flower simulation of config ``raw`` gives the in-process run's server state and final metrics."""
+def _flower_equals_in_process(raw, tmp_path, wire=False, nodes=0):
+    """A Flower simulation of config ``raw`` gives the in-process run's server state and final metrics.
+    ``wire``: the ServerApp and the ClientApps' handlers over ``fedmtl.flower.loopback.WireGrid`` instead of
+    Flower's simulation engine: every message through Flower's protobuf both ways, one ``Context`` and node cache
+    per SuperNode kept across rounds, without Ray (the simulation engine's own path is what the ``wire=False``
+    tests check; the method-specific payloads and replies are what the others check)."""
     import tomllib
 
     from fedmtl.flower.simulation import simulate
 
     text = dumps(validate(tomllib.loads(raw)).raw)
-    res = simulate(text, out=tmp_path / "run")
+    if wire:
+        from fedmtl.flower.apps import ServerOptions, server_main
+        from fedmtl.flower.loopback import WireGrid, server_identity
+
+        n = validate(tomllib.loads(text)).build_data().seen.num_clients
+        parts = _partition(n, nodes or n)
+        with server_identity():
+            res = server_main(WireGrid(text, {100 + i: {"partition-ids": p} for i, p in enumerate(parts)}), text,
+                              ServerOptions(out=str(tmp_path / "run"), num_nodes=len(parts)))
+    else:
+        res = simulate(text, out=tmp_path / "run", nodes=nodes)
     st, final = _in_process(text)
     for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
         assert torch.allclose(a.double(), b.double(), atol=1e-5)
     for key, v in final.items():
         assert abs(res.final[key] - v) < 1e-5, key
     return res
+
+
+def _partition(n, nodes):
+    """``n`` clients in ``nodes`` contiguous blocks, as a SuperNode's ``partition-ids`` values ("0-2", "3")."""
+    bounds = [round(i * n / nodes) for i in range(nodes + 1)]
+    return [f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _in_process(text):
@@ -160,7 +180,8 @@ def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
     global model, FedEM's mixture, Clustered FL's split clusters, MOCHA with stragglers, and D-FedEM / D-SGD
     as server-relayed gossip (their personalized models live on the nodes: the metrics are the check)."""
     raw = MOCHA_CONFIG if alg == "mocha" else CONFIG.format(alg=alg, extra=extra, k=k)
-    res = _flower_equals_in_process(raw, tmp_path)
+    # FedEM and FedAvg through Flower's simulation engine (Ray actors); the others' messages over WireGrid
+    res = _flower_equals_in_process(raw, tmp_path, wire=alg not in ("fedem", "fedavg"))
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
     if alg == "clustered":
         assert int(res.server.assign.max()) >= 1  # the split happened, and reached the clients over Flower
@@ -178,18 +199,9 @@ def test_robust_aggregation_attacks_and_privacy_over_flower_equal_the_simulator(
     result (an omniscient attack and bucketing's per-round permutation included; DP noise drawn from the run's
     seed with reproducible_noise: the secure default differs between any two runs).  A robust aggregator and
     [privacy] exclude each other (the noised mean is the mechanism)."""
-    import tomllib
-
-    from fedmtl.flower.simulation import simulate
-
     raw = CONFIG.format(alg="fedem", extra="num_components = 2", k=0) + "\n" + tables
-    text = dumps(validate(tomllib.loads(raw)).raw)
-    res = simulate(text, out=tmp_path / "run", nodes=2)
-    st, final = _in_process(text)
-    for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
-        assert torch.allclose(a.double(), b.double(), atol=1e-5)
-    for key, v in final.items():
-        assert abs(res.final[key] - v) < 1e-5, key
+    # [robust] through Flower's simulation engine; [privacy] (the same server-side pipeline) over WireGrid
+    res = _flower_equals_in_process(raw, tmp_path, wire="[privacy]" in tables, nodes=2)
     assert len(res.summary["attackers"]) == 1
     if "[privacy]" in tables:
         assert 0 < res.summary["epsilon"] < float("inf")
@@ -504,7 +516,7 @@ def test_the_field_s_shared_baselines_over_flower_equal_the_simulator(alg, extra
     """The methods every peer library ships run over Flower as in-process: the same server state and metrics (an MLP,
     so that the body/head methods have a head)."""
     _flower_equals_in_process(CONFIG.format(alg=alg, extra=extra, k=0).replace(
-        '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]'), tmp_path)
+        '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]'), tmp_path, wire=True)
 
 
 @pytest.mark.slow
@@ -516,7 +528,7 @@ def test_the_field_s_shared_baselines_over_flower_equal_the_simulator(alg, extra
 def test_adapters_over_flower_equal_the_simulator(tmp_path):
     raw = CONFIG.format(alg="fedsa_lora", extra="", k=0).replace(
         '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]\n\n[model.adapters]\nrank = 2\nalpha = 4.0')
-    res = _flower_equals_in_process(raw, tmp_path)
+    res = _flower_equals_in_process(raw, tmp_path, wire=True)
     assert {k.rsplit(".", 1)[-1].strip("[]'\"") for k in T.to_named(res.server)} == {"lora_A", "lora_B"}
 
 
