@@ -12,7 +12,7 @@ from torch import nn
 
 import fedmtl
 from fedmtl import tree as T
-from fedmtl.model import Model
+from fedmtl.models.base import Model
 from fedmtl.models.clientstack import LOOP, STACKED, VMAP, ClientsForm
 
 

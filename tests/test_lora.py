@@ -13,7 +13,7 @@ from torch import nn
 import fedmtl
 from fedmtl import tree as T
 from fedmtl.config import ConfigError, apply_overrides, dumps, validate
-from fedmtl.model import Model, ModelError
+from fedmtl.models.base import Model, ModelError
 from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names
 from fedmtl.models.peft_folder import load_peft, save_peft
 

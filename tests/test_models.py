@@ -140,7 +140,7 @@ def test_a_users_relu_mlp_runs_the_closed_form_and_equals_its_module():
     forward and gradient equal autograd through the module; anything else keeps the module path."""
     from torch import nn
 
-    from fedmtl.model import Model
+    from fedmtl.models.base import Model
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Flatten(), nn.Linear(12, 7), nn.ReLU(), nn.Dropout(0.0), nn.Linear(7, 3))
@@ -228,7 +228,7 @@ def test_fedem_with_a_module_model_loops_its_components_and_equals_vmap():
 @pytest.mark.parametrize("flatten,shape", [(True, (5, 28, 28)), (False, (5, 3, 8, 8))])
 def test_image_normalize_into_a_workspace_equals_the_transform(flatten, shape):
     """The stacked executor converts a round's images into one reused buffer: the same bits as the transform."""
-    from fedmtl.model import ImageNormalize
+    from fedmtl.models.inputs import ImageNormalize
 
     t = ImageNormalize((0.5, 0.4, 0.3)[: shape[1] if len(shape) == 4 else 1], (0.2, 0.25, 0.3)[
         : shape[1] if len(shape) == 4 else 1], flatten)

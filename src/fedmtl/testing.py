@@ -57,7 +57,7 @@ from .data.federated import FederatedData
 from .engine.evaluation import SEEN_TEST_LOSS, SEEN_TRAIN_LOSS, summarize
 from .engine.round import Engine
 from .engine.spec import RunConfig, RunSpec
-from .model import Model
+from .models.base import Model
 from .optim import SGD
 from .privacy import PrivacyConfig
 from .runs import checkpoint

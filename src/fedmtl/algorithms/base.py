@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .. import tree as T
 from ..data.federated import Orders, epoch_orders, steps_per_epoch
-from ..model import Model
+from ..models.base import Model
 from ..optim import SGD, Batches
 from ..schema import check_fields
 from ..tree import Combine, Params, Tree, TreeT

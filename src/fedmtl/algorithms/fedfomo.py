@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params

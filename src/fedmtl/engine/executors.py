@@ -39,7 +39,7 @@ from ..data.federated import (
     steps_per_epoch,
     usable_counts,
 )
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches, ClientBatches, with_all_live
 from .resident import to_device
 

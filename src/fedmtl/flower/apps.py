@@ -49,7 +49,7 @@ from ..engine.clients import LocalClients
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
 from ..files import check_file
-from ..model import Model
+from ..models.base import Model
 from ..ranges import parse_ids
 from ..runs.driver import RunResult, drive
 from ..runs.progress import Progress, format_row

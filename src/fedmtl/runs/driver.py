@@ -33,7 +33,7 @@ from ..algorithms.base import Algorithm
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import DataError, FederatedData
 from ..machine import torch_device
-from ..model import Model
+from ..models.base import Model
 from .progress import Progress
 from ..files import atomic
 from .report import plot_history, run_figures_on, write_clients_csv, write_history_csv, write_json

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import FederatedData
-from ..model import Model
+from ..models.base import Model
 from ..files import atomic
 from .report import plot_bands, run_figures_on, write_json
 from .driver import Replica, RunResult, build_local, drive_many, prepare

@@ -24,19 +24,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from . import batchnorm
-from .transforms import eager
-from .tree import Params
+from .. import batchnorm
+from ..transforms import eager
+from ..tree import Params
+from .inputs import Chain, Flatten
+from .parts import ModelError, default_head, dense_layers, split_names, value_and_grad_of
 
 if TYPE_CHECKING:
-    from .models.clientstack import ClientsForm
-    from .models.lora import AdapterConfig
+    from .clientstack import ClientsForm
+    from .lora import AdapterConfig
 
 log = logging.getLogger("fedmtl")
-
-
-class ModelError(ValueError):
-    """A model that cannot be used (wrong kind of object, or incompatible with the data)."""
 
 
 @dataclass(frozen=True)
@@ -249,7 +247,7 @@ class Model:
             raise ModelError(f"Model.from_module init must be 'seeded' or 'module', got {init!r}")
         adapter_cfg = None
         if adapters is not None:
-            from .models.lora import AdapterConfig, apply_adapters
+            from .lora import AdapterConfig, apply_adapters
 
             try:
                 adapter_cfg = AdapterConfig.of(adapters)
@@ -262,14 +260,14 @@ class Model:
         fast: dict[str, Any] = {}
         dense = dense_layers(module, output == "binary")
         if dense is not None:  # a ReLU MLP: the stacked closed form (the built-in mlp's fast paths)
-            from .models.stacked import mlp_functions
+            from .stacked import mlp_functions
 
             layers, flatten = dense
             fast = {"stacks": True, **mlp_functions(layers, output == "binary")._asdict()}
             if flatten:  # the module's leading nn.Flatten, done before the closed form (a no-op in the module then)
                 input_transform = Chain(input_transform, Flatten()) if input_transform is not None else Flatten()
         else:  # any other module: its clients form where its layers have stacked forms (verified on the data first)
-            from .models.clientstack import ClientsForm
+            from .clientstack import ClientsForm
 
             fast = {"clients_form": ClientsForm.of(module)}
         recurrent = any(isinstance(m, nn.RNNBase) for m in module.modules())
@@ -694,143 +692,3 @@ class Compiled:
 
 class _Captured(Exception):
     """Stops a forward pass once the head's input is captured (``Model.features``)."""
-
-
-def split_names(params: Params, names: tuple[str, ...]) -> tuple[Params, Params]:
-    """(the entries not in ``names``, the entries in ``names``), both in ``params``' order (body/head, FedBN's
-    shared/local split)."""
-    chosen = set(names)
-    return ({k: v for k, v in params.items() if k not in chosen}, {k: v for k, v in params.items() if k in chosen})
-
-
-def default_head(module: nn.Module) -> tuple[str, ...] | None:
-    """The parameters of the last sub-module (in registration order) that owns parameters, when other parameters
-    lie below it; ``None`` for a one-layer module."""
-    owners = [(name, m) for name, m in module.named_modules() if any(True for _ in m.parameters(recurse=False))]
-    if len(owners) < 2:
-        return None
-    name, last = owners[-1]
-    return tuple(f"{name}.{p}" if name else p for p, _ in last.named_parameters(recurse=False))
-
-
-def value_and_grad_of(fn: Callable[[Params], Tensor], params: Params) -> tuple[Params, Tensor]:
-    """(gradient of the scalar ``fn(params)`` w.r.t. ``params``, its value) for a loss of an algorithm's own:
-    plain autograd outside torch.func transforms (the loop runner), ``torch.func.grad_and_value`` inside (vmap)."""
-    if eager():
-        with torch.enable_grad():
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            loss = fn(leaves)
-            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        out = {k: torch.zeros_like(v) if g is None else g.contiguous() for (k, v), g in zip(params.items(), grads,
-                                                                                          strict=True)}
-        return out, loss.detach()
-    return grad_and_value(fn)(params)
-
-
-# --------------------------------------------------------------------------------------------
-# Input transforms: data is stored compactly (uint8 images, uint8 characters), converted on the fly.
-
-
-def dense_layers(module: nn.Module, binary: bool) -> tuple[list[tuple[str, str | None]], bool] | None:
-    """The dense layers of a ReLU MLP written as an ``nn.Sequential`` (an optional leading ``nn.Flatten``, then
-    ``nn.Linear`` layers separated by ``nn.ReLU``, ending with a ``nn.Linear``; ``nn.Identity`` and ``nn.Dropout(p=0)``
-    anywhere): ((weight name, bias name) per layer, has the flatten), or None for any other module (which keeps the
-    module's autograd path).  What the user's module computes is exactly ``models.stacked.mlp_forward``'s."""
-    if not isinstance(module, nn.Sequential):
-        return None
-    items = [(name, m) for name, m in module.named_children()
-             if not isinstance(m, nn.Identity) and not (isinstance(m, nn.Dropout) and m.p == 0)]
-    flatten = bool(items) and isinstance(items[0][1], nn.Flatten)
-    if flatten:
-        fl = items[0][1]
-        if isinstance(fl, nn.Flatten) and (fl.start_dim, fl.end_dim) != (1, -1):
-            return None
-        items = items[1:]
-    layers: list[tuple[str, str | None]] = []
-    for i, (name, m) in enumerate(items):
-        want_linear = i % 2 == 0
-        if want_linear and isinstance(m, nn.Linear):
-            layers.append((f"{name}.weight", f"{name}.bias" if m.bias is not None else None))
-        elif not want_linear and isinstance(m, nn.ReLU):
-            continue
-        else:
-            return None
-    if not layers or len(items) % 2 == 0:  # ends with a ReLU, or empty
-        return None
-    if binary and module.get_submodule(layers[-1][0].rsplit(".", 1)[0]).out_features != 1:
-        return None
-    return layers, flatten
-
-
-class Chain:
-    """Two input transforms, one after the other."""
-
-    def __init__(self, first: Callable[[Tensor], Tensor], second: Callable[[Tensor], Tensor]):
-        self.first, self.second = first, second
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.second(self.first(x))
-
-
-class ImageNormalize:
-    """uint8 images -> float (x / 255 - mean) / std, shaped (n, C, H, W) or flattened (n, C*H*W)."""
-
-    def __init__(self, mean: float | tuple[float, ...], std: float | tuple[float, ...], flatten: bool):
-        self.mean = torch.tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
-        self.flatten = flatten
-        self._consts: dict[torch.device, tuple[Tensor, Tensor]] = {}
-
-    def _on(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(shift, scale) of the fused multiply-add on ``device``, copied there once (not once per call)."""
-        c = self._consts.get(device)
-        if c is None:
-            c = self._consts[device] = ((-self.mean / self.std).to(device), (1.0 / (255.0 * self.std)).to(device))
-        return c
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if x.dim() == 3:  # (n, H, W) grey images
-            x = x.unsqueeze(1)
-        # (x / 255 - mean) / std as one fused multiply-add on the converted batch (two passes instead of four)
-        shift, scale = self._on(x.device)
-        x = torch.addcmul(shift, x.to(torch.float32), scale)
-        return x.flatten(1) if self.flatten else x
-
-    def into(self, x: Tensor, out: Tensor) -> Tensor:
-        """``self(x)`` written into the float32 storage ``out`` (at least as many elements) without a converted copy
-        of ``x`` in between: the stacked executor reuses one workspace for a round's batches, which saves the
-        conversion pass and the page faults of a fresh buffer each round.  The same values as ``self(x)``
-        (tested)."""
-        if x.dim() == 3:
-            x = x.unsqueeze(1)
-        o = out[:x.numel()].view(x.shape)
-        shift, scale = self._on(x.device)
-        torch.addcmul(shift, x, scale, out=o)
-        return o.flatten(1) if self.flatten else o
-
-
-class Flatten:
-    """Flattens (n, ...) features to (n, d) float32 (also the cast of compactly stored float16 features)."""
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return x.flatten(1).to(torch.float32)
-
-
-class ToFloat32:
-    """Casts compactly stored (float16) features to float32 on the fly, keeping their shape."""
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return x.to(torch.float32)
-
-
-def input_transform_for(
-    input_shape: tuple[int, ...], meta: dict[str, object] | None, flatten: bool
-) -> Callable[[Tensor], Tensor] | None:
-    meta = meta or {}
-    if meta.get("input") == "image":
-        return ImageNormalize(meta.get("mean", 0.0), meta.get("std", 1.0), flatten)  # type: ignore[arg-type]
-    if flatten and (len(input_shape) > 1 or meta.get("input") == "float16"):
-        return Flatten()
-    if meta.get("input") == "float16":
-        return ToFloat32()
-    return None
