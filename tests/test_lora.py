@@ -125,7 +125,7 @@ def test_methods_on_adapters_equal_across_executors_and_keep_the_base(alg, extra
     ref = runs["loop"]
     from fedmtl.algorithms import ALGORITHMS
 
-    stacks = ALGORITHMS[alg].stacked_clients  # a method without a stacked form runs vmap when asked for stacked
+    stacks = ALGORITHMS[alg].clients_form()  # a method without a stacked form runs vmap when asked for stacked
     for runner, res in runs.items():
         assert res.summary["path"]["executor"] == (runner if runner != "stacked" or stacks else "vmap")
         for a, b in zip(T.leaves(res.server), T.leaves(ref.server), strict=True):

@@ -19,7 +19,7 @@ model, momentum SGD), each with tolerances that a wrong algorithm fails:
   client state has tensors);
 * ``loop_equals_vmap``: the ``loop`` and ``vmap`` executors give the same server, client states, losses and
   evaluation (half the clients sampled, two local epochs), and grouping clients differently into vmap calls
-  (no bucketing; chunks of 3) changes nothing; for an algorithm with a clients form (``stacked_clients``) on a
+  (no bucketing; chunks of 3) changes nothing; for an algorithm with a clients form (``client_update_clients``) on a
   model with one, the ``stacked`` executor gives the same too (with stragglers, drops and chunks of 3 as well);
 * ``no_input_mutation``: the payload, the states and the data are not modified in place;
 * ``deterministic``: the same seed gives identical rounds and evaluation, another seed different ones;
