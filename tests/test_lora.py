@@ -16,6 +16,7 @@ from fedmtl.config import ConfigError, apply_overrides, dumps, validate
 from fedmtl.models.base import Model, ModelError
 from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names
 from fedmtl.models.peft_folder import load_peft, save_peft
+from fedmtl.models.stacking import verify_clients
 
 CONFIG = """
 [data]
@@ -147,7 +148,7 @@ def test_the_stacked_twin_holds_the_modules_base_after_the_module_moves():
                               adapters={"rank": 2, "target": ["1.0", "1.2"]})
     form = model.clients_form
     assert form is not None
-    model.verify_clients(torch.randint(0, 7, (6,)))
+    verify_clients(model, torch.randint(0, 7, (6,)))
     model.module.to("meta")
     form.to(torch.device("meta"))
     held = {id(b) for b in model.module.buffers()}

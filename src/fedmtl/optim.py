@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .batchnorm import is_statistic
+from .models import stacking
 from .models.base import Model
 from .models.stacked import Step
 from .schema import Annotated, Range, check_fields, shown
@@ -230,7 +231,7 @@ def local_sgd(
     once on the stacked executor: ``local_sgd_clients``.
 
     ``sample_weight`` (..., S0 * B) are per-sample weights indexed by ``batches.pos`` (FedEM's q; a
-    leading axis when ``params`` are M stacked models and ``grad_fn`` is ``Model.value_and_grad_stacked``,
+    leading axis when ``params`` are M stacked models and ``grad_fn`` is ``models.stacking.value_and_grad_stacked``,
     whose loss is then an (M,) vector).
     ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient, ``grad_shift`` a
     constant vector (SCAFFOLD's control-variate correction c - c_i, FedDyn's -h_i).
@@ -354,7 +355,7 @@ def local_sgd_clients(
     """``local_sgd`` of ``model`` for K clients at once (the ``stacked`` executor: an algorithm's
     ``client_update_clients``): returns (K stacked params, (K,) mean losses).
 
-    The gradients are ``Model.value_and_grad_clients`` (one model per client, as ``local_sgd`` on
+    The gradients are ``models.stacking.value_and_grad_clients`` (one model per client, as ``local_sgd`` on
     ``Model.value_and_grad``) or, with ``components``, ``value_and_grad_clients_stacked`` (M components per client,
     FedEM's, as ``local_sgd`` on ``value_and_grad_stacked``; losses (K, M)), on the live prefix of the clients at
     every step: step s updates, in place, the first ``batches.live[s]`` clients' parameters (views of the stacked
@@ -363,11 +364,11 @@ def local_sgd_clients(
     ``sample_weight`` (..., N0) are per-sample weights of the clients' packed first epochs, indexed by
     ``batches.pos``.  The same arithmetic as ``local_sgd`` per client (tested against the loop executor to rounding:
     the batched products sum in another order)."""
-    if not model.supports_clients:
-        raise StackedUnsupported(f"model {model.name!r} has no clients form (Model.supports_clients): the "
+    if not stacking.supports_clients(model):
+        raise StackedUnsupported(f"model {model.name!r} has no clients form (models.stacking.supports_clients): the "
                                  "stacked executor cannot run its local SGD")
     lead = 1 if components else 0
-    clients_grad = model.value_and_grad_clients_stacked if components else model.value_and_grad_clients
+    clients_grad = stacking.value_and_grad_clients_stacked if components else stacking.value_and_grad_clients
     k = batches.n.shape[0]
     template = dict(model.module.named_parameters())
 
@@ -404,7 +405,7 @@ def local_sgd_clients(
             step = Step(float(lr), mom, wd, {name: v[:n] for name, v in buf.items()} if mom > 0 else None)
             loss = fused(view, xs, ys, ms, w, step) if lead else fused(view, xs, ys, ms, step)
         else:
-            g, loss = clients_grad(view, xs, ys, ms, w)
+            g, loss = clients_grad(model, view, xs, ys, ms, w)
             _update(view, g, buf, n, k, lr, mom, wd, mu, center, shift)
         losses[:n] += loss.detach().to(torch.float32)
         steps[:n] += 1.0

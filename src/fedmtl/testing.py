@@ -58,6 +58,7 @@ from .engine.evaluation import SEEN_TEST_LOSS, SEEN_TRAIN_LOSS, summarize
 from .engine.round import Engine
 from .engine.spec import RunConfig, RunSpec
 from .models.base import Model
+from .models.stacking import supports_clients
 from .optim import SGD
 from .privacy import PrivacyConfig
 from .runs import checkpoint
@@ -255,7 +256,7 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
         outs.append((st.server, all_client_states(eng)))
     _close(outs[0], outs[1], 1e-6, "grouping clients into vmap calls changed the result")
     eng = sim()
-    if not (eng.alg.clients_form() and eng.model.supports_clients):
+    if not (eng.alg.clients_form() and supports_clients(eng.model)):
         return
     from .engine.systems import SystemsModel
 

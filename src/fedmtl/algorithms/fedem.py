@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
+from ..models.stacking import apply_stacked, clients_components_logits, stacked_grad
 from ..optim import Batches, ClientBatches, StackedUnsupported, first_epoch, local_sgd, local_sgd_clients
 from ..schema import Annotated, Range
 from ..tree import Params
@@ -113,7 +114,7 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
 
     def component_nll(self, ctx: Context, comps: Params, x: Tensor, y: Tensor) -> Tensor:
         """(M, n) per-sample loss of every component."""
-        return ctx.model.nll(ctx.model.apply_stacked(comps, x), y)
+        return ctx.model.nll(apply_stacked(ctx.model, comps, x), y)
 
     @staticmethod
     def e_step(log_pi: Tensor, nll: Tensor) -> tuple[Tensor, Tensor]:
@@ -135,7 +136,7 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
         pi = torch.where(kept > 0, (q * mask).sum(-1) / kept.clamp_min(1.0), state.pi.to(q.dtype))  # (M,)
 
         # M-step: all M components at once (stacked params, per-component weights q (M, S0*B))
-        comps, m_loss = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
+        comps, m_loss = local_sgd(stacked_grad(ctx.model), payload, batches, lr, ctx.opt, sample_weight=q)
         return comps, MixtureWeights(pi.to(state.pi.dtype)), m_loss.sum(-1)
 
     def client_update_clients(
@@ -148,7 +149,7 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
             raise StackedUnsupported("FedEM's clients' batches need their first epochs (stacked_first_epoch)")
         x, y, owner, mask = batches.first
         k = batches.n.shape[0]
-        nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x), y)  # (M, N0)
+        nll = ctx.model.nll(clients_components_logits(ctx.model, payload, x), y)  # (M, N0)
         q, _ = self.e_step(torch.log(states.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0)
         kept = mask.new_zeros(k).index_add_(0, owner, mask).unsqueeze(-1)  # (K, 1): as client_update's ``kept``
         pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, (q * mask).T) / kept.clamp_min(1.0)  # (K, M)
@@ -181,6 +182,6 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
 
     def predict_log_proba(self, ctx: Context, eval_state: MixtureEval, x: Tensor) -> Tensor:
         """log sum_m pi_m p_m(y | x): (n, C), a mixture of probabilities (Eq. 6)."""
-        logp = ctx.model.log_proba(ctx.model.apply_stacked(eval_state.components, x))  # (M, n, C)
+        logp = ctx.model.log_proba(apply_stacked(ctx.model, eval_state.components, x))  # (M, n, C)
         log_pi = torch.log(eval_state.pi).to(logp.dtype).view(-1, 1, 1)
         return torch.logsumexp(logp + log_pi, dim=0)
