@@ -24,8 +24,8 @@ from fedmtl.data.federated import FederatedData
 from fedmtl.data.synthetic import fedem_synthetic
 from fedmtl.engine.executors import make_executor
 from fedmtl.engine.spec import RunConfig, RunSpec
-from fedmtl.model import Model
 from fedmtl.models import build_model
+from fedmtl.models.base import Model
 from fedmtl.optim import SGD
 from fedmtl.runs.driver import make_engine
 from fedmtl.runs.report import write_json

@@ -49,7 +49,7 @@ from fedmtl.data.federated import FederatedData
 from fedmtl.data.vision import fmnist_peer_workload
 from fedmtl.engine.executors import make_executor
 from fedmtl.engine.spec import RunConfig, RunSpec
-from fedmtl.model import Model
+from fedmtl.models.base import Model
 from fedmtl.optim import SGD
 from fedmtl.runs.driver import make_engine
 from fedmtl.runs.report import write_json

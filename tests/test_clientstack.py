@@ -12,8 +12,9 @@ from torch import nn
 
 import fedmtl
 from fedmtl import tree as T
-from fedmtl.model import Model
+from fedmtl.models.base import Model
 from fedmtl.models.clientstack import LOOP, STACKED, VMAP, ClientsForm
+from fedmtl.models.stacking import clients_paths, supports_clients, value_and_grad_clients
 
 
 class Seq(nn.Module):
@@ -82,7 +83,7 @@ def _check_clients(model: Model, x: torch.Tensor, classes: int) -> None:
     ys = torch.randint(0, classes, (k, n), generator=gen)
     mask = torch.ones(k, n)
     mask[2, -1] = 0  # a short batch
-    grads, losses = model.value_and_grad_clients(params, xs, ys, mask)
+    grads, losses = value_and_grad_clients(model, params, xs, ys, mask)
     for i in range(k):
         gi, li = model.value_and_grad({key: v[i] for key, v in params.items()}, xs[i], ys[i], mask[i])
         assert torch.allclose(losses[i], li, atol=1e-5), (i, float(losses[i] - li))
@@ -97,7 +98,7 @@ def test_sequence_layers_equal_the_module_client_by_client(rnn, batch_first, att
     torch.manual_seed(0)
     model = Model.from_module(Seq(rnn, batch_first, attention_mask), num_classes=5)
     assert model.clients_form is not None
-    assert set(model.clients_paths().values()) == {STACKED}
+    assert set(clients_paths(model).values()) == {STACKED}
     x = torch.randint(1, 12, (16, 7))
     x[3, :2] = 0  # padding tokens
     model.check_features(x)
@@ -111,7 +112,7 @@ def test_convolutions_norms_and_fallback_units_equal_the_module_client_by_client
     x = torch.randn(16, 1, 9, 9)
     model.check_features(x)
     assert model.clients_form is not None and model.clients_form.usable, model.clients_form
-    paths = model.clients_paths()
+    paths = clients_paths(model)
     assert paths == {"0": STACKED, "1": STACKED, "3": STACKED, "6": VMAP, "8": STACKED, "10": LOOP, "11": STACKED}
     _check_clients(model, x, 3)
 
@@ -126,9 +127,9 @@ def test_a_module_that_mixes_examples_is_refused_with_the_reason():
             return self.fc(x - x.mean(0))  # a batch statistic of its own: clients' examples would mix
 
     model = Model.from_module(Centered(), num_classes=3)
-    assert model.supports_clients  # not yet checked
+    assert supports_clients(model)  # not yet checked
     model.check_features(torch.randn(9, 4))
-    assert not model.supports_clients and "differ" in model.clients_form.reason  # type: ignore[union-attr]
+    assert not supports_clients(model) and "differ" in model.clients_form.reason  # type: ignore[union-attr]
 
 
 def test_forms_that_cannot_exist():

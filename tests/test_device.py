@@ -152,7 +152,7 @@ def test_adapters_on_the_device_equal_their_cpu_runs(runner, alg):
     """The adapters workload's model (a character transformer, LoRA on its attention and MLP projections, the base
     frozen and shared) trains on the device as on the CPU with every executor."""
     from fedmtl.algorithms import FedSALoRA
-    from fedmtl.model import Model
+    from fedmtl.models.base import Model
     from fedmtl.models.lora import seeded_base
 
     data = _text_data()

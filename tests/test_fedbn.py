@@ -14,8 +14,8 @@ from fedmtl.batchnorm import training
 from fedmtl.data.federated import from_clients
 from fedmtl.engine.evaluation import summarize
 from fedmtl.engine.server_opt import ServerOptConfig
-from fedmtl.model import ModelError
 from fedmtl.models import build_model
+from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD, Batches, local_sgd
 from fedmtl.testing import check_algorithm
 

@@ -17,8 +17,8 @@ from fedmtl.algorithms.fedcp import CPModel, FedCP, PersonalHead, client_vector,
 from fedmtl.algorithms.fedper import FedPer
 from fedmtl.data.synthetic import permuted_groups
 from fedmtl.engine.evaluation import summarize
-from fedmtl.model import Model, ModelError
 from fedmtl.models import build_model
+from fedmtl.models.base import Model, ModelError
 from fedmtl.optim import SGD, Batches
 
 from .conftest import all_client_states, make_sim, run_rounds

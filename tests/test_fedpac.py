@@ -21,8 +21,8 @@ from fedmtl.algorithms.fedpac import (
 from fedmtl.algorithms.fedrep import FedRep
 from fedmtl.data.synthetic import permuted_groups
 from fedmtl.engine.evaluation import summarize
-from fedmtl.model import ModelError
 from fedmtl.models import build_model
+from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD
 
 from .conftest import all_client_states, make_sim, run_rounds

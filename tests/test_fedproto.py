@@ -20,8 +20,8 @@ from fedmtl.algorithms.fedproto import (
 )
 from fedmtl.algorithms.local import Local
 from fedmtl.engine.evaluation import summarize
-from fedmtl.model import ModelError
 from fedmtl.models import build_model
+from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD, Batches
 
 from .conftest import all_client_states, make_sim, run_rounds

@@ -27,8 +27,8 @@ from fedmtl.algorithms.gpfl import (
 from fedmtl.data.synthetic import permuted_groups
 from fedmtl.engine.async_config import AsyncConfig
 from fedmtl.engine.evaluation import summarize
-from fedmtl.model import ModelError
 from fedmtl.models import build_model
+from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD, Batches
 
 from .conftest import all_client_states, make_sim, run_rounds

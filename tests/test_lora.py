@@ -13,9 +13,10 @@ from torch import nn
 import fedmtl
 from fedmtl import tree as T
 from fedmtl.config import ConfigError, apply_overrides, dumps, validate
-from fedmtl.model import Model, ModelError
+from fedmtl.models.base import Model, ModelError
 from fedmtl.models.lora import AdapterConfig, LoRALinear, adapter_names
 from fedmtl.models.peft_folder import load_peft, save_peft
+from fedmtl.models.stacking import verify_clients
 
 CONFIG = """
 [data]
@@ -125,7 +126,7 @@ def test_methods_on_adapters_equal_across_executors_and_keep_the_base(alg, extra
     ref = runs["loop"]
     from fedmtl.algorithms import ALGORITHMS
 
-    stacks = ALGORITHMS[alg].stacked_clients  # a method without a stacked form runs vmap when asked for stacked
+    stacks = ALGORITHMS[alg].clients_form()  # a method without a stacked form runs vmap when asked for stacked
     for runner, res in runs.items():
         assert res.summary["path"]["executor"] == (runner if runner != "stacked" or stacks else "vmap")
         for a, b in zip(T.leaves(res.server), T.leaves(ref.server), strict=True):
@@ -147,7 +148,7 @@ def test_the_stacked_twin_holds_the_modules_base_after_the_module_moves():
                               adapters={"rank": 2, "target": ["1.0", "1.2"]})
     form = model.clients_form
     assert form is not None
-    model.verify_clients(torch.randint(0, 7, (6,)))
+    verify_clients(model, torch.randint(0, 7, (6,)))
     model.module.to("meta")
     form.to(torch.device("meta"))
     held = {id(b) for b in model.module.buffers()}

@@ -31,8 +31,8 @@ from fedmtl.algorithms.perfedavg import role_batch, role_batches
 from fedmtl.data.synthetic import permuted_groups
 from fedmtl.engine.evaluation import summarize
 from fedmtl.engine.server_opt import ServerOptConfig
-from fedmtl.model import ModelError
 from fedmtl.models import build_model
+from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD, Batches
 
 from .conftest import all_client_states, make_sim, run_rounds

@@ -12,6 +12,12 @@ from fedmtl.data.federated import ClientGroup, FederatedData, Split
 from fedmtl.engine.executors import make_executor
 from fedmtl.models import build_model
 from fedmtl.models.lstm import lstm_forward
+from fedmtl.models.stacking import (
+    supports_clients,
+    value_and_grad_clients,
+    value_and_grad_clients_stacked,
+    value_and_grad_stacked,
+)
 
 from .conftest import make_sim, run_rounds
 
@@ -140,14 +146,14 @@ def test_a_users_relu_mlp_runs_the_closed_form_and_equals_its_module():
     forward and gradient equal autograd through the module; anything else keeps the module path."""
     from torch import nn
 
-    from fedmtl.model import Model
+    from fedmtl.models.base import Model
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Flatten(), nn.Linear(12, 7), nn.ReLU(), nn.Dropout(0.0), nn.Linear(7, 3))
     fast = Model.from_module(module, num_classes=3)
     slow = Model.from_module(module, num_classes=3)
     slow = type(slow)(module, "multiclass", 3, name="slow")  # the plain module path, for reference
-    assert fast.path == "closed form" and fast.supports_clients and slow.path == "module"
+    assert fast.path == "closed form" and supports_clients(fast) and slow.path == "module"
     params = fast.init(1)
     x, y = torch.randn(9, 3, 4), torch.randint(0, 3, (9,))
     mask = torch.tensor([1.0] * 7 + [0.0] * 2)
@@ -174,7 +180,7 @@ def test_the_fused_clients_step_equals_gradient_then_update():
     params = {n: torch.stack([model.init(s)[n] for s in range(k)]) for n in model.init(0)}
     x, y = torch.randn(k, 8, 6), torch.randint(0, 4, (k, 8))
     mask = (torch.arange(8).unsqueeze(0) < torch.tensor([[8], [5], [1], [3]])).float()
-    g, loss = model.value_and_grad_clients(params, x, y, mask)
+    g, loss = value_and_grad_clients(model, params, x, y, mask)
     want = {n: v - 0.3 * g[n] for n, v in params.items()}
     got = {n: v.clone() for n, v in params.items()}
     loss2 = model.clients_step(got, x, y, mask, Step(0.3))  # type: ignore[misc]
@@ -192,7 +198,7 @@ def test_the_fused_clients_step_equals_gradient_then_update():
         got = {n: v.clone() for n, v in params.items()}
         fused_buf = {n: torch.zeros_like(v) for n, v in params.items()}
         for _ in range(2):
-            g, _ = model.value_and_grad_clients(want, x, y, mask)
+            g, _ = value_and_grad_clients(model, want, x, y, mask)
             for n in want:
                 buf[n] = mom * buf[n] + g[n] + wd * want[n]
                 want[n] = want[n] - 0.3 * buf[n]
@@ -228,7 +234,7 @@ def test_fedem_with_a_module_model_loops_its_components_and_equals_vmap():
 @pytest.mark.parametrize("flatten,shape", [(True, (5, 28, 28)), (False, (5, 3, 8, 8))])
 def test_image_normalize_into_a_workspace_equals_the_transform(flatten, shape):
     """The stacked executor converts a round's images into one reused buffer: the same bits as the transform."""
-    from fedmtl.model import ImageNormalize
+    from fedmtl.models.inputs import ImageNormalize
 
     t = ImageNormalize((0.5, 0.4, 0.3)[: shape[1] if len(shape) == 4 else 1], (0.2, 0.25, 0.3)[
         : shape[1] if len(shape) == 4 else 1], flatten)
@@ -254,10 +260,10 @@ def test_k_clients_m_components_gradient_and_fused_step(name, kw, classes):
     mask = torch.ones(k, n)
     mask[1, 4:] = 0
     w = torch.rand(k, m, n)
-    g, loss = model.value_and_grad_clients_stacked(params, x, y, mask, w)
+    g, loss = value_and_grad_clients_stacked(model, params, x, y, mask, w)
     assert loss.shape == (k, m)
     for i in range(k):
-        gi, li = model.value_and_grad_stacked({p: v[i] for p, v in params.items()}, x[i], y[i], mask[i], w[i])
+        gi, li = value_and_grad_stacked(model, {p: v[i] for p, v in params.items()}, x[i], y[i], mask[i], w[i])
         assert torch.allclose(loss[i], li, atol=1e-6)
         assert all(torch.allclose(g[p][i], gi[p], atol=1e-6) for p in gi)
     for mom, wd in ((0.9, 1e-2), (0.0, 1e-2), (0.0, 0.0)):
@@ -266,7 +272,7 @@ def test_k_clients_m_components_gradient_and_fused_step(name, kw, classes):
         got = {p: v.clone() for p, v in params.items()}
         fused_buf = {p: torch.zeros_like(v) for p, v in params.items()}
         for _ in range(2):
-            gw, _ = model.value_and_grad_clients_stacked(want, x, y, mask, w)
+            gw, _ = value_and_grad_clients_stacked(model, want, x, y, mask, w)
             for p in want:
                 buf[p] = mom * buf[p] + gw[p] + wd * want[p]
                 want[p] = want[p] - 0.3 * buf[p]

@@ -4,6 +4,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedmtl.models import build_model
+from fedmtl.models.stacking import apply_stacked, value_and_grad_stacked
 from fedmtl.optim import SGD, Batches, local_sgd
 from fedmtl.tree import batch_dims
 
@@ -96,8 +97,8 @@ def test_stacked_dense_gradient_equals_autograd_of_the_module(classes, name):
         out = out.squeeze(-1) if classes == 2 else out
         return (m.nll(out, y) * mask * w).sum() / mask.sum()
 
-    gs, ls = m.value_and_grad_stacked(comps, x, y, mask, q)
-    out = m.apply_stacked(comps, x)
+    gs, ls = value_and_grad_stacked(m, comps, x, y, mask, q)
+    out = apply_stacked(m, comps, x)
     for j in range(3):
         pj = {k: v[j] for k, v in comps.items()}
         gj, lj = grad_and_value(module_loss)(pj, q[j])

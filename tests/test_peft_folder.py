@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fedmtl.model import Model
+from fedmtl.models.base import Model
 from fedmtl.models.lora import AdapterConfig
 from fedmtl.models.peft_folder import load_peft, save_peft
 

@@ -19,7 +19,7 @@ from .algorithms.base import Algorithm, ClientId, Context, GlobalModel
 from .api import run
 from .batchnorm import BatchNorm
 from .data.federated import DataError, FederatedData
-from .model import Model, ModelError
+from .models.base import Model, ModelError
 from .optim import SGD, Batches, local_sgd, masked_steps
 from .registry import register_algorithm, register_dataset, register_model
 from .robust.aggregators import register_aggregator

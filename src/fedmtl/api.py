@@ -9,7 +9,7 @@ from typing import Any
 
 from .config import PYTHON_DATA, PYTHON_MODEL, ConfigError, apply_overrides, read_toml, validate
 from .data.federated import DataError, FederatedData
-from .model import Model
+from .models.base import Model
 from .runs import execute
 from .runs.driver import RunResult
 from .runs.seeds import SeedsResult

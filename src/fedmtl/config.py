@@ -320,7 +320,7 @@ class ExperimentConfig(Tables):
             model = dc.replace(model, initial_params={k: v.detach().clone()
                                                       for k, v in model.module.named_parameters()})
         if "adapters" in self.model:  # [model.adapters]: the built model frozen, low-rank adapters trained
-            from .model import Model, ModelError
+            from .models.base import Model, ModelError
             from .models.lora import seeded_base
 
             if not self.model["adapters"].get("base"):  # the same base wherever the config is built (Flower nodes)

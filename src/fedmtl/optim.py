@@ -18,6 +18,9 @@ import torch
 from torch import Tensor
 
 from .batchnorm import is_statistic
+from .models import stacking
+from .models.base import Model
+from .models.stacked import Step
 from .schema import Annotated, Range, check_fields, shown
 from .transforms import eager as is_eager
 from .transforms import only_vmap
@@ -213,7 +216,7 @@ def masked_steps(
 def local_sgd(
     grad_fn: GradFn,
     params: Params,
-    batches: Batches | ClientBatches,
+    batches: Batches,
     lr: float | Tensor,
     opt: SGD,
     sample_weight: Tensor | None = None,
@@ -224,10 +227,11 @@ def local_sgd(
 ) -> tuple[Params, Tensor]:
     """Run SGD over ``batches`` for one client; returns (new params, mean batch loss).
 
-    ``grad_fn(params, x, y, mask, weight) -> (grads, loss)`` is usually ``Model.value_and_grad``.
+    ``grad_fn(params, x, y, mask, weight) -> (grads, loss)`` is usually ``Model.value_and_grad``.  K clients at
+    once on the stacked executor: ``local_sgd_clients``.
 
     ``sample_weight`` (..., S0 * B) are per-sample weights indexed by ``batches.pos`` (FedEM's q; a
-    leading axis when ``params`` are M stacked models and ``grad_fn`` is ``Model.value_and_grad_stacked``,
+    leading axis when ``params`` are M stacked models and ``grad_fn`` is ``models.stacking.value_and_grad_stacked``,
     whose loss is then an (M,) vector).
     ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient, ``grad_shift`` a
     constant vector (SCAFFOLD's control-variate correction c - c_i, FedDyn's -h_i).
@@ -239,10 +243,6 @@ def local_sgd(
     (``known_live_steps``).  With a float ``lr`` all these forms give the same bits (tested); with a tensor ``lr`` they
     agree to rounding.
     """
-    if isinstance(batches, ClientBatches):
-        if steps is not None:
-            raise StackedUnsupported("local_sgd with a step range has no clients mode")
-        return local_sgd_clients(grad_fn, params, batches, lr, opt, prox_center, prox_mu, grad_shift, sample_weight)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
 
     owned: set[str] = set()  # parameters (and momentum buffers) this call allocated: updated in place from then on
@@ -341,7 +341,7 @@ def local_sgd(
 
 
 def local_sgd_clients(
-    grad_fn: GradFn,
+    model: Model,
     params: Params,
     batches: ClientBatches,
     lr: float | Tensor,
@@ -350,26 +350,27 @@ def local_sgd_clients(
     prox_mu: float = 0.0,
     grad_shift: Params | None = None,
     sample_weight: Tensor | None = None,
+    components: bool = False,
 ) -> tuple[Params, Tensor]:
-    """``local_sgd`` for K clients at once (the ``stacked`` executor): returns (K stacked params, (K,) mean losses).
+    """``local_sgd`` of ``model`` for K clients at once (the ``stacked`` executor: an algorithm's
+    ``client_update_clients``): returns (K stacked params, (K,) mean losses).
 
-    ``grad_fn`` must be a model's ``value_and_grad`` (the model's ``value_and_grad_clients`` runs instead) or
-    ``value_and_grad_stacked`` (M components per client, FedEM's: ``value_and_grad_clients_stacked``; losses
-    (K, M)), on the live prefix of the clients at every step: step s updates, in place, the first
-    ``batches.live[s]`` clients' parameters (views of the stacked tensors), and the others are neither computed nor
-    touched.  No padding is computed and no step is masked.  ``params``, ``prox_center`` and ``grad_shift`` are
-    stacked per client or one model's (broadcast to every client); ``sample_weight`` (..., N0) are per-sample
-    weights of the clients' packed first epochs, indexed by ``batches.pos``.  The same arithmetic as ``local_sgd``
-    per client (tested against the loop executor to rounding: the batched products sum in another order)."""
-    model = getattr(grad_fn, "__self__", None)
-    kind = getattr(grad_fn, "__name__", "")
-    lead = {"value_and_grad": 0, "value_and_grad_stacked": 1}.get(kind)
-    if lead is None or not getattr(model, "supports_clients", False):
-        raise StackedUnsupported("the stacked executor runs local_sgd on a model's value_and_grad or "
-                                 "value_and_grad_stacked only, for models with a clients form (Model.supports_clients)")
-    clients_grad = model.value_and_grad_clients if lead == 0 else model.value_and_grad_clients_stacked  # type: ignore
+    The gradients are ``models.stacking.value_and_grad_clients`` (one model per client, as ``local_sgd`` on
+    ``Model.value_and_grad``) or, with ``components``, ``value_and_grad_clients_stacked`` (M components per client,
+    FedEM's, as ``local_sgd`` on ``value_and_grad_stacked``; losses (K, M)), on the live prefix of the clients at
+    every step: step s updates, in place, the first ``batches.live[s]`` clients' parameters (views of the stacked
+    tensors), and the others are neither computed nor touched.  No padding is computed and no step is masked.
+    ``params``, ``prox_center`` and ``grad_shift`` are stacked per client or one model's (broadcast to every client);
+    ``sample_weight`` (..., N0) are per-sample weights of the clients' packed first epochs, indexed by
+    ``batches.pos``.  The same arithmetic as ``local_sgd`` per client (tested against the loop executor to rounding:
+    the batched products sum in another order)."""
+    if not stacking.supports_clients(model):
+        raise StackedUnsupported(f"model {model.name!r} has no clients form (models.stacking.supports_clients): the "
+                                 "stacked executor cannot run its local SGD")
+    lead = 1 if components else 0
+    clients_grad = stacking.value_and_grad_clients_stacked if components else stacking.value_and_grad_clients
     k = batches.n.shape[0]
-    template = dict(model.module.named_parameters())  # type: ignore[union-attr]
+    template = dict(model.module.named_parameters())
 
     def per_client(tree: Params) -> Params:  # (K, ...) owned copies; one model's tensors broadcast to K
         return {n: (v.unsqueeze(0).expand(k, *v.shape) if v.dim() == template[n].dim() + lead else v).clone()
@@ -384,8 +385,7 @@ def local_sgd_clients(
     center, shift = stacked(prox_center), stacked(grad_shift)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
     # the model's step with the gradient products fused into the update (``models.stacked.Step``), where it has one
-    fused = None if getattr(model, "compile_clients", False) else getattr(
-        model, "components_step" if lead else "clients_step", None)
+    fused = None if model.compile_clients else model.components_step if components else model.clients_step
     buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
     first = next(iter(p.values()))
     losses = torch.zeros(first.shape[:1 + lead], dtype=torch.float32, device=first.device)  # (K,) or (K, M)
@@ -402,12 +402,10 @@ def local_sgd_clients(
         if fused is not None and not mu and shift is None and (w is None or lead) and isinstance(lr, float | int):
             # SGD (with momentum and weight decay): the model applies the step in place with its gradients fused
             # into the update
-            from .models.stacked import Step
-
             step = Step(float(lr), mom, wd, {name: v[:n] for name, v in buf.items()} if mom > 0 else None)
             loss = fused(view, xs, ys, ms, w, step) if lead else fused(view, xs, ys, ms, step)
         else:
-            g, loss = clients_grad(view, xs, ys, ms, w)
+            g, loss = clients_grad(model, view, xs, ys, ms, w)
             _update(view, g, buf, n, k, lr, mom, wd, mu, center, shift)
         losses[:n] += loss.detach().to(torch.float32)
         steps[:n] += 1.0

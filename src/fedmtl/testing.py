@@ -19,7 +19,7 @@ model, momentum SGD), each with tolerances that a wrong algorithm fails:
   client state has tensors);
 * ``loop_equals_vmap``: the ``loop`` and ``vmap`` executors give the same server, client states, losses and
   evaluation (half the clients sampled, two local epochs), and grouping clients differently into vmap calls
-  (no bucketing; chunks of 3) changes nothing; for an algorithm with a clients form (``stacked_clients``) on a
+  (no bucketing; chunks of 3) changes nothing; for an algorithm with a clients form (``client_update_clients``) on a
   model with one, the ``stacked`` executor gives the same too (with stragglers, drops and chunks of 3 as well);
 * ``no_input_mutation``: the payload, the states and the data are not modified in place;
 * ``deterministic``: the same seed gives identical rounds and evaluation, another seed different ones;
@@ -58,7 +58,8 @@ from .data.federated import FederatedData
 from .engine.evaluation import SEEN_TEST_LOSS, SEEN_TRAIN_LOSS, summarize
 from .engine.round import Engine
 from .engine.spec import RunConfig, RunSpec
-from .model import Model
+from .models.base import Model
+from .models.stacking import supports_clients
 from .optim import SGD
 from .privacy import PrivacyConfig
 from .runs import checkpoint
@@ -256,7 +257,7 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
         outs.append((st.server, all_client_states(eng)))
     _close(outs[0], outs[1], 1e-6, "grouping clients into vmap calls changed the result")
     eng = sim()
-    if not (eng.alg.clients_form() and eng.model.supports_clients):
+    if not (eng.alg.clients_form() and supports_clients(eng.model)):
         return
     from .engine.systems import SystemsConfig
 

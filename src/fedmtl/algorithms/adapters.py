@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from ..model import Model, ModelError, split_names
+from ..models.base import Model, ModelError
 from ..models.lora import adapter_names
+from ..models.parts import split_names
 from ..tree import Params
 
 

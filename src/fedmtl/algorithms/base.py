@@ -9,7 +9,10 @@ An algorithm is a frozen dataclass whose fields are its hyper-parameters.  The r
     server', states' = alg.sync(ctx, server', all states)                      # only if syncs_clients
 
 ``client_update`` must be vmap-safe (no ``.item()``, no Python branching on tensor values, no in-place
-updates, a fixed number of steps: ``optim.masked_steps``).  Evaluation calls ``personalize`` (one client:
+updates, a fixed number of steps: ``optim.masked_steps``).  The ``stacked`` executor (K clients as one eager
+computation) calls ``client_update_clients`` instead: the one hook through which a method receives its clients' batched
+form (``optim.ClientBatches``), written by the methods that have one (``clients_form``); the others run on the
+executor's fallback.  Evaluation calls ``personalize`` (one client:
 the state it predicts with, possibly after local adaptation on its training batches) then
 ``predict_log_proba``.  Client and server states are typed pytrees: NamedTuples of tensors and
 ``Params`` dicts, declared in the algorithm's own module.
@@ -31,8 +34,8 @@ from torch import Tensor
 
 from .. import tree as T
 from ..data.federated import Orders, epoch_orders, steps_per_epoch
-from ..model import Model
-from ..optim import SGD, Batches
+from ..models.base import Model
+from ..optim import SGD, Batches, ClientBatches
 from ..schema import check_fields
 from ..tree import Combine, Params, Tree, TreeT
 
@@ -118,6 +121,9 @@ class Algorithm(Generic[ServerT, ClientT]):
       ``Annotated[float, fedmtl.schema.Range(lo, hi)]``.  ``name`` (a ClassVar) is the registry name.
     * ``client_update`` is pure and vmap-safe: no ``.item()``, no Python branching on tensor values, no in-place
       changes of its inputs, a fixed number of steps (``optim.local_sgd`` masks the padded ones).
+    * ``client_update_clients`` (optional) is the same update for K clients at once on the ``stacked`` executor
+      (``optim.ClientBatches``, ``optim.local_sgd_clients``): the one hook for the batched clients form; a method
+      without it (``clients_form``) trains on the stacked executor's fallback.
     * Capabilities are class attributes: ``needs_adaptation`` (``personalize`` reads the client's training batches:
       without it, it gets ``batches=None``), ``keeps_client_state`` (clients keep state across rounds),
       ``syncs_clients`` (gossip after aggregation), ``averages_updates``, ``supports_batch_norm``, ``runs_async``.
@@ -139,14 +145,8 @@ class Algorithm(Generic[ServerT, ClientT]):
     #: running statistics are assigned, never stepped (``fedmtl.batchnorm``); methods with their own update rule or loss
     #: leave it False and refuse models with batch norm
     supports_batch_norm: ClassVar[bool] = False
-    #: ``client_update`` is local SGD of the model (``optim.local_sgd`` on ``Model.value_and_grad``) and elementwise
-    #: arithmetic on its results only, so it runs unchanged on K stacked clients (the ``stacked`` executor: payload and
-    #: states stacked or broadcast, batches ``optim.ClientBatches``).  Checked by the contract suite (stacked equals
-    #: loop); leave False where the update reduces over parameters (norms, dot products) or uses per-sample state.
-    #: A subclass that overrides ``client_update`` must declare it again (``clients_form``)
-    stacked_clients: ClassVar[bool] = False
     #: the clients' ``ClientBatches`` on the stacked executor also carry their first epochs whole (``first``, ``pos``:
-    #: ``optim.first_epoch`` and per-sample weights read them; FedEM's E-step)
+    #: per-sample weights read them; FedEM's E-step in ``client_update_clients``)
     stacked_first_epoch: ClassVar[bool] = False
     #: fields of the server state (NamedTuple field names) that are released without noise under ``[privacy]``
     #: because they do not depend on the clients' data, each with the reason (``fedmtl.testing``'s
@@ -166,12 +166,13 @@ class Algorithm(Generic[ServerT, ClientT]):
 
     @classmethod
     def clients_form(cls) -> bool:
-        """Whether ``client_update`` runs on K stacked clients (``stacked_clients``), as declared by the class that
-        wrote the ``client_update`` in use: a subclass that overrides ``client_update`` without declaring
-        ``stacked_clients`` itself does not inherit the claim."""
+        """Whether the algorithm has a clients form: the class that wrote the ``client_update`` in use (or a subclass
+        of it) also wrote ``client_update_clients``.  A subclass that overrides ``client_update`` without writing
+        ``client_update_clients`` again does not inherit the form (it would run the parent's update on the stacked
+        executor); the base class's ``client_update_clients`` is none."""
         for klass in cls.__mro__:
-            if "stacked_clients" in klass.__dict__:
-                return bool(klass.__dict__["stacked_clients"])
+            if "client_update_clients" in klass.__dict__:
+                return klass is not Algorithm
             if "client_update" in klass.__dict__:
                 return False
         return False
@@ -261,6 +262,18 @@ class Algorithm(Generic[ServerT, ClientT]):
                       lr: float) -> tuple[Update, ClientT, Tensor]:
         """One client's round: (its update for the server, its new state, its mean training loss)."""
         raise NotImplementedError
+
+    def client_update_clients(self, ctx: Context, payload: Payload, states: ClientT, batches: ClientBatches,
+                              lr: float) -> tuple[Update, ClientT, Tensor]:
+        """The clients form: ``client_update`` of K clients at once, the hook the ``stacked`` executor calls instead
+        of ``client_update`` (stacked (K, ...) updates, states and (K,) losses).  ``payload`` is the one payload all K
+        receive, ``states`` theirs stacked, ``batches`` their ``optim.ClientBatches`` (eager, no torch.func
+        transform: each local step runs on the clients still live, ``optim.local_sgd_clients``).  It must equal
+        ``client_update`` client by client up to rounding (the contract suite checks stacked against loop).  Written
+        only by methods whose update is local SGD of the model and elementwise arithmetic on its results
+        (``local_sgd_clients`` on ``ctx.model``; FedEM also its E-step over ``batches.first``): ``clients_form`` says
+        whether an algorithm has one, and the stacked executor hands the others to its fallback (vmap or loop)."""
+        raise NotImplementedError(f"{self.name} has no clients form (client_update_clients)")
 
     # -- evaluation -----------------------------------------------------------------------------
     def personalize(self, ctx: Context, payload: Payload, state: ClientT, batches: Batches | None, lr: float,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from ..model import Model
+from ..models.base import Model
 from ..optim import SGD, Batches, local_sgd
 from ..tree import Params
 from .base import Context

@@ -17,7 +17,7 @@ from typing import ClassVar, NamedTuple
 
 from torch import Tensor
 
-from ..optim import Batches, local_sgd
+from ..optim import Batches, ClientBatches, local_sgd, local_sgd_clients
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, GlobalModel
@@ -34,7 +34,6 @@ class Ditto(Algorithm[GlobalModel, PersonalModel]):
     name: ClassVar[str] = "ditto"
     loss_label: ClassVar[str] = "global loss"  # the loss reported is the global model's (w), not the personal v's
     runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
-    stacked_clients: ClassVar[bool] = True  # local SGD only: runs on K stacked clients as written
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True
     keeps_client_state: ClassVar[bool] = True
@@ -50,6 +49,13 @@ class Ditto(Algorithm[GlobalModel, PersonalModel]):
         w, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt)
         v, _ = local_sgd(ctx.model.value_and_grad, state.v, batches, lr, ctx.opt, prox_center=payload,
                          prox_mu=self.lam)
+        return w, PersonalModel(v), loss
+
+    def client_update_clients(
+        self, ctx: Context, payload: Params, states: PersonalModel, batches: ClientBatches, lr: float
+    ) -> tuple[Params, PersonalModel, Tensor]:
+        w, loss = local_sgd_clients(ctx.model, payload, batches, lr, ctx.opt)
+        v, _ = local_sgd_clients(ctx.model, states.v, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.lam)
         return w, PersonalModel(v), loss
 
     def personalize(

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches, live_steps, local_sgd, pick_batch
 from ..schema import Annotated, Range
 from ..tree import Params

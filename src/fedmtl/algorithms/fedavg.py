@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from ..optim import SGD, Batches, local_sgd
+from ..optim import SGD, Batches, ClientBatches, local_sgd, local_sgd_clients
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, GlobalModel
@@ -29,7 +29,6 @@ class FedAvg(Algorithm[GlobalModel, tuple[()]]):
 
     name: ClassVar[str] = "fedavg"
     runs_async: ClassVar[bool] = True  # sends models in the payload's coordinates (fedmtl.engine.asynchronous)
-    stacked_clients: ClassVar[bool] = True  # local SGD only: runs on K stacked clients as written
     supports_batch_norm: ClassVar[bool] = True
 
     def client_update(
@@ -38,13 +37,18 @@ class FedAvg(Algorithm[GlobalModel, tuple[()]]):
         params, loss = local_sgd(ctx.model.value_and_grad, payload, batches, lr, ctx.opt)
         return params, state, loss
 
+    def client_update_clients(
+        self, ctx: Context, payload: Params, states: tuple[()], batches: ClientBatches, lr: float
+    ) -> tuple[Params, tuple[()], Tensor]:
+        params, loss = local_sgd_clients(ctx.model, payload, batches, lr, ctx.opt)
+        return params, states, loss
+
 
 @dataclass(frozen=True)
 class FedProx(FedAvg):
     """FedAvg with the proximal term (mu / 2) ||w - w_global||^2 in every local objective."""
 
     name: ClassVar[str] = "fedprox"
-    stacked_clients: ClassVar[bool] = True  # local SGD with a proximal term: runs on K stacked clients as written
     #: FedProx's proximal weight mu (0 = FedAvg)
     mu: Annotated[float, Range(0, 1e4)] = 0.01
 
@@ -55,6 +59,13 @@ class FedProx(FedAvg):
             ctx.model.value_and_grad, payload, batches, lr, ctx.opt, prox_center=payload, prox_mu=self.mu
         )
         return params, state, loss
+
+    def client_update_clients(
+        self, ctx: Context, payload: Params, states: tuple[()], batches: ClientBatches, lr: float
+    ) -> tuple[Params, tuple[()], Tensor]:
+        params, loss = local_sgd_clients(ctx.model, payload, batches, lr, ctx.opt, prox_center=payload,
+                                         prox_mu=self.mu)
+        return params, states, loss
 
 
 @dataclass(frozen=True)

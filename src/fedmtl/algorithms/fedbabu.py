@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from torch import Tensor
 
-from ..model import Model
+from ..models.base import Model
 from ..optim import SGD, Batches
 from ..schema import Annotated, Range
 from ..tree import Params

@@ -24,7 +24,8 @@ from typing import ClassVar, NamedTuple
 
 from torch import Tensor
 
-from ..model import Model, ModelError, split_names
+from ..models.base import Model, ModelError
+from ..models.parts import split_names
 from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params

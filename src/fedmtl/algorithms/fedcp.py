@@ -63,7 +63,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import tree as T
-from ..model import Model, ModelError, value_and_grad_of
+from ..models.base import Model, ModelError
+from ..models.parts import value_and_grad_of
 from ..optim import Batches, GradFn, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..optim import Batches, ClientBatches, StackedUnsupported, first_epoch, local_sgd
+from ..models.stacking import apply_stacked, clients_components_logits, stacked_grad
+from ..optim import Batches, ClientBatches, StackedUnsupported, first_epoch, local_sgd, local_sgd_clients
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, nobody
@@ -70,8 +71,7 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
     supports_batch_norm: ClassVar[bool] = True
     needs_adaptation: ClassVar[bool] = True  # unseen clients fit pi on their training data
     keeps_client_state: ClassVar[bool] = True
-    stacked_clients: ClassVar[bool] = True  # runs on K stacked clients (the E-step over their first epochs)
-    stacked_first_epoch: ClassVar[bool] = True
+    stacked_first_epoch: ClassVar[bool] = True  # client_update_clients' E-step reads the clients' first epochs
     #: M, the number of shared component models (at most 256)
     num_components: Annotated[int, Range(1, MAX_COMPONENTS)] = 3
     #: participants: average over the sampled clients (the paper); all_clients: the reference code (n-weighted mix
@@ -114,7 +114,7 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
 
     def component_nll(self, ctx: Context, comps: Params, x: Tensor, y: Tensor) -> Tensor:
         """(M, n) per-sample loss of every component."""
-        return ctx.model.nll(ctx.model.apply_stacked(comps, x), y)
+        return ctx.model.nll(apply_stacked(ctx.model, comps, x), y)
 
     @staticmethod
     def e_step(log_pi: Tensor, nll: Tensor) -> tuple[Tensor, Tensor]:
@@ -125,12 +125,8 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
         return torch.exp(joint - ll), ll
 
     def client_update(
-        self, ctx: Context, payload: Params, state: MixtureWeights, batches: Batches | ClientBatches, lr: float
+        self, ctx: Context, payload: Params, state: MixtureWeights, batches: Batches, lr: float
     ) -> tuple[Params, MixtureWeights, Tensor]:
-        """One client (``Batches``) or, on the stacked executor, K clients at once (``ClientBatches``: pi (K, M),
-        components (K, M, ...), their first epochs packed)."""
-        if isinstance(batches, ClientBatches):
-            return self._clients_update(ctx, payload, state, batches, lr)
         x, y, mask = first_epoch(batches, ctx.local_epochs)
         nll = self.component_nll(ctx, payload, x, y)  # (M, S0*B)
         q, _ = self.e_step(torch.log(state.pi).to(nll.dtype), nll)
@@ -140,26 +136,26 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
         pi = torch.where(kept > 0, (q * mask).sum(-1) / kept.clamp_min(1.0), state.pi.to(q.dtype))  # (M,)
 
         # M-step: all M components at once (stacked params, per-component weights q (M, S0*B))
-        comps, m_loss = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
+        comps, m_loss = local_sgd(stacked_grad(ctx.model), payload, batches, lr, ctx.opt, sample_weight=q)
         return comps, MixtureWeights(pi.to(state.pi.dtype)), m_loss.sum(-1)
 
-    def _clients_update(
-        self, ctx: Context, payload: Params, state: MixtureWeights, batches: ClientBatches, lr: float
+    def client_update_clients(
+        self, ctx: Context, payload: Params, states: MixtureWeights, batches: ClientBatches, lr: float
     ) -> tuple[Params, MixtureWeights, Tensor]:
-        """``client_update`` of K clients from one payload (the stacked executor): the E-step on their examples
-        (N0, packed or the batches themselves), each under its client's pi; pi summed per client;
-        the M-step with the responsibilities q (M, N0)."""
+        """``client_update`` of K clients from one payload (the stacked executor): pi (K, M), components (K, M, ...);
+        the E-step on their examples (N0, packed or the batches themselves: ``batches.first``), each under its
+        client's pi; pi summed per client; the M-step with the responsibilities q (M, N0)."""
         if batches.first is None:
             raise StackedUnsupported("FedEM's clients' batches need their first epochs (stacked_first_epoch)")
         x, y, owner, mask = batches.first
         k = batches.n.shape[0]
-        nll = ctx.model.nll(ctx.model.clients_components_logits(payload, x), y)  # (M, N0)
-        q, _ = self.e_step(torch.log(state.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0)
+        nll = ctx.model.nll(clients_components_logits(ctx.model, payload, x), y)  # (M, N0)
+        q, _ = self.e_step(torch.log(states.pi).to(nll.dtype).T[:, owner], nll)  # (M, N0)
         kept = mask.new_zeros(k).index_add_(0, owner, mask).unsqueeze(-1)  # (K, 1): as client_update's ``kept``
         pi = q.new_zeros(k, q.shape[0]).index_add_(0, owner, (q * mask).T) / kept.clamp_min(1.0)  # (K, M)
-        pi = torch.where(kept > 0, pi, state.pi.to(pi.dtype))
-        comps, m_loss = local_sgd(ctx.model.value_and_grad_stacked, payload, batches, lr, ctx.opt, sample_weight=q)
-        return comps, MixtureWeights(pi.to(state.pi.dtype)), m_loss.sum(-1)  # (K,)
+        pi = torch.where(kept > 0, pi, states.pi.to(pi.dtype))
+        comps, m_loss = local_sgd_clients(ctx.model, payload, batches, lr, ctx.opt, sample_weight=q, components=True)
+        return comps, MixtureWeights(pi.to(states.pi.dtype)), m_loss.sum(-1)  # (K,)
 
     # -- evaluation -----------------------------------------------------------------------------
     def fit_pi(self, ctx: Context, comps: Params, pi0: Tensor, batches: Batches) -> Tensor:
@@ -186,6 +182,6 @@ class FedEM(Algorithm[Mixture, MixtureWeights]):
 
     def predict_log_proba(self, ctx: Context, eval_state: MixtureEval, x: Tensor) -> Tensor:
         """log sum_m pi_m p_m(y | x): (n, C), a mixture of probabilities (Eq. 6)."""
-        logp = ctx.model.log_proba(ctx.model.apply_stacked(eval_state.components, x))  # (M, n, C)
+        logp = ctx.model.log_proba(apply_stacked(ctx.model, eval_state.components, x))  # (M, n, C)
         log_pi = torch.log(eval_state.pi).to(logp.dtype).view(-1, 1, 1)
         return torch.logsumexp(logp + log_pi, dim=0)

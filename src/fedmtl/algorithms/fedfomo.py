@@ -61,7 +61,8 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..model import Model
+from ..models.base import Model
+from ..models.stacking import apply_stacked
 from ..optim import Batches, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
@@ -132,7 +133,7 @@ def combine(ref: Params, candidates: Params, w: Tensor) -> Params:
 
 def masked_losses(model: Model, candidates: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
     """(M,) mean losses of M stacked models on the examples of ``x`` where ``mask`` is 1."""
-    return model.masked_mean(model.nll(model.apply_stacked(candidates, x), y), mask)
+    return model.masked_mean(model.nll(apply_stacked(model, candidates, x), y), mask)
 
 
 @dataclass(frozen=True)

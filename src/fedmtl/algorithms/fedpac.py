@@ -80,7 +80,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches, GradFn, first_epoch, live_steps, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params

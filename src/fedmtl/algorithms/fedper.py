@@ -18,7 +18,7 @@ from typing import ClassVar, NamedTuple
 
 from torch import Tensor
 
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params

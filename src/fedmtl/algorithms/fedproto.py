@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..model import Model, ModelError
+from ..models.base import Model, ModelError
 from ..optim import Batches, GradFn, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..transforms import eager

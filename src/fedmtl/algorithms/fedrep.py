@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches
 from ..schema import Annotated, Range
 from ..tree import Params

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import tree as T
-from ..model import Model, value_and_grad_of
+from ..models.base import Model
+from ..models.parts import value_and_grad_of
 from ..optim import Batches, first_epoch, local_sgd
 from ..tree import Params
 from .base import Algorithm, Context, GlobalModel, Toy

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..model import Model
+from ..models.base import Model
 from ..tree import Params
 from .adapters import check_adapters, split_b
 from .base import Toy

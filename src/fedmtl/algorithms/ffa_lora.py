@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches
 from ..tree import Params
 from .adapters import check_adapters, split_a

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
+from ..models.stacking import apply_stacked
 from ..optim import Batches, first_epoch, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params
@@ -65,7 +66,7 @@ class IFCA(Algorithm[ClusterModels, tuple[()]]):
     def _best(self, ctx: Context, models: Params, batches: Batches, epochs: int) -> Tensor:
         x, y, mask = first_epoch(batches, epochs)
         # all k models in one stacked forward pass (one matrix product per layer for linear/mlp)
-        losses = ctx.model.masked_mean(ctx.model.nll(ctx.model.apply_stacked(models, x), y), mask)  # (k,)
+        losses = ctx.model.masked_mean(ctx.model.nll(apply_stacked(ctx.model, models, x), y), mask)  # (k,)
         return torch.argmin(losses)
 
     def client_update(

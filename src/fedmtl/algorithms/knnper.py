@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches, first_epoch
 from ..schema import Annotated, Range
 from ..tree import Params

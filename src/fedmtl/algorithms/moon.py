@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..model import Model, value_and_grad_of
+from ..models.base import Model
+from ..models.parts import value_and_grad_of
 from ..optim import Batches, local_sgd
 from ..schema import Annotated, Range
 from ..tree import Params

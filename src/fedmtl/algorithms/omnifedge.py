@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.func import grad, vmap
 
 from .. import tree as T
-from ..model import Model
+from ..models.base import Model
 from ..optim import Batches, first_epoch, pick_batch
 from ..schema import Annotated, Range
 from ..tree import Params

@@ -38,6 +38,7 @@ from torch.func import grad, jvp
 
 from .. import tree as T
 from ..data.federated import Orders, epoch_orders
+from ..models.stacking import value_and_grad_stacked
 from ..optim import Batches, pick_batch
 from ..schema import Annotated, Range
 from ..tree import Params
@@ -117,7 +118,7 @@ class PerFedAvg(Algorithm[GlobalModel, tuple[()]]):
         """Finite-difference Hessian-vector product H(w) v ~ [g(w + delta v) - g(w - delta v)] / (2 delta); both
         gradients in one call, the two points stacked as two models on the same batch."""
         pts = T.tmap(lambda a, b: torch.stack([a + delta * b, a - delta * b]), w, v)
-        g, _ = ctx.model.value_and_grad_stacked(pts, *batch)
+        g, _ = value_and_grad_stacked(ctx.model, pts, *batch)
         return T.tmap(lambda gg: (gg[0] - gg[1]) / (2 * delta), g)
 
     @staticmethod

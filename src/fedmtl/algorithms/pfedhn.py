@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import tree as T
-from ..model import value_and_grad_of
+from ..models.parts import value_and_grad_of
 from ..optim import Batches, local_sgd, pick_batch
 from ..schema import Annotated, Range
 from ..tree import Params

@@ -169,7 +169,7 @@ class ClientGroup:
         return ClientGroup(self.train.subset(clients), self.test.subset(clients), val)
 
 
-#: ``meta`` keys a model builder reads (``fedmtl.model.input_transform_for``): what a node may always send
+#: ``meta`` keys a model builder reads (``fedmtl.models.inputs.input_transform_for``): what a node may always send
 #: the server and a site's export may always hold.  Every other key is private unless the dataset lists it in
 #: ``meta["public_keys"]``.
 MODEL_META_KEYS = ("input", "mean", "std")

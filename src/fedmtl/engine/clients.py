@@ -137,6 +137,11 @@ class LocalClients:
     def _update(self, payload: Tree, state: Tree, batches: Any, lr: float) -> Any:
         return self.alg.client_update(self.ctx, payload, state, batches, lr)  # type: ignore[arg-type]
 
+    def _update_clients(self, payload: Tree, states: Tree, batches: Any, lr: float) -> Any:
+        """``_update``'s clients form (K clients at once: ``Algorithm.client_update_clients``), which the stacked
+        executor runs."""
+        return self.alg.client_update_clients(self.ctx, payload, states, batches, lr)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------------------------------ training
     def train(self, payload: Tree, ids: Tensor, orders: Orders, lr: float, round_idx: int) -> TrainOut:
         """Run ``client_update`` for clients ``ids``; write back the new states of those whose results are finite."""
@@ -145,7 +150,8 @@ class LocalClients:
         states = T.to(self.store.read(rows), self.device)
         batches = TrainBatches(self.data.seen.train, rows, orders, self.batch_size, self.device, self.drop_last)
         try:
-            updates, new_states, losses = self.executor.train(self._update, payload, states, batches, lr)
+            updates, new_states, losses = self.executor.train(self._update, payload, states, batches, lr,
+                                                              clients=self._update_clients)
         except Exception as e:
             name_failure(e, self.alg.name, round_idx, ids, "client_update", self.executor.name)
             raise

@@ -8,10 +8,11 @@ That is all an executor does; the round loop (``engine.round``) decides what run
   (``optim.masked_steps``), so the grouping never changes the result.
 * ``loop``: one client at a time over the same function, with unpadded (ragged) batches as a DataLoader
   gives; the reference in tests, readable tracebacks, and the faster path for compute-bound models on CPU.
-* ``stacked``: the clients as one eager computation on stacked tensors, no transform: the function runs once
-  on all of them (``ClientBatches``), each local step on the clients still live (a prefix), updating their
-  stacked parameters in place.  For methods with a clients form (``Algorithm.clients_form``) on models with one
-  (``Model.supports_clients``); a round's sequential steps are then the largest client's, with no padding computed.
+* ``stacked``: the clients as one eager computation on stacked tensors, no transform: the function's clients form
+  (``clients``: the algorithm's ``client_update_clients``) runs once on all of them (``ClientBatches``), each local
+  step on the clients still live (a prefix), updating their stacked parameters in place.  For methods with a clients
+  form (``Algorithm.clients_form``) on models with one (``models.stacking.supports_clients``); a round's sequential
+  steps are then the largest client's, with no padding computed.
 * ``flower`` (``fedmtl.flower.executor``) sends the function's inputs to SuperNodes, which run it with one
   of the above.
 
@@ -39,7 +40,8 @@ from ..data.federated import (
     steps_per_epoch,
     usable_counts,
 )
-from ..model import Model
+from ..models.base import Model
+from ..models.stacking import closed_form_clients, supports_clients, verify_clients
 from ..optim import Batches, ClientBatches, with_all_live
 from .resident import to_device
 
@@ -138,10 +140,12 @@ class Executor:
     name = "executor"
 
     def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
-              payload_rows: bool = False) -> Any:
+              payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
         """``fn(payload, state, batches, lr)`` for every client; ``states`` stacked (K, ...).  ``payload_rows``:
         the payload is stacked too, one row per client (replicas of a run with several seeds, each client
-        training from its own replica's model)."""
+        training from its own replica's model).  ``clients``: ``fn``'s clients form, ``clients(payload, states,
+        client_batches, lr)`` for K clients at once (``Algorithm.client_update_clients``), which only the stacked
+        executor runs."""
         raise NotImplementedError
 
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
@@ -175,7 +179,7 @@ class VmapExecutor(Executor):
         return groups
 
     def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
-              payload_rows: bool = False) -> Any:
+              payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
             # the steps live for the whole bucket skip local_sgd's dead-step masking (``Batches.all_live``)
@@ -221,7 +225,7 @@ class LoopExecutor(Executor):
     name = "loop"
 
     def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
-              payload_rows: bool = False) -> Any:
+              payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
         result = None
         for i in range(len(batches.rows)):  # written straight into a preallocated stack
             try:
@@ -244,11 +248,11 @@ class LoopExecutor(Executor):
 class StackedExecutor(Executor):
     """All clients of a call as one eager computation on stacked tensors, no torch.func transform: each local step
     runs on the clients still live at that step (a prefix, the clients sorted by their number of steps, most first),
-    updating their stacked parameters in place (``optim.local_sgd_clients``, ``Model.value_and_grad_clients``).
-    Nothing is padded or masked and every step is one batched product per layer, so a round's sequential steps are
-    the largest client's, not the sum of the step buckets'.  For algorithms that declare a clients form
-    (``Algorithm.stacked_clients``: their ``client_update`` is local SGD of the model, run unchanged on K stacked
-    clients) and models that have one (``Model.supports_clients``); others use ``fallback`` (vmap)."""
+    updating their stacked parameters in place (``optim.local_sgd_clients``, ``models.stacking``).  Nothing is padded
+    or masked and every step is one batched product per layer, so a round's sequential steps are the largest client's,
+    not the sum of the step buckets'.  It runs the clients form of the function it is given (``train``'s ``clients``:
+    the algorithm's ``client_update_clients``), for algorithms that have one (``Algorithm.clients_form``) and models
+    that have one (``models.stacking.supports_clients``); others use ``fallback`` (vmap)."""
 
     name = "stacked"
 
@@ -260,14 +264,14 @@ class StackedExecutor(Executor):
 
     def for_algorithm(self, alg: Any) -> Executor:
         """This executor where ``alg`` has a clients form, else the fallback."""
-        if alg.clients_form() and self.model.supports_clients:
+        if alg.clients_form() and supports_clients(self.model):
             self.first_epoch = bool(getattr(alg, "stacked_first_epoch", False))
             return self
         return self.fallback
 
     def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
-              payload_rows: bool = False) -> Any:
-        if payload_rows:  # clients from several models (merged replicas): the engine runs replicas apart here
+              payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
+        if payload_rows or clients is None:  # clients from several models (merged replicas), or no clients form
             return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
         steps = batches.live_counts()
         order = torch.argsort(-steps, stable=True)  # most steps first: the live clients of every step are a prefix
@@ -278,7 +282,7 @@ class StackedExecutor(Executor):
             if not self._verified(b):  # a clients form that does not reproduce the module: the fallback's path
                 return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
             try:
-                outs.append(fn(payload, T.take(states, p), b, lr))
+                outs.append(clients(payload, T.take(states, p), b, lr))
             except Exception as e:
                 failed_at(e, pos.tolist())
                 raise
@@ -288,12 +292,12 @@ class StackedExecutor(Executor):
 
     def _verified(self, b: ClientBatches) -> bool:
         """Whether the model's clients form may run: verified on these batches' first examples where the engine
-        did not verify it on the data before (``Model.verify_clients``)."""
+        did not verify it on the data before (``models.stacking.verify_clients``)."""
         form = self.model.clients_form
         if form is not None and form.usable is None:
             real = b.mask.reshape(-1) > 0
-            self.model.verify_clients(b.x.reshape(-1, *b.x.shape[2:])[real][:6])
-        return self.model.supports_clients
+            verify_clients(self.model, b.x.reshape(-1, *b.x.shape[2:])[real][:6])
+        return supports_clients(self.model)
 
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
         return self.fallback.map(fn, shared, *stacked)
@@ -312,9 +316,9 @@ EXECUTORS: dict[str, Callable[[Model, int, Literal["steps", "none"], str], Execu
 def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_size: int = 0,
                   bucketing: Literal["steps", "none"] = "steps") -> Executor:
     """The executor ``name``.  ``auto`` decides by rule: ``stacked`` for models with the stacked closed form, for
-    models with a clients form (``Model.supports_clients``: verified on the data) that do not prefer the loop on a
-    CPU, and on a GPU for every model with a clients form; ``loop`` for the rest of those that prefer it on this
-    device (``prefer_loop_on_cpu``: convolutions and recurrent layers are compute-bound and run fastest client by
+    models with a clients form (``models.stacking.supports_clients``: verified on the data) that do not prefer the
+    loop on a CPU, and on a GPU for every model with a clients form; ``loop`` for the rest of those that prefer it on
+    this device (``prefer_loop_on_cpu``: convolutions and recurrent layers are compute-bound and run fastest client by
     client on a CPU; ``prefer_loop_on_cuda``: recurrent layers, whose per-client cuDNN kernel beats a vmapped
     recurrence on a GPU, though not the stacked one: ``fedmtl bench models --device cuda``, LSTM); ``vmap`` for the
     rest.  The stacked executor hands algorithms without a clients form (and evaluation) to the path the model
@@ -324,8 +328,8 @@ def make_executor(name: ExecutorName, model: Model, device: torch.device, chunk_
     fallback = "loop" if loop else "vmap"
     chosen: str = name
     if name == "auto":
-        chosen = "stacked" if model.supports_clients and (model.closed_form_clients or not loop or cuda) else fallback
-    if chosen == "stacked" and not model.supports_clients:
+        chosen = "stacked" if supports_clients(model) and (closed_form_clients(model) or not loop or cuda) else fallback
+    if chosen == "stacked" and not supports_clients(model):
         raise ValueError(f"run.runner = 'stacked': model {model.name!r} has no clients form (a closed-form "
                          "stacked gradient: linear, mlp or a converted dense user module; or a clients form "
                          "verified on the data: user modules and the built-in CNNs); use vmap or loop")

@@ -33,7 +33,7 @@ from .. import tree as T
 from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, epoch_orders, usable_counts
 from ..machine import torch_device
-from ..model import Model, ModelError
+from ..models.base import Model, ModelError
 from ..registry import ALGORITHMS
 from ..tree import Tree
 from . import asynchronous

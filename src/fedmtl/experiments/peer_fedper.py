@@ -119,7 +119,7 @@ class PeerLoop:
 def _fedmtl(data: FederatedData, make: Any, method: str, rounds: int, seeds: tuple[int, ...]) -> list[dict[str, float]]:
     from ..api import run as run_api
     from ..engine.evaluation import SEEN_TEST_ACC, SEEN_TEST_ACC_MEAN
-    from ..model import Model
+    from ..models.base import Model
 
     alg: dict[str, Any] = {"name": method}
     if method == "fedrep":

@@ -49,7 +49,8 @@ from ..engine.clients import LocalClients
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
 from ..files import check_file
-from ..model import Model
+from ..models.base import Model
+from ..models.stacking import compiled
 from ..ranges import parse_ids
 from ..runs.driver import RunResult, drive
 from ..runs.progress import Progress, format_row
@@ -188,7 +189,7 @@ def node_of(nodes: NodeCache, context: Context, cfg_text: str, full: bool = True
         data, source = whole.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     model.check_features(data.seen.train.x[:6])
-    model = model.compiled(cfg.run.compile)
+    model = compiled(model, cfg.run.compile)
     node = nodes.nodes[key, full or source == "config"] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
     return node
 

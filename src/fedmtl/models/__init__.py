@@ -8,8 +8,8 @@ A model builder is ``(input_shape, num_classes, meta=None, **kwargs) -> Model``;
 
 from __future__ import annotations
 
-from ..model import Model, ModelError
 from ..registry import MODELS, register_model
+from .base import Model, ModelError
 from .cnn import bn_cnn, cifar_cnn, femnist_cnn
 from .dense import linear, mlp
 from .lstm import CharLSTM, char_lstm, lstm_forward

@@ -30,7 +30,7 @@ A twin computes what the module computes only if the module's own code treats ex
 against the module applied client by client, to 1e-4): a module that mixes examples (a batch statistic of its own,
 a reshape that fixes the batch size, a batch axis other than 0 around a stacked layer) is refused there and the run
 takes the vmap or loop path instead, with the reason logged and recorded.  Gradients come from autograd through the
-twin (``Model.value_and_grad_clients``): each client's parameters receive exactly its own loss's gradient.
+twin (``models.stacking.value_and_grad_clients``): each client's parameters receive exactly its own loss's gradient.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from .lora import LoRALinear
+from .parts import ModelError, value_and_grad_of
 
 log = logging.getLogger("fedmtl")
 
@@ -502,8 +503,73 @@ class ClientsForm:
                     m2._buffers[name] = own if own is not None and own.device == device else b.to(device)
         self._device = device
 
+    def logits(self, params: dict[str, Tensor], x: Tensor, binary: bool) -> Tensor:
+        """``self(params, x)`` with a binary model's (K, B, 1) outputs as (K, B) (the model's clients logits)."""
+        out = self(params, x)
+        if binary and out.dim() > 2 and out.shape[-1] == 1:
+            return out.reshape(out.shape[:-1])
+        return out
+
+    def check(self, x: Tensor, module: nn.Module, params: dict[str, Tensor], num_classes: int, binary: bool,
+              nll: Callable[[Tensor, Tensor], Tensor]) -> bool:
+        """Check the form once on examples ``x`` (n >= 3, already through the model's input transform): three
+        clients' models (weights drawn around ``params``, the model's initial ones) on their own examples, outputs and
+        gradients of the form against ``module`` applied to each, to 1e-4 of their scale (``verify``); ``nll(out, y)``
+        is the model's per-sample loss.  A form that does not reproduce the module is not used (``usable`` turns
+        False; the reason is logged and kept in ``reason``).  Later calls return the outcome (``Model.check_features``
+        and ``models.stacking.verify_clients`` call it)."""
+        if self.usable is not None:
+            return self.usable
+        n = x.shape[0] // 3
+        if n < 1:
+            raise ModelError("verifying a clients form needs at least 3 examples")
+        gen = torch.Generator().manual_seed(0)
+
+        def near(v: Tensor, i: int) -> Tensor:  # client i's weights: far enough apart that mixing them shows
+            if i == 0 or not v.is_floating_point():
+                return v
+            scale = max(float(v.detach().float().std()) if v.numel() > 1 else 0.0, float(v.detach().abs().mean()), 0.05)
+            return v + 0.5 * scale * torch.randn(v.shape, generator=gen).to(v)
+
+        stacked = {k: torch.stack([near(v, i) for i in range(3)]) for k, v in params.items()}
+        xs = x[:3 * n].reshape(3, n, *x.shape[1:])
+        ys = torch.randint(0, num_classes, (3, n), generator=gen).to(x.device)
+        mask = torch.ones(3, n, device=x.device)
+
+        def module_out(p: dict[str, Tensor], xi: Tensor) -> Tensor:  # the module itself on transformed examples
+            out = functional_call(module, p, (xi,))
+            return out.reshape(out.shape[:-1]) if binary and out.shape[-1:] == (1,) else out
+
+        def losses(p: dict[str, Tensor], x: Tensor, y: Tensor, mask: Tensor) -> Tensor:  # each client's mean loss
+            return (nll(self.logits(p, x, binary), y) * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+
+        def compare() -> str | None:
+            with torch.no_grad():
+                got = self.logits(stacked, xs, binary)
+            grads, _ = clients_value_and_grad(losses, stacked, xs, ys, mask)
+            for i in range(3):
+                p = {k: v[i] for k, v in stacked.items()}
+                with torch.no_grad():
+                    want = module_out(p, xs[i])
+                if got[i].shape != want.shape:
+                    return f"outputs shaped {tuple(got[i].shape)} instead of {tuple(want.shape)}"
+                if not _close(got[i], want):
+                    return (f"outputs differ from the module's by {float((got[i] - want).abs().max()):.3g} (its code "
+                            "mixes examples, or its batch axis is not the first)")
+
+                def loss(q: dict[str, Tensor], i: int = i) -> Tensor:  # ``Model.loss``'s mean over the real samples
+                    return (nll(module_out(q, xs[i]), ys[i]) * mask[i]).sum(-1) / mask[i].sum().clamp_min(1.0)
+
+                for k, g in value_and_grad_of(loss, p)[0].items():
+                    if not _close(grads[k][i], g):
+                        err = float((grads[k][i] - g).abs().max())
+                        return f"the gradient of {k!r} differs from the module's by {err:.3g}"
+            return None
+
+        return self.verify(compare)
+
     def verify(self, compare: Callable[[], str | None]) -> bool:
-        """Run ``compare`` (the form against the module on real examples: ``Model.verify_clients``), which returns
+        """Run ``compare`` (the form against the module on real examples: ``check``), which returns
         None where they agree and the difference otherwise.  A fallback unit that vmap cannot run is switched to the
         loop and the comparison repeated.  Sets ``usable`` and ``reason``; returns usable."""
         while True:
@@ -524,6 +590,24 @@ class ClientsForm:
 
 class NoClientsForm(ValueError):
     """A module that cannot have a clients form (and why)."""
+
+
+def clients_value_and_grad(losses: Callable[..., Tensor], params: dict[str, Tensor], *args: Any
+                           ) -> tuple[dict[str, Tensor], Tensor]:
+    """(gradients, (K,) losses) of K clients' models (params (K, ...)) by autograd through ``losses(params, *args)``,
+    which returns each client's loss: the gradient of their sum with respect to client k's parameters is exactly k's
+    own loss's (zeros for a parameter the losses do not read)."""
+    with torch.enable_grad():
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        loss = losses(leaves, *args)
+        grads = torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)
+    return ({k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(params.items(), grads, strict=True)},
+            loss.detach())
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    """Equal to 1e-4 of their scale (a clients form against its module: sums in another order)."""
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max().clamp_min(1e-3))))
 
 
 __all__ = ["LOOP", "STACKED", "VMAP", "ClientsForm", "NoClientsForm", "StackedAttention", "StackedConv",

@@ -19,9 +19,11 @@ from torch import nn
 
 from ..batchnorm import BatchNorm
 from ..machine import check_parameters
-from ..model import Model, default_head, input_transform_for
 from ..schema import Annotated, Range
+from .base import Model
 from .clientstack import ClientsForm
+from .inputs import input_transform_for
+from .parts import default_head
 
 
 def _flat_dim(features: nn.Module, input_shape: tuple[int, ...]) -> int:

@@ -8,8 +8,10 @@ from torch import nn
 
 from ..batchnorm import BatchNorm
 from ..machine import check_parameters
-from ..model import Model, default_head, input_transform_for
 from ..schema import Annotated, Range, shown
+from .base import Model
+from .inputs import input_transform_for
+from .parts import default_head
 from .stacked import mlp_functions
 
 Width = Annotated[int, Range(1, 10**5)]  # a hidden layer's units

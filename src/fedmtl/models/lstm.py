@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..machine import check_parameters
-from ..model import Model
 from ..schema import Annotated, Range
 from ..tree import Params
+from .base import Model
 from .clientstack import ClientsForm
 
 

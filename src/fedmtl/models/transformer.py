@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..machine import check_parameters
-from ..model import Model, ModelError
 from ..schema import Annotated, Range
+from .base import Model, ModelError
 
 
 class Attention(nn.Module):

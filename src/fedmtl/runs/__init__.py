@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
     from ..data.federated import FederatedData
-    from ..model import Model
+    from ..models.base import Model
     from .driver import RunResult
     from .seeds import SeedsResult
 

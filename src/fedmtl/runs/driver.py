@@ -42,7 +42,8 @@ from ..engine.spec import RunSpec
 from ..engine.store import StoreError
 from ..files import atomic
 from ..machine import torch_device
-from ..model import Model
+from ..models.base import Model
+from ..models.stacking import closed_form_clients, compiled, supports_clients
 from ..robust.attacks import flip_labels
 from ..tree import Tree
 from . import checkpoint
@@ -122,7 +123,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
     if attack.kind == "labelflip" and attack.active:
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:6])
-    model = model.compiled(rc.compile)
+    model = compiled(model, rc.compile)
     device = torch_device(rc.device)
     held, global_ids = data, None
     if group is not None:
@@ -502,11 +503,11 @@ def run_path(model: Model, executor: Executor | None) -> dict[str, Any]:
     if executor is None:
         return {"executor": "remote", "model": model.path}
     name = executor.name
-    if isinstance(executor, StackedExecutor) and not model.supports_clients:  # its form refused on the data
+    if isinstance(executor, StackedExecutor) and not supports_clients(model):  # its form refused on the data
         name = executor.fallback.name
     path: dict[str, Any] = {"executor": name, "model": model.path}
     form = model.clients_form
-    if form is not None and form.usable and name == "stacked" and not model.closed_form_clients:
+    if form is not None and form.usable and name == "stacked" and not closed_form_clients(model):
         path["model"], path["layers"] = "clients form", dict(form.layers)
     elif form is not None and form.usable is False:
         path["clients_form_refused"] = form.reason

@@ -36,7 +36,7 @@ from ..config import ConfigError, ExperimentConfig, dumps
 from ..data.federated import FederatedData
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, UNSEEN_TEST_ACC_MEAN
 from ..files import atomic
-from ..model import Model
+from ..models.base import Model
 from .driver import Replica, RunResult, build_local, drive_many, prepare
 from .report import plot_bands, run_figures_on, write_json
 from .rundir import COMMIT, NEXT, RunDirectory, check_resumable, seed_dirs
