@@ -30,13 +30,16 @@ venv: $(VENV)/.installed datasets
 run: venv
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl main --out results --resume
 
+# one pytest-xdist worker per core (JOBS), one torch thread each
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+
 test: venv
-	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n $(JOBS) --dist worksteal tests
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy src/fedmtl
 
 test-fast: venv
-	OMP_NUM_THREADS=$(THREADS) $(VPY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n $(JOBS) --dist worksteal -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from fedmtl.models import build_model
 from fedmtl.testing import all_client_states, run_rounds, simulator, toy_data
 
-torch.set_num_threads(2)
+# one torch thread per xdist worker (make test runs one worker per core), else the run's THREADS
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 __all__ = ["all_client_states", "make_sim", "run_rounds"]
 
@@ -28,10 +31,13 @@ def make_sim(alg, data, model=None, opt=None, **run):
 
 
 def pytest_collection_modifyitems(items):
-    """The contract items (one per algorithm and check) beyond the quick checks belong to the slow tier."""
+    """The contract items (one per algorithm and check) beyond the quick checks belong to the slow tier.  The slow
+    tier runs first: with several workers (``make test``: pytest-xdist) the long tests start at once and the short
+    ones fill the gaps, instead of one long test holding the end of the run."""
     from .test_contract import QUICK_CHECKS
 
     for item in items:
         if getattr(item, "originalname", "") == "test_every_registered_algorithm_keeps_the_contract" and \
                 item.callspec.params["check"] not in QUICK_CHECKS:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept within a tier

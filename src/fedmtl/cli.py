@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join([*str(e).split("\n"), *getattr(e, "__notes__", [])])
         source = getattr(args, "config", None)
         if isinstance(source, str) and source not in msg:
-            msg = f"{shown(source, bare=True)}: {msg}"  # the file whose settings led here
+            msg = f"{shown(source, MAX_WORD, bare=True)}: {msg}"  # the file whose settings led here
         print(f"fedmtl: error: {_line(msg)}", file=sys.stderr)
         _refused_on_every_rank(args)
         return EXIT_INPUT
