@@ -140,6 +140,7 @@ def test_run_with_arrays_and_a_module():
                    model=Model.from_module(nn.Linear(7, 3), num_classes=3))
 
 
+@pytest.mark.slow
 def test_run_from_a_toml_path_with_overrides(tmp_path):
     cfg = ROOT / "configs" / "synthetic" / "fedavg.toml"
     res = fedmtl.run(cfg, out=tmp_path / "r", run__rounds=2, **{"data.num_clients": 12, "run.eval_every": 1})
@@ -287,6 +288,7 @@ def test_python_api_docs_page_runs_as_written(tmp_path):
     _run_python_blocks((ROOT / "docs" / "guide" / "python-api.md").read_text(), tmp_path, "python_api", 3)
 
 
+@pytest.mark.slow
 def test_readme_example_runs_as_written(tmp_path):
     """The README front page's example on your own arrays runs as written and prints its comparison."""
     text = (ROOT / "README.md").read_text()
@@ -316,6 +318,7 @@ def test_plugin_fields_carry_descriptions_and_the_contract_is_in_help():
     assert "client_update" in text and "needs_adaptation" in text and "check_algorithm" in text
 
 
+@pytest.mark.slow
 def test_compare_from_python_and_errors_that_speak_python(tmp_path):
     """fedmtl.compare puts finished runs side by side; a run directory refused from Python names the Python
     arguments (resume=True, overwrite=True) beside the flags."""

@@ -99,6 +99,7 @@ def test_arrivals_follow_the_systems_clock(small_data):
     assert rows == rows2
 
 
+@pytest.mark.slow
 def test_fedbuff_learns_with_a_personalized_method(small_data):
     cfg = AsyncConfig(mode="fedbuff", concurrency=8, buffer_size=4)
     e = make_sim(FedRep(), small_data, model=build_model("mlp", 10, 2, hidden=(16,)), opt=SGD(0.1),

@@ -33,6 +33,7 @@ def test_perfedavg_ratios_are_measured_against_fedavg_in_the_same_run():
     assert out["perfedavg_hf_examples_vs_fedavg"] == pytest.approx(2 * out["perfedavg_fo_examples_vs_fedavg"])
 
 
+@pytest.mark.slow
 def test_mlp_workload_reports_floor_ratios_for_fedavg_and_fedem():
     data = toy_data()
     out = bench_mlp(data, rounds=1, gflops=100.0)

@@ -108,6 +108,7 @@ def test_a_node_partition_typo_is_refused_without_building_the_ids(cfg):
         one_line(str(e.value), 300)
 
 
+@pytest.mark.slow
 def test_export_clients_range_checked_against_the_federation():
     from fedmtl.data.federated import DataError
     from fedmtl.data.npz import parse_range
@@ -128,6 +129,7 @@ def test_a_sweep_counts_its_settings_before_building_them(cfg, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_config_lists_are_bounded_before_their_items_are_read(cfg):
     with pytest.raises(ConfigError, match=r"\[optim\]\.lr_milestones: 100000 items; a config list holds at most") as e:
         load(cfg, ["optim.lr_milestones=[" + ",".join(["0.5"] * 100000) + "]"])
@@ -163,6 +165,7 @@ def test_a_gpu_index_is_checked_against_the_gpus_present(monkeypatch):
 # ---------------------------------------------------------------------------------------------- error lines
 
 
+@pytest.mark.slow
 def test_error_lines_echo_values_cut_short(cfg, capsys):
     huge = "x" * 900_000
     assert main(["run", str(cfg), "--set", f"algorithm.name={huge}"]) == 2
@@ -213,6 +216,7 @@ def advised(err: str) -> list[list[str]]:
     return [shlex.split(c)[1:] for c in re.findall(r"(fedmtl run [^()]*?)(?: \(|\)|$)", err.strip())]
 
 
+@pytest.mark.slow
 def test_a_swapped_checkpoint_gets_advice_that_works(cfg, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["-q", "run", str(cfg), "--out", str(a)]) == 0
@@ -232,6 +236,7 @@ def test_a_swapped_checkpoint_gets_advice_that_works(cfg, tmp_path, capsys):
     assert commands == [["run", "--resume", "--out", str(b)]] and main(["-q", *commands[0]]) == 0
 
 
+@pytest.mark.slow
 def test_an_edited_seed_folder_config_gets_advice_that_works(cfg, tmp_path, capsys):
     out = tmp_path / "s"
     assert main(["-q", "run", str(cfg), "--seeds", "1,2", "--out", str(out)]) == 0
@@ -245,6 +250,7 @@ def test_an_edited_seed_folder_config_gets_advice_that_works(cfg, tmp_path, caps
     assert main(["-q", *commands[0]]) == 0
 
 
+@pytest.mark.slow
 def test_a_directory_in_place_of_a_result_file_is_named_not_its_temporary(cfg, tmp_path, capsys):
     out = tmp_path / "o"
     assert main(["-q", "run", str(cfg), "--out", str(out)]) == 0

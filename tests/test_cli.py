@@ -139,6 +139,7 @@ def test_resume_after_real_interruption_matches_uninterrupted(tmp_path):
     assert ra == rb
 
 
+@pytest.mark.slow
 def test_sweep_runs_each_value_and_plots(tmp_path):
     from fedmtl.runs.sweep import split_top_level
 
@@ -158,6 +159,7 @@ def test_sweep_runs_each_value_and_plots(tmp_path):
         run_sweep(p, ["run.seed=3"], out)
 
 
+@pytest.mark.slow
 def test_sweep_with_seeds_runs_and_continues(tmp_path):
     """``fedmtl sweep --seeds`` (the Figure 1 commands): every setting with every seed, mean and std per setting;
     run again with --resume, the finished settings are resumed, not re-run (without it: refused)."""

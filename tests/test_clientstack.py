@@ -92,6 +92,7 @@ def _check_clients(model: Model, x: torch.Tensor, classes: int) -> None:
             assert torch.allclose(grads[key][i], gi[key], atol=1e-5), (i, key, err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rnn,batch_first,attention_mask", [("lstm", True, True), ("gru", False, False),
                                                              ("rnn", True, False)])
 def test_sequence_layers_equal_the_module_client_by_client(rnn, batch_first, attention_mask):
@@ -174,6 +175,7 @@ def test_a_user_cnn_on_the_stacked_executor_equals_the_loop(algorithm, optim):
         assert abs(ra["train_loss"] - rb["train_loss"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_auto_takes_the_loop_for_a_cnn_on_a_cpu_and_a_refused_form_is_recorded():
     torch.manual_seed(0)
     cfg = {"algorithm": {"name": "fedavg"}, "run": {"rounds": 1, "batch_size": 5}}

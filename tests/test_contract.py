@@ -16,6 +16,7 @@ from fedmtl.testing import ContractError, check_algorithm, parametrize_with_chec
 QUICK_CHECKS = ("capabilities", "no_input_mutation")
 
 
+@pytest.mark.slow
 @parametrize_with_checks(ALGORITHMS)
 def test_every_registered_algorithm_keeps_the_contract(algorithm, check, small_data):
     assert check_algorithm(algorithm, data=small_data, checks=(check,)) == {check: "ok"}
@@ -99,6 +100,7 @@ def test_check_algorithm_catches_broken_algorithms(cls, check, small_data):
         check_algorithm(cls, data=small_data)
 
 
+@pytest.mark.slow
 def test_check_algorithm_passes_a_correct_plugin(small_data):
     @dataclass(frozen=True)
     class HalfStep(FedAvg):

@@ -100,6 +100,7 @@ def test_download_checksum_and_no_partial_file(tmp_path):
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FMNIST.is_dir(), reason="dataset-fashion-mnist not installed")
 def test_real_fashion_mnist():
     from fedmtl.data.vision import fashion_mnist, load_idx_dataset

@@ -132,6 +132,7 @@ def test_ownership_is_round_robin_and_covers_everyone() -> None:
     assert parts[1].tolist() == [1, 4, 7, 10]
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_bit_for_bit_on_the_loop_runner(tmp_path: Path) -> None:
     """FedAvg with stragglers, drops and a median (robust): 2 ranks are bit-identical to one process."""
     cfg = write_config(tmp_path, "fedavg", extra="[systems]\nvariability = \"high\"\ndrop_prob = 0.2\n"
@@ -164,6 +165,7 @@ def test_two_ranks_equal_one_process(tmp_path: Path, alg: str, runner: str, extr
     assert summed == (alg in ("fedavg", "ditto") and not extra)
 
 
+@pytest.mark.slow
 def test_secure_dp_noise_is_the_same_on_every_rank(tmp_path: Path) -> None:
     """With noise from the OS's CSPRNG the run cannot equal another, but every rank must add rank 0's noise: the
     ranks compare their server states at every checkpoint and stop if they differ."""
@@ -234,6 +236,7 @@ def _start_and_kill(cfg: Path, out: Path, sig: signal.Signals, rank: int) -> tup
     return proc, err
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_job_with_the_documented_codes(tmp_path: Path) -> None:
     """What the distributed guide promises when a rank dies: torchrun exits 1 naming the dead rank; every surviving
     rank prints one line (the run stopped, the last checkpoint, resume with --resume) and exits 4, also when
@@ -257,6 +260,7 @@ def test_a_killed_rank_stops_the_job_with_the_documented_codes(tmp_path: Path) -
     assert lines and all(ln.startswith("fedmtl: distributed run stopped") for ln in lines), err[-3000:]
 
 
+@pytest.mark.slow
 def test_distributed_refusals(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "mm", extra="client_store = \"mmap\"\n", alg="ditto")
     p = ranks_run(cfg, tmp_path / "mm", 2)
@@ -269,6 +273,7 @@ def _files(d: Path) -> dict[str, bytes]:
     return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
 
 
+@pytest.mark.slow
 def test_several_seeds_are_refused_on_every_rank_before_anything_is_written(tmp_path: Path) -> None:
     """--seeds (or run.seeds) under torchrun: every rank refuses with the same one line and exit 2, before anything is
     written; with --overwrite the results the directory already holds are left byte-identical."""

@@ -35,6 +35,7 @@ def _page(site: Path, path: str) -> str:
     return f.read_text()
 
 
+@pytest.mark.slow
 def test_handbook_builds_strict_with_its_key_pages(site):
     for path in ("", "getting-started", "guide/python-api", "guide/algorithms", "guide/configuration",
                  "guide/flower", "guide/privacy-robustness", "guide/mocha", "guide/networked", "reference/partition",
@@ -48,6 +49,7 @@ def test_handbook_builds_strict_with_its_key_pages(site):
     assert (site / "compare/curves.png").is_file()
 
 
+@pytest.mark.slow
 def test_api_reference_renders_every_public_name(site):
     import fedmtl
 
@@ -59,6 +61,7 @@ def test_api_reference_renders_every_public_name(site):
     assert 'id="fedmtl.data.partition.dirichlet"' in _page(site, "reference/partition")
 
 
+@pytest.mark.slow
 def test_config_reference_is_generated_from_the_dataclasses(site):
     from fedmtl.config import ALGORITHMS, TABLES
     from fedmtl.registry import field_table
@@ -74,6 +77,7 @@ def test_config_reference_is_generated_from_the_dataclasses(site):
     assert not (ROOT / "docs" / "reference" / "config.md").exists(), "generated pages are built into the site only"
 
 
+@pytest.mark.slow
 def test_every_benchmark_json_has_a_results_page(site):
     files = sorted(RESULTS.rglob("*.json"))
     assert files
@@ -110,6 +114,7 @@ def test_the_readme_main_job_table_is_the_handbook_s():
     assert len(readme) == 11 and readme == page
 
 
+@pytest.mark.slow
 def test_the_correctness_record_is_generated_from_the_tests_and_covers_every_method():
     """docs/guide/correctness.md is what ``python -m tests.correctness_page`` writes from the tests marked
     ``@pytest.mark.correctness``, and every registered method and asynchronous mode has at least one check."""

@@ -133,6 +133,7 @@ def test_cnn_bn_normalizes_after_each_convolution_and_the_hidden_layer():
     assert m.apply(p, x).shape == (5, 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [FedBN, FedAvg, Local, FedPer])
 def test_contract_with_a_batchnorm_model(cls):
     # loop == vmap (padded batches under vmap), determinism, checkpoints, NaN updates
@@ -207,6 +208,7 @@ def _feature_shift(num_clients: int = 8, seed: int = 0, d: int = 6, classes: int
     return from_clients(train, test, classes, name="feature_shift")
 
 
+@pytest.mark.slow
 def test_fedbn_beats_fedavg_on_clients_with_shifted_features():
     data = _feature_shift()
     m = _bn_mlp(d=6, classes=3, hidden=32)

@@ -218,6 +218,7 @@ def test_v_is_the_row_sum_of_the_personal_head():
     assert torch.equal(client_vector({"2.weight": w, "2.bias": torch.zeros(3)}), torch.tensor([4.5, 1.5]))
 
 
+@pytest.mark.slow
 def test_personalizes_label_permuted_groups_better_than_fedavg():
     # two groups whose labels are permuted: one global model cannot serve both; the personalized head (fed the
     # features the policy routes to it) can

@@ -48,6 +48,7 @@ def _random_psd(rng: np.random.Generator, k: int, definite: bool) -> np.ndarray:
     return a @ a.T + (np.diag(rng.uniform(0.05, 1.0, k)) if definite else 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.correctness(
     ("fedpac",), "the combination-weight QP is solved exactly (against CVXPY and SciPy)",
     guards="an approximate or unconstrained solve of the weights (negative weights, weights not summing to one)",
@@ -276,6 +277,7 @@ def test_a_client_starts_its_round_from_its_combined_head(mlp):
 
 
 # ------------------------------------------------------------------------------------------------ behaviour
+@pytest.mark.slow
 def test_personalizes_label_permuted_groups():
     # two groups whose labels are permuted: one global model cannot serve both; FedPAC's heads combine within a group
     permuted = permuted_groups(num_clients=12, num_groups=2, dim=10, num_classes=4, n_train=120, n_test=100, seed=1)

@@ -17,6 +17,7 @@ def _png_width(path) -> int:
     return int(mpimg.imread(path).shape[1])
 
 
+@pytest.mark.slow
 def test_grouped_bars_of_many_methods_and_datasets_stay_within_the_width_cap(tmp_path):
     """30 methods x 3 datasets x 2 series: one PNG (and its PDF) no wider than MAX_WIDTH_IN at 120 dpi (plus the
     legend's and labels' margin that bbox_inches='tight' keeps)."""
@@ -27,6 +28,7 @@ def test_grouped_bars_of_many_methods_and_datasets_stay_within_the_width_cap(tmp
     assert _png_width(tmp_path / "bars.png") <= MAX_WIDTH_IN * 120 + 200
 
 
+@pytest.mark.slow
 def test_reproduction_draws_one_summary_figure_and_no_per_run_figures(tmp_path, monkeypatch):
     """``run_methods`` (what the reproductions run) keeps each dataset's final average and bottom-decile accuracy
     (mean and std over seeds) in figure.json, equal to the runs' summaries; ``summary_figure`` draws summary.png and
@@ -51,6 +53,7 @@ def test_reproduction_draws_one_summary_figure_and_no_per_run_figures(tmp_path, 
     assert summary_figure(tmp_path / "syn" / "runs", "nothing") is None  # no panels: no figure
 
 
+@pytest.mark.slow
 def test_a_categorical_sweep_draws_grouped_bars_titled_with_algorithm_and_dataset(tmp_path, monkeypatch):
     """Sweeping a categorical key (the algorithm) draws bars, one group per value, never lines joining methods;
     the title names the algorithms and the dataset."""

@@ -532,6 +532,7 @@ def test_adapters_over_flower_equal_the_simulator(tmp_path):
     assert {k.rsplit(".", 1)[-1].strip("[]'\"") for k in T.to_named(res.server)} == {"lora_A", "lora_B"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["world-writable", "file", "symlink", "live", "too-long", "under-a-file"])
 def test_worker_refuses_a_bad_socket_path_in_one_line_before_serving(tmp_path, case):
     """``fedmtl flower worker --socket PATH`` refuses, before it says it serves: a socket in a directory others may

@@ -218,6 +218,7 @@ def test_algorithms_that_need_individual_updates_are_refused_before_any_node_is_
     assert grid.pushed == []
 
 
+@pytest.mark.slow
 def test_too_few_nodes_for_secure_aggregation_are_refused_in_one_line(tmp_path, capsys):
     """``fedmtl flower simulate --nodes 2`` and ``fedmtl flower app --nodes 2`` with secure aggregation: one line, exit
     2, nothing started or written."""

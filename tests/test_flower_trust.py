@@ -157,6 +157,7 @@ def test_server_app_lock_is_held_for_the_whole_run_and_released_on_every_way_out
     assert len(res.history) == 3 and not (out / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_server_app_refuses_results_without_a_checkpoint_unless_told_to_overwrite(tmp_path):
     raw = CONFIG.format(alg="fedavg", extra="") + "checkpoint_every = 0\n"  # [run] is the last table
     text, out = dumps(validate(tomllib.loads(raw)).raw), tmp_path / "out"
@@ -169,6 +170,7 @@ def test_server_app_refuses_results_without_a_checkpoint_unless_told_to_overwrit
     assert len(res.history) == 3 and not (out / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_server_app_does_not_continue_a_checkpoint_of_another_config(tmp_path):
     """A ServerApp started with another configuration on a directory that holds a checkpoint is refused (the keys
     that differ named, every file byte-identical) instead of continuing that run with the new settings; with
@@ -296,6 +298,7 @@ def _kill_leftovers(pids: list[int]) -> None:
                 pass
 
 
+@pytest.mark.slow
 def test_local_deployment_stops_its_processes_when_readiness_fails(tmp_path, monkeypatch):
     """Under load a ``flwr supernode ls`` may outlive its own timeout: that is "not ready yet", polled again
     until the overall deadline (here FEDMTL_DEPLOY_TIMEOUT = 0.5 s), then a one-line TimeoutError, and the

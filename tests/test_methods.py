@@ -117,6 +117,7 @@ def test_fedrep_trains_the_head_first_then_the_body(small_data, mlp):
     assert float((w - w[0]).abs().max()) > 1e-3  # and every client has its own head
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alg", [FedPer(), FedRep(head_epochs=2), LGFedAvg(), FedBABU(personal_lr=0.1), FedRoD(),
                                  FedALA()],
                          ids=lambda a: a.name)
@@ -667,6 +668,7 @@ def test_personalization_steps_at_the_initial_rate_after_a_decayed_schedule(smal
     assert abs(res["reference"] - res["fedavg"]) < 1e-3 < abs(res["fedavg+"] - res["fedavg"])
 
 
+@pytest.mark.slow
 @pytest.mark.correctness(
     ("omnifedge",), "the exact head step equals scikit-learn's logistic regression",
     guards="a head sub-problem that is not solved",
@@ -808,6 +810,7 @@ def test_qffl_client_message_is_algorithm_2s(small_model):
     assert abs(float(upd.h) - (q * f ** (q - 1) * sq + f**q / lr)) < 1e-4 * float(upd.h)
 
 
+@pytest.mark.slow
 @pytest.mark.correctness(
     ("qffl",), "the fixed point minimizes f_q (scipy)",
     guards="F_k^q taken at the local instead of the global model",

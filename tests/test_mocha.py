@@ -195,6 +195,7 @@ def test_final_omega_update_and_w_of_alpha(reg):
     assert last["gap"] >= -1e-9  # W(beta) and beta: still a primal-dual pair under the new Omega
 
 
+@pytest.mark.slow
 def test_drops_keep_dual_feasible_and_never_responding_node_stalls():
     xs, ys, data = tasks(7)
     lam = 0.05
@@ -208,6 +209,7 @@ def test_drops_keep_dual_feasible_and_never_responding_node_stalls():
     assert never.trace[-1]["gap"] > 1e-2  # ... but a node that never answers stops convergence
 
 
+@pytest.mark.slow
 def test_full_mocha_learns_omega_and_decreases_objective():
     rng = np.random.default_rng(8)
     d, centers = 6, rng.normal(size=(2, 6)) * 2
@@ -294,6 +296,7 @@ def split_over_nodes(xs, ys, seed=0, per_task=(1, 2, 3)):
     return MTLData.from_tasks(nx, ny).shared(owner)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["hinge", "squared_hinge"])
 def test_shared_tasks_solve_the_pooled_problem(loss):
     """Remark 4: a task's data on several nodes, their dB added into the task's b_t, reaches the optimum of the
@@ -361,6 +364,7 @@ def test_spread_puts_every_example_on_one_node_of_its_task():
     assert np.bincount(owner).max() <= 3
 
 
+@pytest.mark.slow
 def test_table4_columns_on_a_small_skewed_federation():
     from fedmtl.experiments.mocha import synthetic_tasks
     from fedmtl.experiments.mocha_skewed import METHODS, orderings, skewed_sizes, table4

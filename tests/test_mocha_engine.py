@@ -127,6 +127,7 @@ def test_engine_mocha_under_stragglers_and_drops_resumes_exactly(tasks):
     assert moved_slow < moved_fast
 
 
+@pytest.mark.slow
 def test_fedmtl_run_mocha_config_with_systems_and_resume(tmp_path):
     cfg = Path(__file__).resolve().parents[1] / "configs" / "mocha" / "synthetic_systems.toml"
     out = tmp_path / "run"

@@ -22,6 +22,7 @@ def toy(seed=0, sizes=(10, 10), p_in=0.6, p_out=0.1, frac=0.5, m=5, noise=0.1):
     return g, xs, ys, lab, wbar
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["squared", "logistic"])
 @pytest.mark.parametrize("penalty", ["tv", "l1", "squared"])
 def test_matches_cvxpy(loss, penalty):
@@ -39,6 +40,7 @@ def test_matches_cvxpy(loss, penalty):
     assert obj[-1] <= min(obj) + 1e-6 * abs(obj[-1])  # the last iterate is (numerically) the best
 
 
+@pytest.mark.slow
 def test_two_node_closed_form():
     lam, a = 0.3, 1.0
     g = Graph.from_edges(2, [[0, 1]], [a])
@@ -96,6 +98,7 @@ def test_lambda_zero_gives_local_least_squares():
     assert np.allclose(res.w[unl], 0)
 
 
+@pytest.mark.slow
 def test_huge_lambda_gives_one_pooled_model():
     g, xs, ys, lab, _ = toy(5, p_in=0.8, p_out=0.3)
     assert g.is_connected()
@@ -118,6 +121,7 @@ def test_unlabelled_nodes_take_their_cluster_weights():
     assert np.median(err) < 0.1 * np.median(np.linalg.norm(pooled - wbar[unl], axis=1))
 
 
+@pytest.mark.slow
 def test_message_counts_and_failures():
     g, xs, ys, lab, _ = toy(7)
     data = NodeData.from_lists(xs, ys, lab)
@@ -129,6 +133,7 @@ def test_message_counts_and_failures():
     assert np.abs(flaky.w - exact.w).max() < 1e-2  # failures slow the method down but it still converges
 
 
+@pytest.mark.slow
 def test_stochastic_version_is_close():
     g, xs, ys, lab, wbar = toy(8, m=20)
     data = NodeData.from_lists(xs, ys, lab)
@@ -168,6 +173,7 @@ def test_graph_builders_and_errors():
         solve(Graph.from_edges(2, [[0, 1]]), data, GTVConfig(loss="logistic"))
 
 
+@pytest.mark.slow
 def test_boundary_flow_is_the_largest_routable_rho():
     """By hand on a path, and against networkx's max flow (binary search on rho) on a random SBM."""
     import networkx as nx
@@ -213,6 +219,7 @@ def test_boundary_flow_is_the_largest_routable_rho():
     assert np.allclose(rho, [by_max_flow(0), by_max_flow(1)], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_networked_flow_reproduction_shows_the_recovery_threshold(tmp_path):
     """The scalar toy: with one labelled node per cluster the flow connectivity is far below 1 and TV minimization
     does not recover the clusters' signs; with twenty it is above 1 and every unlabelled sign is right."""

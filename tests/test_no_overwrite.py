@@ -66,6 +66,7 @@ def test_run(cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     refused([*argv, "--set", "run.rounds=3"], out, capsys)
 
 
+@pytest.mark.slow
 def test_run_with_seeds(cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "s"
     argv = ["run", str(cfg), "--out", str(out), "--seeds", "1,2", "-q"]
@@ -73,6 +74,7 @@ def test_run_with_seeds(cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     refused(argv, out, capsys)
 
 
+@pytest.mark.slow
 def test_sweep(cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sw"
     argv = ["sweep", str(cfg), "--set", "optim.lr=0.05,0.1", "--out", str(out), "-q"]
@@ -118,6 +120,7 @@ def test_main(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: p
     assert main(["-q", "main", "--out", str(out), "--resume"]) == 0
 
 
+@pytest.mark.slow
 def test_reproductions_start_every_run_over_with_overwrite(cfg: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """--overwrite: a reproduction's runs start over (a finished run is not read back); --resume: they continue."""
@@ -140,6 +143,7 @@ def test_reproductions_start_every_run_over_with_overwrite(cfg: Path, tmp_path: 
     assert calls == [(False, True), (True, False), (False, True)]
 
 
+@pytest.mark.slow
 def test_compare(cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(cfg), "--out", str(tmp_path / "r"), "-q"]) == 0
     out = tmp_path / "cmp"
@@ -168,6 +172,7 @@ def test_flower_simulate(cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
     refused(["flower", "simulate", str(cfg), "--out", str(out), "--nodes", "2"], out, capsys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seeds", [[], ["--seeds", "1,2"]])
 def test_run_overwrite_that_cannot_start_keeps_the_results(cfg: Path, tmp_path: Path, seeds: list[str],
                                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -186,6 +186,7 @@ def _flower_commands(text: str, program: str) -> list[list[str]]:
     return out
 
 
+@pytest.mark.slow
 def test_deploy_guides_give_the_tested_host_ports_and_database(tmp_path):
     """DEPLOY.md and the project's generated DEPLOY.md start the SuperLink and SuperNodes with exactly the options the
     loopback-tested ``LocalDeployment`` uses (parsed by Flower's own parsers): the SuperLink listens on every interface
@@ -228,6 +229,7 @@ def test_deploy_guides_give_the_tested_host_ports_and_database(tmp_path):
     assert f"fedmtl-out='{tmp_path}/runs/exp1'" in guides["app/DEPLOY.md"]
 
 
+@pytest.mark.slow
 def test_npz_folder_runs_own_data_from_the_command_line(tmp_path, capsys):
     """[data] name = "npz_folder" reads what `fedmtl data export` writes: the same federation trains to the same
     numbers as the config it was exported from."""

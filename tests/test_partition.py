@@ -97,6 +97,7 @@ def test_k_classes_gives_every_client_exactly_k_classes(clients, k, seed):
         P.k_classes(labels, clients, 11, seed)
 
 
+@pytest.mark.slow
 def test_quantity_skew_keeps_labels_iid_and_skews_sizes():
     labels = np.random.default_rng(1).integers(0, 10, 20000)
     parts = P.quantity_skew(labels.size, 20, beta=0.3, rng=3, min_size=20)

@@ -58,6 +58,7 @@ def test_save_peft_round_trips_through_load_peft_with_and_without_the_module(tmp
     assert all(back[k].dtype == torch.float32 and torch.allclose(back[k], params[k]) for k in params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [CFG, AdapterConfig(rank=3, alpha=1.5, target=("2",), train=("4",))],
                          ids=["adapters", "modules_to_save"])
 def test_what_save_peft_writes_real_peft_loads_and_predicts_alike(tmp_path, cfg):

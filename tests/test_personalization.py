@@ -85,6 +85,7 @@ def test_pfedme_is_evaluated_with_theta(small_data):
     assert abs(after - (1 - before)) < 1e-6 and abs(after - before) > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.correctness(
     ("pfedme",), "a large lambda approaches FedAvg",
     guards="the Moreau-envelope step scaled wrongly",

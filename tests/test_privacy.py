@@ -24,6 +24,7 @@ from fedmtl.testing import ContractError, check_algorithm
 pytest.importorskip("dp_accounting")
 
 
+@pytest.mark.slow
 def test_epsilon_equals_the_library_for_a_known_setting():
     import dp_accounting as dpa
     from dp_accounting import pld, rdp
@@ -140,6 +141,7 @@ def test_privacy_table_is_validated():
             validate(tomllib.loads(CONFIG + f"\n[privacy]\n{body}\n"), "x.toml", data_given=True)
 
 
+@pytest.mark.slow
 def test_the_release_audit_catches_server_state_computed_from_raw_updates(small_data):
     """FedDyn as it was: its server term h came from the plain mean of the clipped updates, not from the noised
     sum; the contract's private_release check names that leaf.  The fixed FedDyn passes."""
@@ -212,6 +214,7 @@ def test_epsilon_uses_the_true_poisson_rate(q, rounds):
         assert sum(row["clients"] == 0 for row in res.history) >= 10
 
 
+@pytest.mark.slow
 def test_fixed_size_sampling_is_accounted_without_replacement_and_events_are_written(tmp_path):
     import json
 
@@ -232,6 +235,7 @@ def test_fixed_size_sampling_is_accounted_without_replacement_and_events_are_wri
     assert rec["neighboring_relation"] == "replace_one" and rec["epsilon"] == res.summary["epsilon"]
 
 
+@pytest.mark.slow
 def test_a_private_run_resumes_reproducibly_only_with_reproducible_noise(tmp_path, monkeypatch):
     """Killed after its round-2 checkpoint, a private run resumes: with reproducible noise to exactly the
     uninterrupted run; with secure noise correctly (its accounting and rounds continue), its model differing only

@@ -83,6 +83,7 @@ def test_a_second_run_into_a_locked_directory_is_refused_and_stale_locks_are_tak
     assert not (out / ".ckpt-orphan.tmp").exists() and not (out / ".lock").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @pytest.mark.parametrize("kind", ["garbage", "truncated", "pickle", "format", "nan", "round", "empty", "client_ids",
                                   "client_shape", "client_nan", "fifo", "float64", "client_int"])
@@ -152,6 +153,7 @@ def _mmap_run(tmp_path: Path) -> tuple[Path, Path]:
     return cfg, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["truncated", "padded", "header", "layout", "written", "nan", "journal", "missing"])
 def test_corrupt_memory_mapped_client_stores_are_refused_in_one_line(tmp_path, capsys, kind):
     """Finding: with run.client_store = "mmap" a truncated leaf0.npy was accepted (numpy zero-extends a file opened
@@ -382,6 +384,7 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
         signal.signal(signal.SIGINT, previous_int)
 
 
+@pytest.mark.slow
 def test_resume_needs_nothing_but_the_run_directory(tmp_path, capsys):
     """`fedmtl run --resume --out DIR` reads DIR's own resolved config, --set overrides and seeds included; the same
     config passed again with the overrides forgotten is refused naming the differing key."""
@@ -420,6 +423,7 @@ def test_cheap_refusals_come_before_the_data_is_built(tmp_path, monkeypatch, cap
     assert "in use by another run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_reports_the_evaluation_its_checkpoint_kept(tmp_path, monkeypatch):
     """The last round's checkpoint keeps the per-client evaluation: `--resume` of a finished run (one seed or
     several) writes the same summary and clients.csv without evaluating a client again.  An older checkpoint

@@ -76,6 +76,7 @@ def test_watch_names_a_stopped_run_and_how_to_resume_it(tmp_path):
     assert status(out).running is True
 
 
+@pytest.mark.slow
 def test_watch_once_on_a_run_with_several_seeds_and_on_nothing(tmp_path, capsys):
     """--once prints one line per seed of a finished run with several seeds (exit 0); a folder with no run is a
     one-line error naming it, exit 2."""
@@ -136,6 +137,7 @@ def test_watch_shows_corrupt_fields_as_unreadable_and_never_fails(tmp_path, caps
     assert "config.toml rounds" in st.unreadable
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "1e9", "0.001"])
 def test_watch_interval_out_of_range_is_one_line_exit_2(tmp_path, capsys, value):
     out = _finished_run(tmp_path)
@@ -174,6 +176,7 @@ def _set_key(cfg: str, table: str, key: str, text: str) -> str:
     raise AssertionError(f"no [{table}] {key} in the config")
 
 
+@pytest.mark.slow
 def test_watch_never_raises_on_any_json_value_in_any_field(tmp_path):
     """Property: whatever JSON value stands in each field watch reads (progress.json round and seconds_per_round,
     summary.json rounds, final and its accuracies, the whole file; metrics.csv's round, dropped, excluded and

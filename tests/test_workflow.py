@@ -104,6 +104,7 @@ def test_run_seeds_cli_writes_per_seed_folders_and_resumes(tmp_path, capsys):
     assert main(["run", "synthetic/fedem", "--seeds", "1,x", "--out", str(tmp_path / "bad"), *sets]) == 2
 
 
+@pytest.mark.slow
 def test_fedmtl_run_with_seeds_from_python():
     import fedmtl
 
@@ -140,6 +141,7 @@ def test_logging_without_a_terminal_prints_plain_lines(tmp_path):
     assert "seen_test_acc_mean" in pq.stdout
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_and_client_histogram(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -160,6 +162,7 @@ def test_tensorboard_scalars_and_client_histogram(tmp_path):
         load("synthetic/fedavg", ["log.tensorboard=1"])
 
 
+@pytest.mark.slow
 def test_mlflow_logger_round_trips_every_round_and_resumes_into_its_run(tmp_path, monkeypatch):
     """[log] loggers = ["mlflow"]: one MLflow run per fedmtl run in a file store under the run directory; the
     config as parameters, every round's loss and every evaluation with the round as step (read back equal to
@@ -209,6 +212,7 @@ def test_mlflow_logger_round_trips_every_round_and_resumes_into_its_run(tmp_path
         load("synthetic/fedavg", ['log.loggers=["mlflo"]'])
 
 
+@pytest.mark.slow
 def test_a_failing_logger_is_dropped_and_the_run_goes_on(tmp_path, caplog):
     """A registered logger that raises (an unreachable tracking server) is dropped with a warning naming it; the run
     finishes with the same numbers as without it."""
@@ -235,6 +239,7 @@ def test_a_failing_logger_is_dropped_and_the_run_goes_on(tmp_path, caplog):
     assert "logger Broken failed (ConnectionError: tracking server unreachable)" in caplog.text
 
 
+@pytest.mark.slow
 def test_compare_table_plots_and_errors(tmp_path, capsys):
     sets = [a for s in SMALL for a in ("--set", s)]
     assert main(["run", "synthetic/fedem", "--seeds", "1-3", "--out", str(tmp_path / "fedem"), "-q", *sets]) == 0
@@ -267,6 +272,7 @@ def test_sweep_axes():
     assert axis_kind([1, 2, 5]) == "linear"
 
 
+@pytest.mark.slow
 def test_list_algorithm_fields_all_documented(capsys):
     import dataclasses
 
@@ -303,6 +309,7 @@ def test_bundled_config_and_quick_reproduction_from_any_folder(tmp_path):
     assert not (tmp_path / "configs").exists()
 
 
+@pytest.mark.slow
 def test_lr_milestones_in_rounds():
     frac = SGD(lr=0.1, lr_milestones=(0.5, 0.75))
     rounds = SGD(lr=0.1, lr_milestone_rounds=(100, 150))
@@ -361,6 +368,7 @@ def test_progress_bar_on_a_terminal_keeps_its_last_state():
             assert last.startswith("ditto round 4/4  global loss 0.1250") and "acc 64.00%" in last, text
 
 
+@pytest.mark.slow
 def test_seeds_memory_check_counts_every_replica(monkeypatch):
     """The replicas' clients share the batched calls: a run that fits with one seed can be refused with three,
     before anything is trained (the machine's memory is faked small here)."""
