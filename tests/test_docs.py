@@ -17,15 +17,35 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
-        pytest.importorskip(mod, reason=f"{mod} is not installed (the 'docs' extra: pip install -e '.[docs]')")
-    out = tmp_path_factory.mktemp("site")
+def _build(out: Path) -> str:
+    """``mkdocs build --strict`` into ``out``; what it printed if it failed, else ""."""
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
                         "--site-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return "" if r.returncode == 0 else r.stdout[-3000:] + r.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The handbook built once per test run: under pytest-xdist the first worker that needs it builds it into the
+    run's shared temporary folder while the others wait on a lock, then read the same site."""
+    import fcntl
+
+    for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        pytest.importorskip(mod, reason=f"{mod} is not installed (the 'docs' extra: pip install -e '.[docs]')")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp("site")
+        failed = _build(out)
+        assert not failed, failed
+        return out
+    shared = tmp_path_factory.getbasetemp().parent  # this run's folder, shared by its workers
+    out, report = shared / "site", shared / "site.failed"
+    with open(shared / "site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_dir():
+            report.write_text(_build(out))
+    failed = report.read_text()
+    assert not failed, failed
     return out
 
 
