@@ -3,8 +3,9 @@ seeds as one batched run, checkpoints, run directories and their locks, reports 
 metric loggers, ``fedmtl watch``, ``fedmtl compare`` and sweeps.
 
 The one entry is ``execute(cfg, ...)``: a validated config run in this process, one seed (``RunResult``) or the
-seeds of ``run.seeds`` batched together (``SeedsResult``).  ``fedmtl.run`` and ``fedmtl run`` go through it; the
-modules below it are internal.
+seeds of ``run.seeds`` batched together (``SeedsResult``).  ``fedmtl.run`` goes through it (``fedmtl run`` calls
+its two halves itself, to print per-seed lines and to run as a rank of a torchrun job); the modules below it are
+internal.
 
 ==============  ===================================================================
 ``driver``      one run end to end (``run_experiment``); the run directory layout
