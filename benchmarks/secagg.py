@@ -83,8 +83,7 @@ def wire_round(text: str, clients: int, nodes: int) -> dict[str, float]:
     from fedmtl.flower.apps import ServerOptions, server_main
     from fedmtl.flower.loopback import WireGrid, server_identity
 
-    grid = WireGrid(text, {100 + i: {"partition-ids": f"{b[0]}-{b[-1]}"} for i, b in enumerate(_blocks(clients,
-                                                                                                       nodes))})
+    grid = WireGrid.spread(text, clients, nodes)
     with server_identity():
         res = server_main(grid, text, ServerOptions(num_nodes=nodes))
     secs = res.summary["round_seconds"]

@@ -109,10 +109,9 @@ def _flower_equals_in_process(raw, tmp_path, wire=False, nodes=0):
         from fedmtl.flower.loopback import WireGrid, server_identity
 
         n = validate(tomllib.loads(text)).build_data().seen.num_clients
-        parts = _partition(n, nodes or n)
         with server_identity():
-            res = server_main(WireGrid(text, {100 + i: {"partition-ids": p} for i, p in enumerate(parts)}), text,
-                              ServerOptions(out=str(tmp_path / "run"), num_nodes=len(parts)))
+            res = server_main(WireGrid.spread(text, n, nodes or n), text,
+                              ServerOptions(out=str(tmp_path / "run"), num_nodes=nodes or n))
     else:
         res = simulate(text, out=tmp_path / "run", nodes=nodes)
     st, final = _in_process(text)
@@ -121,12 +120,6 @@ def _flower_equals_in_process(raw, tmp_path, wire=False, nodes=0):
     for key, v in final.items():
         assert abs(res.final[key] - v) < 1e-5, key
     return res
-
-
-def _partition(n, nodes):
-    """``n`` clients in ``nodes`` contiguous blocks, as a SuperNode's ``partition-ids`` values ("0-2", "3")."""
-    bounds = [round(i * n / nodes) for i in range(nodes + 1)]
-    return [f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _in_process(text):

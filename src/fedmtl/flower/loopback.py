@@ -47,6 +47,13 @@ class WireGrid:
         self.bytes_by_type: dict[str, int] = {}
         self._count = 0
 
+    @classmethod
+    def spread(cls, cfg_text: str, clients: int, nodes: int) -> WireGrid:
+        """``clients`` seen clients over ``nodes`` SuperNodes (ids 100, 101, ...) in contiguous blocks."""
+        bounds = [i * clients // nodes for i in range(nodes + 1)]
+        return cls(cfg_text, {100 + i: {"partition-ids": f"{a}-{b - 1}"}
+                              for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))})
+
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
 
