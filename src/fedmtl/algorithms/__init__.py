@@ -36,6 +36,7 @@ from .lgfedavg import LGFedAvg
 from .local import Local
 from .mocha import Mocha
 from .moon import Moon
+from .mrmtl import MRMTL
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
 from .pfedhn import PFedHN
@@ -45,7 +46,8 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
+             MRMTL):
     register_algorithm(_cls, replace=True)
 
 
@@ -60,4 +62,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
+    "MRMTL",
 ]
