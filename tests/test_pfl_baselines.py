@@ -1,16 +1,21 @@
 """MR-MTL, FENDA-FL, FedDBE and FedCAC: each against its defining property (reductions to existing methods, closed
 forms and hand computations on tiny federations)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from fedmtl import tree as T
-from fedmtl.algorithms import MRMTL, Local
+from fedmtl.algorithms import MRMTL, FendaFL, Local
+from fedmtl.algorithms.base import Context
+from fedmtl.models import build_model
+from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD
 
 from .conftest import all_client_states, make_sim, run_rounds
+from .test_personalization import _batches
 
 
 def _same(a, b, atol=1e-6):
@@ -59,8 +64,56 @@ def test_mrmtl_large_penalty_pins_personal_models_to_their_mean(small_data):
     assert spread[30.0] < 0.25 * spread[0.0], spread
 
 
+# ---------------------------------------------------------------------------------------------------------- FENDA-FL
+@pytest.mark.correctness(
+    ("fenda_fl",), "one client's round equals a hand-written FENDA model (two ReLU extractors, a Linear head over "
+    "their concatenation) trained by plain SGD with autograd; only the global extractor is sent, the local one and "
+    "the head are kept, and an unseen client's global extractor stays the received one",
+    guards="representations summed instead of concatenated, the local extractor or the head left untrained or "
+    "sent to the server, the global extractor not trained locally",
+)
+def test_fenda_fl_round_equals_a_hand_written_two_extractor_model():
+    model = build_model("mlp", 10, 3, hidden=(6,))
+    alg = FendaFL()
+    ctx = Context(model, SGD(0.1), 4, 100.0)
+    server = alg.init_server(ctx, model.init(0), seed=0)
+    state = alg.init_client(ctx, server)
+    batches = _batches(n_steps=4, b=8, d=10, seed=3)
+    batches = batches._replace(y=(batches.y + torch.arange(8) % 2).long())  # labels 0, 1 and 2
+    sent, new, _ = alg.client_update(ctx, server.params, state, batches, 0.1)
+
+    p = {"g1": server.params["0.weight"], "gb": server.params["0.bias"], "l1": state.local["0.weight"],
+         "lb": state.local["0.bias"], "w": state.head["2.weight"], "b": state.head["2.bias"]}
+    assert p["w"].shape == (3, 12)  # the head maps the 2 x 6 concatenated features
+    p = {k: v.clone().requires_grad_() for k, v in p.items()}
+    for s in range(4):
+        zg = torch.relu(batches.x[s] @ p["g1"].T + p["gb"])
+        zl = torch.relu(batches.x[s] @ p["l1"].T + p["lb"])
+        logits = torch.cat([zg, zl], 1) @ p["w"].T + p["b"]
+        loss = torch.nn.functional.cross_entropy(logits, batches.y[s])
+        grads = torch.autograd.grad(loss, list(p.values()))
+        p = {k: (v - 0.1 * g).detach().requires_grad_() for (k, v), g in zip(p.items(), grads, strict=True)}
+    assert set(sent) == {"0.weight", "0.bias"}  # only theta_G goes to the server
+    _same(sent, {"0.weight": p["g1"], "0.bias": p["gb"]}, atol=1e-5)
+    _same(new.local, {"0.weight": p["l1"], "0.bias": p["lb"]}, atol=1e-5)
+    _same(new.head, {"2.weight": p["w"], "2.bias": p["b"]}, atol=1e-5)
+    ev = alg.personalize(ctx, server.params, state, batches, 0.1, seen=False)
+    _same(ev.glob, server.params, atol=0)
+    assert not torch.equal(ev.local["0.weight"], state.local["0.weight"])
+
+
+@pytest.mark.parametrize("cls", [FendaFL])
+def test_a_model_without_a_linear_head_is_refused_naming_the_method(cls, small_data):
+    with pytest.raises(ModelError, match=f"{cls.name} .*no body/head split"):
+        make_sim(cls(), small_data)  # the linear model: no body
+    deep = build_model("mlp", 10, 2, hidden=(4, 4))
+    deep = dataclasses.replace(deep, head=("2.weight", "2.bias", "4.weight", "4.bias"))
+    with pytest.raises(ModelError, match=cls.name):
+        cls().check_model(deep)  # a head of two layers
+
+
 # ------------------------------------------------------------------------------------------------- bundled configs
-@pytest.mark.parametrize("name", ["mrmtl"])
+@pytest.mark.parametrize("name", ["mrmtl", "fenda_fl"])
 def test_bundled_configs_build_their_method_on_local_s_settings(name):
     from fedmtl import config
 

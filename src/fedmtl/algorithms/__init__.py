@@ -28,6 +28,7 @@ from .fedproto import FedProto
 from .fedrep import FedRep
 from .fedrod import FedRoD
 from .fedsa_lora import FedSALoRA
+from .fenda_fl import FendaFL
 from .ffa_lora import FFALoRA
 from .gpfl import GPFL
 from .ifca import IFCA
@@ -47,7 +48,7 @@ from .scaffold import Scaffold
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
              PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
-             MRMTL):
+             MRMTL, FendaFL):
     register_algorithm(_cls, replace=True)
 
 
@@ -62,5 +63,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
-    "MRMTL",
+    "MRMTL", "FendaFL",
 ]
