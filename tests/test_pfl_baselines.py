@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from fedmtl import tree as T
-from fedmtl.algorithms import MRMTL, FendaFL, Local
+from fedmtl.algorithms import MRMTL, FedAvg, FedDBE, FendaFL, Local
 from fedmtl.algorithms.base import Context
+from fedmtl.algorithms.feddbe import PRBMState
 from fedmtl.models import build_model
 from fedmtl.models.base import ModelError
-from fedmtl.optim import SGD
+from fedmtl.optim import SGD, local_sgd
 
 from .conftest import all_client_states, make_sim, run_rounds
 from .test_personalization import _batches
@@ -102,10 +103,66 @@ def test_fenda_fl_round_equals_a_hand_written_two_extractor_model():
     assert not torch.equal(ev.local["0.weight"], state.local["0.weight"])
 
 
-@pytest.mark.parametrize("cls", [FendaFL])
+# ------------------------------------------------------------------------------------------------------------ FedDBE
+def _three_class(batches):
+    return batches._replace(y=(batches.y + torch.arange(batches.y.shape[-1]) % 2).long())
+
+
+@pytest.mark.correctness(
+    ("feddbe",), "hand computations: the initialization round trains as FedAvg and sends the running mean of the "
+    "representations (momentum mu) that the server averages by counts into the fixed consensus; then one step equals "
+    "autograd on CE(g(f(x) + z_p), y) + kappa mean((mu mean f(x) - z_g)^2 / 2) over f, g and the PRBM z_p",
+    guards="the PRBM added after the head or never trained, the consensus recomputed every round, the running mean "
+    "not reset or its momentum reversed, the regularizer's scale (sum for mean) or sign wrong",
+)
+def test_feddbe_initialization_round_consensus_and_regularized_step_by_hand():
+    model = build_model("mlp", 10, 3, hidden=(6,))
+    alg = FedDBE(kappa=5.0, mu=0.5)
+    ctx = Context(model, SGD(0.1), 2, 100.0)
+    server = alg.init_server(ctx, model.init(0), seed=0)
+    means, sent = [], []
+    for seed in (1, 2):
+        b = _three_class(_batches(n_steps=3, b=8, d=10, seed=seed))
+        upd, st, _ = alg.client_update(ctx, server, alg.init_client(ctx, server), b, 0.1)
+        ref, _ = FedAvg().client_update(ctx, server.params, (), b, 0.1)[:2]
+        _same(upd.params, ref, atol=1e-6)  # the initialization round is FedAvg's training
+        assert torch.equal(st.prbm, torch.zeros(6))
+        running = torch.zeros(6)
+        for s in range(3):  # z_bar^g_i <- (1 - mu) z_bar^g_i + mu mean f(x_s), under the model before step s
+            w = local_sgd(model.value_and_grad, server.params, b, 0.1, ctx.opt, steps=slice(0, s))[0]
+            running = 0.5 * running + 0.5 * model.features(w, b.x[s]).mean(0)
+        assert torch.allclose(upd.mean, running, atol=1e-6)
+        means.append(running)
+        sent.append(upd)
+    stacked = T.tmap(lambda *v: torch.stack(v), *sent)
+    server = alg.aggregate(ctx, server, stacked, torch.tensor([1.0, 3.0]), torch.arange(2))
+    assert float(server.ready) == 1.0
+    assert torch.allclose(server.mean, 0.25 * means[0] + 0.75 * means[1], atol=1e-6)
+    again = alg.aggregate(ctx, server, stacked._replace(mean=stacked.mean + 1.0), torch.ones(2), torch.arange(2))
+    assert torch.equal(again.mean, server.mean)  # fixed after the initialization round
+
+    b = _three_class(_batches(n_steps=1, b=8, d=10, seed=4))
+    zp = torch.randn(6, generator=torch.Generator().manual_seed(5))
+    upd, st, _ = alg.client_update(ctx, server, PRBMState(zp), b, 0.1)
+    q = {"w0": server.params["0.weight"], "b0": server.params["0.bias"], "w2": server.params["2.weight"],
+         "b2": server.params["2.bias"], "zp": zp}
+    q = {k: v.clone().requires_grad_() for k, v in q.items()}
+    z = torch.relu(b.x[0] @ q["w0"].T + q["b0"])
+    ce = torch.nn.functional.cross_entropy((z + q["zp"]) @ q["w2"].T + q["b2"], b.y[0])
+    reg = (0.5 * (0.5 * z.mean(0) - server.mean) ** 2).mean()  # the running mean reset to 0 at the round's start
+    grads = dict(zip(q, torch.autograd.grad(ce + 5.0 * reg, list(q.values())), strict=True))
+    step = {k: (q[k] - 0.1 * grads[k]).detach() for k in q}
+    _same(upd.params, {"0.weight": step["w0"], "0.bias": step["b0"], "2.weight": step["w2"], "2.bias": step["b2"]},
+          atol=1e-6)
+    assert torch.allclose(st.prbm, step["zp"], atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [FendaFL, FedDBE])
 def test_a_model_without_a_linear_head_is_refused_naming_the_method(cls, small_data):
     with pytest.raises(ModelError, match=f"{cls.name} .*no body/head split"):
         make_sim(cls(), small_data)  # the linear model: no body
+    if cls is not FendaFL:
+        return
     deep = build_model("mlp", 10, 2, hidden=(4, 4))
     deep = dataclasses.replace(deep, head=("2.weight", "2.bias", "4.weight", "4.bias"))
     with pytest.raises(ModelError, match=cls.name):
@@ -113,7 +170,7 @@ def test_a_model_without_a_linear_head_is_refused_naming_the_method(cls, small_d
 
 
 # ------------------------------------------------------------------------------------------------- bundled configs
-@pytest.mark.parametrize("name", ["mrmtl", "fenda_fl"])
+@pytest.mark.parametrize("name", ["mrmtl", "fenda_fl", "feddbe"])
 def test_bundled_configs_build_their_method_on_local_s_settings(name):
     from fedmtl import config
 
