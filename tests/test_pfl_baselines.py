@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fedmtl import tree as T
-from fedmtl.algorithms import MRMTL, FedAvg, FedDBE, FendaFL, Local
+from fedmtl.algorithms import MRMTL, FedAvg, FedCAC, FedDBE, FendaFL, Local
+from fedmtl.algorithms.fedcac import CACClient, CACUpdate, critical_mask
 from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.feddbe import PRBMState
 from fedmtl.models import build_model
@@ -157,6 +158,62 @@ def test_feddbe_initialization_round_consensus_and_regularized_step_by_hand():
     assert torch.allclose(st.prbm, step["zp"], atol=1e-6)
 
 
+# ------------------------------------------------------------------------------------------------------------ FedCAC
+@pytest.mark.correctness(
+    ("fedcac",), "hand computations: the critical mask is the top-tau fraction of |update x value| per tensor (with "
+    "the authors' fallback for a zero threshold); overlaps 1 - |u_i - u_j|_1 / (2|u_i|_1), a threshold rising from "
+    "their mean to their maximum over beta rounds, customized models as uniform means over the collaborators (not "
+    "symmetric), and the next start taking critical parameters from the customized model, the rest from the global",
+    guards="sensitivity of the value or of the update alone, a threshold at zero marking untouched parameters "
+    "critical, a symmetric or fixed collaboration threshold, critical and non-critical parts swapped",
+)
+def test_fedcac_critical_parameters_and_collaboration_by_hand():
+    mask = critical_mask(torch.tensor([0.0, 0.0, 2.0, 0.5]), torch.tensor([1.0, -2.0, 3.0, 0.5]), 0.5)
+    assert mask.tolist() == [0.0, 1.0, 1.0, 0.0]  # sensitivities 1, 4, 3, 0: the top 2
+    mask = critical_mask(torch.tensor([1.0, 2.0, 3.0, 3.9]), torch.tensor([1.0, 2.0, 3.0, 4.0]), 0.5)
+    assert mask.tolist() == [0.0, 0.0, 0.0, 1.0]  # threshold 0: the smallest nonzero sensitivity instead
+    assert critical_mask(torch.ones(3), 2 * torch.ones(3), 0.3).sum() == 0  # int(0.3 x 3) = 0 critical
+
+    alg = FedCAC(tau=0.5, beta=2)
+    model = build_model("linear", 4, 2)
+    ctx = Context(model, SGD(0.1), 3, 30.0)
+    server = alg.init_server(ctx, model.init(0), seed=0)
+    g = torch.Generator().manual_seed(0)
+    w = {k: torch.randn(3, *v.shape, generator=g) for k, v in server.params.items()}
+    u = {"weight": torch.tensor([[[1.0, 1, 0, 0]], [[1, 1, 1, 0]], [[0, 0, 1, 1]]]), "bias": torch.zeros(3, 1)}
+    # overlaps: o_12 = 3/4, o_21 = 5/6, o_13 = o_31 = 0, o_23 = 1/2, o_32 = 1/4; mean 7/18, max 5/6
+    weights = torch.tensor([10.0, 10.0, 20.0])
+    s1 = alg.aggregate(ctx, server, CACUpdate(w, u), weights, torch.arange(3))
+    _same(s1.params, T.tmap(lambda v: (v * weights.view(3, *[1] * (v.dim() - 1))).sum(0) / 40, w))
+    # t = 1: theta = 7/18 + (1/2)(5/6 - 7/18) = 11/18: clients 1 and 2 collaborate, 3 alone
+    pair = T.tmap(lambda v: (v[0] + v[1]) / 2, w)
+    _same(T.tmap(lambda v: v[0], s1.custom), pair)
+    _same(T.tmap(lambda v: v[1], s1.custom), pair)
+    _same(T.tmap(lambda v: v[2], s1.custom), T.tmap(lambda v: v[2], w))
+    # t = 2 = beta: theta = the largest overlap, 5/6: client 2 still takes client 1's parameters, not the reverse
+    s2 = alg.aggregate(ctx, s1, CACUpdate(w, u), weights, torch.arange(3))
+    _same(T.tmap(lambda v: v[0], s2.custom), T.tmap(lambda v: v[0], w))
+    _same(T.tmap(lambda v: v[1], s2.custom), pair)
+    # the next start of client 1: its critical parameters from its customized model, the others from the global one
+    state = CACClient(torch.tensor(1), T.tmap(lambda m: m[1], u))
+    start = alg.start(s2, state)
+    expect = torch.where(u["weight"][1] > 0, pair["weight"], s2.params["weight"])
+    assert torch.allclose(start["weight"], expect) and torch.equal(start["bias"], s2.params["bias"])
+
+
+@pytest.mark.correctness(
+    ("fedcac",), "tau = 0 (no critical parameters) is FedAvg, and every client predicts with the global model",
+    guards="non-critical parameters not taken from the global model, a mask that marks parameters with tau = 0",
+)
+def test_fedcac_without_critical_parameters_is_fedavg(small_data):
+    cac = make_sim(FedCAC(tau=0.0), small_data, sampling_rate=0.5, rounds=3)
+    sc, _ = run_rounds(cac, 3)
+    sa, _ = run_rounds(make_sim(FedAvg(), small_data, sampling_rate=0.5, rounds=3), 3)
+    _same(sc.server.params, sa.server.params, atol=1e-6)
+    state = cac.clients.read(torch.arange(2))
+    assert all(float(v.abs().sum()) == 0 for v in state.mask.values())
+
+
 @pytest.mark.parametrize("cls", [FendaFL, FedDBE])
 def test_a_model_without_a_linear_head_is_refused_naming_the_method(cls, small_data):
     with pytest.raises(ModelError, match=f"{cls.name} .*no body/head split"):
@@ -170,7 +227,7 @@ def test_a_model_without_a_linear_head_is_refused_naming_the_method(cls, small_d
 
 
 # ------------------------------------------------------------------------------------------------- bundled configs
-@pytest.mark.parametrize("name", ["mrmtl", "fenda_fl", "feddbe"])
+@pytest.mark.parametrize("name", ["mrmtl", "fenda_fl", "feddbe", "fedcac"])
 def test_bundled_configs_build_their_method_on_local_s_settings(name):
     from fedmtl import config
 

@@ -16,6 +16,7 @@ from .fedamp import FedAMP
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedbabu import FedBABU
 from .fedbn import FedBN
+from .fedcac import FedCAC
 from .fedcp import FedCP
 from .feddbe import FedDBE
 from .feddyn import FedDyn
@@ -49,7 +50,7 @@ from .scaffold import Scaffold
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
              PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
-             MRMTL, FendaFL, FedDBE):
+             MRMTL, FendaFL, FedDBE, FedCAC):
     register_algorithm(_cls, replace=True)
 
 
@@ -64,5 +65,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
-    "MRMTL", "FendaFL", "FedDBE",
+    "MRMTL", "FendaFL", "FedDBE", "FedCAC",
 ]
