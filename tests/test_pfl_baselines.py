@@ -9,8 +9,8 @@ import torch
 
 from fedmtl import tree as T
 from fedmtl.algorithms import MRMTL, FedAvg, FedCAC, FedDBE, FendaFL, Local
-from fedmtl.algorithms.fedcac import CACClient, CACUpdate, critical_mask
 from fedmtl.algorithms.base import Context
+from fedmtl.algorithms.fedcac import CACClient, CACUpdate, critical_mask
 from fedmtl.algorithms.feddbe import PRBMState
 from fedmtl.models import build_model
 from fedmtl.models.base import ModelError
