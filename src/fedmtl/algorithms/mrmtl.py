@@ -17,7 +17,10 @@ exactly (tested); as lambda grows the personal models are pinned to their mean (
 Choices, stated where implemented: the mean is uniform over the round's clients (the objective's w_bar); ``weighted =
 true`` weights it by sample counts (FedAvg's and the FL4Health reference's aggregation).  Clients outside the
 federation (unseen) start from w_bar and take their epochs on the same regularized objective before testing (the
-paper has none).  Under ``[privacy]`` the server releases the noised mean, as in the paper's private MR-MTL.
+paper has none).  The paper's privacy notion is silo-specific *sample-level* DP (each client runs DP-SGD on its own
+examples), which fedmtl does not implement; under ``[privacy]`` the engine's user-level DP applies instead (the
+server releases a noised, clipped mean of the personal models).  The paper tunes lambda per data set and privacy
+level and gives no single default: ``lam = 1.0`` is this library's choice.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class MRMTL(Algorithm[GlobalModel, PersonalModel]):
     needs_adaptation: ClassVar[bool] = True  # unseen clients train from the mean first
     keeps_client_state: ClassVar[bool] = True
     #: lambda, the pull of each personal model towards the mean of all of them (0 = Local training; the paper tunes
-    #: it per data set over a grid around 0.01 to 10)
+    #: it per data set: no paper default)
     lam: Annotated[float, Range(0, 1e4)] = 1.0
     #: weight the server's mean by sample counts instead of uniformly (the objective's w_bar)
     weighted: bool = False
