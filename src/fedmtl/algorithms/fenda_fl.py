@@ -1,7 +1,11 @@
 """FENDA-FL: federated frustratingly easy neural domain adaptation.
 
-Tyler, Emerson, Oliver-Fiumara, ..., Kohli, "FENDA-FL: Personalized Federated Learning on Heterogeneous Clinical
-Datasets", 2023 (arXiv 2309.16825), Section 3 (the architecture of its Figure 1 and its training).
+Tavakoli, Emerson, Ayromlou, Jewell, Krishnan, Zhang, Verma, Razak, "FENDA-FL: Personalized Federated Learning on
+Heterogeneous Clinical Datasets", 2023 (arXiv 2309.16825; later "A Comprehensive View of Personalized Federated
+Learning on Heterogeneous Clinical Datasets", MLHC 2024): the FENDA-FL method, the ablation of PerFCL (Zhang et al.,
+2022) that extends FENDA (Kim et al., 2016) to federated learning.  Sources read: the paper's abstract and the
+method's description (two extractors, concatenation, what is federated); its section and equation numbers could not
+be read, so the formula below is cited by its symbols.
 
 Every client's model has two feature extractors of the same architecture, a *global* one theta_G and a *local* one
 theta_L, whose representations are concatenated and mapped to the logits by a classification head phi:
@@ -25,8 +29,8 @@ Choices, stated where implemented:
   scaled by 1/sqrt(2) so that its scale matches a Linear whose fan-in is 2d, its bias the run's initial bias;
 * clients outside the federation (unseen; the paper has none) keep the averaged theta_G fixed and train the initial
   theta_L and phi for ``unseen_epochs`` epochs of their training data before testing;
-* the auxiliary losses of the paper's later FENDA-FL variants (cosine similarity, contrastive, perturbed-feature
-  losses) are left out: this is the base method.
+* PerFCL's contrastive losses between the two extractors' features are not part of FENDA-FL (the ablation drops
+  them) and are left out.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def head_names(model: Model) -> tuple[str, str]:
 
 
 def fenda_logits(model: Model, glob: Params, local: Params, head: Params, x: Tensor) -> Tensor:
-    """phi([f_{theta_G}(x), f_{theta_L}(x)]) (Figure 1): the head over the concatenated representations."""
+    """phi([f_{theta_G}(x), f_{theta_L}(x)]): the head over the concatenated representations."""
     wn, bn = head_names(model)
     d = head[wn].shape[-1] // 2
     # the model's own head shape as filler for the forward pass that captures the representation (not used: the
@@ -172,7 +176,7 @@ class FendaFL(Algorithm[FendaServer, FendaClient]):
     def client_update(
         self, ctx: Context, payload: Params, state: FendaClient, batches: Batches, lr: float
     ) -> tuple[Params, FendaClient, Tensor]:
-        # Section 3: theta_G, theta_L and phi trained jointly; theta_G sent, theta_L and phi kept
+        # FENDA-FL's round: theta_G, theta_L and phi trained jointly; theta_G sent, theta_L and phi kept
         return self.train(ctx, payload, payload, state, batches, lr)
 
     # -- evaluation -----------------------------------------------------------------------------
