@@ -1,10 +1,11 @@
 """FedCAC: cautiously aggressive collaboration on each client's critical parameters.
 
 Wu, Liu, Niu, Zhu, Tang, "Bold but Cautious: Unlocking the Potential of Personalized Federated Learning through
-Cautiously Aggressive Collaboration", ICCV 2023 (arXiv 2309.11103), Section 3 (critical parameter selection,
-collaboration on critical and non-critical parameters) and its Algorithm 1.  Sources read: the paper's abstract and
-the authors' implementation in the Fling library (``fedcac_client.py``, ``fedcac_group.py`` and its CIFAR-10 config)
-for the formulas and numbers below; the equations are cited by their symbols.
+Cautiously Aggressive Collaboration", ICCV 2023 (arXiv 2309.11103): critical parameter selection and the
+collaboration on critical and non-critical parameters.  Sources read: the paper's abstract and the FedCAC
+implementation in the Fling library (kxzxvbk/Fling: ``fedcac_client.py``, ``fedcac_group.py`` and its CIFAR-10
+config) for the formulas and numbers below; the paper's section and equation numbers could not be read, so the
+equations are cited by their symbols.
 
 Every parameter of the model is, per client, either *critical* (sensitive to the client's data: kept close to the
 client's own and those of clients with similar critical parameters) or *non-critical* (aggregated with everyone).  A
@@ -13,8 +14,8 @@ round, for a sampled client i that starts from w_i:
 1. local training: ``run.local_epochs`` epochs of SGD from w_i to w^_i;
 2. critical parameter selection: the sensitivity of every parameter, s = |(w^_i - w_i) (.) w^_i| (the update
    standing in for the gradient in the first-order estimate of the loss change when the parameter is removed); in
-   every parameter tensor (layer) the ``tau`` fraction of largest sensitivity are critical: u_i = [s >= the
-   ceil-free top-(tau n) threshold] (where that threshold is 0 or below 1e-10, the smallest sensitivity above 1e-20);
+   every parameter tensor (layer) of n entries the int(tau n) of largest sensitivity are critical: u_i = [s >= the
+   int(tau n)-th largest s] (where that threshold is below 1e-10, the smallest sensitivity above 1e-20, as Fling);
 3. it sends w^_i and its mask u_i.
 
 The server forms the global model w_bar, the counts-weighted mean of the w^_i, and for every pair of the round's
@@ -37,13 +38,13 @@ A client keeps its mask u_i (zero before it first trains: it starts from w_bar).
 start w_i (the model the server's step personalizes for it); a client that never trained, and an unseen one, with
 w_bar.
 
-Defaults: tau = 0.5, beta = 100 (the authors' CIFAR-10 configuration).
+Defaults: tau = 0.5, beta = 100 (Fling's CIFAR-10 configuration for FedCAC).
 
 Choices and deviations, stated where implemented:
 * with partial participation, overlaps and customized models are formed over the round's clients; a client that
-  did not train keeps its table row and mask, and its next start combines them with the current w_bar (the
-  authors' runs have every client in every round);
-* the global model is the counts-weighted mean (FedAvg), the customized one the uniform mean (as the authors' code);
+  did not train keeps its table row and mask, and its next start combines them with the current w_bar (Fling's
+  runs have every client in every round);
+* the global model is the counts-weighted mean (FedAvg), the customized one the uniform mean (as in Fling);
 * ``[privacy]`` and robust aggregators are refused: the server combines each client's own model into the
   customized ones, not only a mean of updates.
 """
@@ -98,7 +99,7 @@ def critical_mask(start: Tensor, trained: Tensor, tau: float) -> Tensor:
     thresh = torch.sort(s, descending=True).values[k - 1]
     inf = torch.full_like(thresh, float("inf"))
     smallest = torch.where(s > 1e-20, s, inf).min()  # the smallest nonzero sensitivity (inf: all are 0)
-    # a threshold at (or near) zero would mark the untouched parameters critical: the authors' code falls back to the
+    # a threshold at (or near) zero would mark the untouched parameters critical: Fling falls back to the
     # smallest nonzero sensitivity (and to 0, every parameter, when all are 0)
     thresh = torch.where(thresh <= 1e-10, torch.where(torch.isinf(smallest), thresh, smallest), thresh)
     return (s >= thresh).to(trained.dtype).reshape(trained.shape)

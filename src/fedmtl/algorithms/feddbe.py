@@ -1,10 +1,10 @@
 """FedDBE: FedAvg with the Domain Bias Eliminator.
 
 Zhang, Hua, Cao, Wang, Song, Xue, Ma, Guan, "Eliminating Domain Bias for Federated Learning in Representation Space",
-NeurIPS 2023 (arXiv 2311.14975), Section 4 (DBE: the Personalized Representation Bias Memory and Mean Regularization)
-and its Algorithm 1 (FedAvg+DBE).  Sources read: the paper's abstract and introduction and the authors' code
-(TsingZ0/DBE: ``clientDBE.py``, ``serverDBE.py``, ``run_me.sh``) for the formulas and numbers below; the equations
-are cited by their symbols.
+NeurIPS 2023 (arXiv 2311.14975): DBE, the Domain Bias Eliminator (the Personalized Representation Bias Memory, PRBM,
+and Mean Regularization, MR), on FedAvg (FedDBE).  Sources read: the paper's abstract and introduction and the
+authors' code (TsingZ0/DBE: ``clientDBE.py``, ``serverDBE.py``, ``run_me.sh``) for the formulas and numbers below;
+the paper's section and equation numbers could not be read, so the equations are cited by their symbols.
 
 The model is split into a feature extractor f (the body, ``Model.features``) and a head g (``Model.apply_head``);
 both are shared and averaged as in FedAvg.  DBE adds, per client i:
