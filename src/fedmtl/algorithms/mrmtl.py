@@ -54,7 +54,7 @@ class MRMTL(Algorithm[GlobalModel, PersonalModel]):
     #: lambda, the pull of each personal model towards the mean of all of them (0 = Local training; the paper tunes
     #: it per data set: no paper default)
     lam: Annotated[float, Range(0, 1e4)] = 1.0
-    #: weight the server's mean by sample counts instead of uniformly (the objective's w_bar)
+    #: weight the server's mean by sample counts (FedAvg's weighting) instead of uniformly (the objective's w_bar)
     weighted: bool = False
 
     def init_client(self, ctx: Context, server: GlobalModel) -> PersonalModel:
