@@ -16,7 +16,9 @@ from .fedamp import FedAMP
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedbabu import FedBABU
 from .fedbn import FedBN
+from .fedcac import FedCAC
 from .fedcp import FedCP
+from .feddbe import FedDBE
 from .feddyn import FedDyn
 from .fedem import FedEM
 from .fedfomo import FedFomo
@@ -28,6 +30,7 @@ from .fedproto import FedProto
 from .fedrep import FedRep
 from .fedrod import FedRoD
 from .fedsa_lora import FedSALoRA
+from .fenda_fl import FendaFL
 from .ffa_lora import FFALoRA
 from .gpfl import GPFL
 from .ifca import IFCA
@@ -36,6 +39,7 @@ from .lgfedavg import LGFedAvg
 from .local import Local
 from .mocha import Mocha
 from .moon import Moon
+from .mrmtl import MRMTL
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
 from .pfedhn import PFedHN
@@ -45,7 +49,8 @@ from .scaffold import Scaffold
 
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
-             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA):
+             PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
+             MRMTL, FendaFL, FedDBE, FedCAC):
     register_algorithm(_cls, replace=True)
 
 
@@ -60,4 +65,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
+    "MRMTL", "FendaFL", "FedDBE", "FedCAC",
 ]
