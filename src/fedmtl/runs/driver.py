@@ -383,7 +383,7 @@ def _train_together(engines: list[Engine], plans: list[RoundPlan]) -> list[Train
         trained = train_together([engines[i].clients for i in active],  # type: ignore[misc]
                                  [plans[i].payload for i in active], [plans[i].ids for i in active],
                                  [plans[i].orders for i in active],  # type: ignore[misc]
-                                 plans[active[0]].lr, plans[active[0]].round)
+                                 [plans[i].lr for i in active], plans[active[0]].round)
         for i, o in zip(active, trained, strict=True):
             outs[i] = o
     return outs
@@ -392,9 +392,9 @@ def _train_together(engines: list[Engine], plans: list[RoundPlan]) -> list[Train
 def _evaluate(reps: list[Replica]) -> list[dict[str, Any]]:
     """``Engine.evaluate`` of each replica; replicas simulated here that evaluate the same clients are evaluated
     together (``clients.evaluate_together``: the evaluation data read once for all of them)."""
-    if not _batchable(reps) or any(
+    if not _batchable(reps) or len({rep.engine.opt.lr for rep in reps}) > 1 or any(
             not all(torch.equal(rep.engine.eval_ids[g], reps[0].engine.eval_ids[g]) for g in rep.engine.eval_ids)
-            for rep in reps):
+            for rep in reps):  # (replicas with rates of their own personalize with their own)
         return [rep.engine.evaluate(rep.state) for rep in reps]  # type: ignore[arg-type]
     out: list[dict[str, Any]] = [{} for _ in reps]
     for group in reps[0].engine.clients.groups:

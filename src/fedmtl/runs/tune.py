@@ -41,8 +41,10 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import time
+import typing
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,7 +55,7 @@ import torch
 
 from ..config import ConfigError, ExperimentConfig, apply_overrides, dumps, read_toml, validate
 from ..data.federated import ClientGroup, FederatedData, Split
-from ..engine.evaluation import metric
+from ..engine.evaluation import Statistic, metric
 from ..engine.round import TrainingDiverged
 from ..files import atomic
 from ..schema import shown
@@ -74,9 +76,11 @@ DEFAULT_LAST = 3
 DEFAULT_VAL_FRACTION = 0.2
 #: the keys of one entry of a space file
 SPEC_KEYS = ("low", "high", "log", "int", "step", "choices")
+#: the one key trials trained together (``--batch-trials``) may differ in: batched replicas carry a rate each
+BATCHABLE = "optim.lr"
 #: at most this many trials in one study
 MAX_TRIALS = 100_000
-_STATISTICS = ("acc", "acc_mean", "acc_p10", "acc_bottom10_mean", "loss")
+_STATISTICS: tuple[Statistic, ...] = typing.get_args(Statistic)
 
 
 class TuneError(ValueError):
@@ -104,7 +108,8 @@ class Param:
     low: float | int | None = None
     high: float | int | None = None
     log: bool = False
-    int: bool = False
+    #: integers (the space file's ``int = true``)
+    is_int: bool = False
     step: float | int | None = None
     choices: tuple[Any, ...] | None = None
 
@@ -116,7 +121,7 @@ class Param:
         if self.choices is not None:
             return trial.suggest_categorical(self.key, list(self.choices))
         assert self.low is not None and self.high is not None
-        if self.int:
+        if self.is_int:
             return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
         return trial.suggest_float(self.key, float(self.low), float(self.high), step=self.step, log=self.log)
 
@@ -325,10 +330,14 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
         raise ConfigError(f"--seed {shown(seed)}: an integer in [0, 2^32 - 1]")
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ConfigError(f"--last {shown(last)}: at least 1 evaluated round")
-    if batch_trials != 1:
-        raise ConfigError("--batch-trials: only 1 (trials one after the other); see the handbook's Tuning page")
+    if isinstance(batch_trials, bool) or not isinstance(batch_trials, int) or not 1 <= batch_trials <= 1000:
+        raise ConfigError(f"--batch-trials {shown(batch_trials)}: a whole number in [1, 1000]")
     direction = check_objective(objective, direction)
     params = read_space(space)
+    if batch_trials > 1 and [p.key for p in params] != [BATCHABLE]:
+        raise ConfigError(f"--batch-trials {batch_trials}: trials trained together can differ in {BATCHABLE} only "
+                          f"(a rate per replica); the space searches {[p.key for p in params]}: leave "
+                          "--batch-trials out")
     base = validate(apply_overrides(raw, sets), source)  # the config itself first: its errors name it
     tuning_sets: list[str] = []
     if base.run.val_fraction == 0 and not base.data.get("val_frac"):
@@ -376,8 +385,12 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
             break
         study.sampler = optuna.samplers.TPESampler(seed=_trial_seed(seed, index),
                                                    n_startup_trials=max(2, min(10, trials // 3)))
-        trial = study.ask()
-        _run_trial(study_cfg, study, trial, optuna, progress)
+        asked = [study.ask()]
+        for _ in range(min(batch_trials, trials - index) - 1):  # a batch: the next indices' seeds
+            study.sampler = optuna.samplers.TPESampler(seed=_trial_seed(seed, index + len(asked)),
+                                                       n_startup_trials=max(2, min(10, trials // 3)))
+            asked.append(study.ask())
+        _run_trials(study_cfg, study, asked, optuna, progress)
     summary = write_outputs(study_cfg, study, optuna, time.perf_counter() - t0)
     return summary
 
@@ -452,53 +465,152 @@ def _objective_of(history: list[dict[str, Any]], name: str, last: int) -> float:
     return float(np.mean(vals[-last:]))
 
 
-def _run_trial(st: _Study, study: optuna.Study, trial: optuna.Trial, optuna: Any, progress: bool | str) -> None:
-    from .seeds import run_seeds
+class _Trial:
+    """One trial while it runs: its values, config, folder, the pruner's verdict and its outcome."""
 
-    t0 = time.perf_counter()
-    tdir = st.out / "trials" / f"{trial.number:04d}"
-    trial.set_user_attr("pid", os.getpid())
-    trial.set_user_attr("host", socket.gethostname())
-    trial.set_user_attr("dir", str(tdir.relative_to(st.out)))
-    values = {p.key: p.suggest(trial) for p in st.params}
+    def __init__(self, st: _Study, trial: optuna.Trial) -> None:
+        self.trial, self.t0 = trial, time.perf_counter()
+        self.dir = st.out / "trials" / f"{trial.number:04d}"
+        trial.set_user_attr("pid", os.getpid())
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("dir", str(self.dir.relative_to(st.out)))
+        self.values = {p.key: p.suggest(trial) for p in st.params}
+        self.cfg: ExperimentConfig | None = None
+        self.pruned = False
+        self.reason = ""
+        self.value: float | None = None
 
-    def report(group: list[Replica]) -> None:  # every evaluated round: the objective so far, to the pruner
+    def report(self, st: _Study, group: list[Replica], optuna: Any) -> None:
+        """An evaluated round of this trial's replicas (all at the same round): the objective so far (mean over
+        the seeds), to the pruner; ``pruned`` once it says so."""
         rows = [rep.state.history[-1] for rep in group if rep.state is not None and rep.state.history]
-        if len(rows) != len(group) or not all(isinstance(r.get(st.objective), int | float) for r in rows):
+        if self.pruned or self.reason or len(rows) != len(group) or \
+                not all(isinstance(r.get(st.objective), int | float) for r in rows):
             return
         v = float(np.mean([r[st.objective] for r in rows]))
         if not math.isfinite(v):
             raise _NonFinite(f"{st.objective} = {v} at round {rows[0]['round']}")
-        trial.report(v, int(rows[0]["round"]))
-        if trial.should_prune():
-            raise optuna.TrialPruned()
+        self.trial.report(v, int(rows[0]["round"]))
+        self.pruned = self.trial.should_prune()
 
-    state, value, reason = optuna.trial.TrialState.FAIL, None, ""
-    try:
-        cfg = st.build(values)
-        seeds = list(cfg.run.seeds) or [cfg.run.seed]
-        with run_figures(False):  # a trial's runs draw no figures of their own
-            res = run_seeds(cfg, seeds=seeds, out=tdir, progress=progress, data=_data_for(st, cfg), on_round=report)
-        value = float(np.mean([_objective_of(r.history, st.objective, st.last) for r in res.runs]))
+    def finish(self, st: _Study, histories: list[list[dict[str, Any]]]) -> None:
+        value = float(np.mean([_objective_of(h, st.objective, st.last) for h in histories]))
         if not math.isfinite(value):
             raise _NonFinite(f"{st.objective} = {value}")
-        state = optuna.trial.TrialState.COMPLETE
-    except optuna.TrialPruned:
-        state = optuna.trial.TrialState.PRUNED
-    except (ConfigError, TrainingDiverged, _NonFinite) as e:
-        reason = f"{type(e).__name__}: {e}"
-    except BaseException as e:
-        trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:2000])
-        trial.set_user_attr("seconds", time.perf_counter() - t0)
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        self.value = value
+
+    def tell(self, study: optuna.Study, optuna: Any, progress: bool | str) -> None:
+        states = optuna.trial.TrialState
+        state = states.PRUNED if self.pruned else states.FAIL if self.reason or self.value is None else \
+            states.COMPLETE
+        if self.reason:
+            self.trial.set_user_attr("fail_reason", self.reason[:2000])
+        self.trial.set_user_attr("seconds", time.perf_counter() - self.t0)
+        study.tell(self.trial, self.value if state == states.COMPLETE else None, state=state)
+        if progress:
+            what = f"{self.value:.4f}" if state == states.COMPLETE else state.name
+            print(f"trial {self.trial.number}: {self.values} -> {what}" + (f" ({self.reason})" if self.reason else ""),
+                  flush=True)
+
+
+#: what fails a trial (and only the trial: the study goes on)
+_TRIAL_ERRORS = (ConfigError, TrainingDiverged, _NonFinite)
+
+
+def _run_trials(st: _Study, study: optuna.Study, asked: list[optuna.Trial], optuna: Any,
+                progress: bool | str) -> None:
+    """Run the trials ``asked`` (one, or ``--batch-trials`` of them, trained together) and tell the study."""
+    trials = [_Trial(st, t) for t in asked]
+    try:
+        for t in trials:
+            try:
+                t.cfg = st.build(t.values)
+            except ConfigError as e:
+                t.reason = f"ConfigError: {e}"
+        live = [t for t in trials if t.cfg is not None]
+        if len(live) > 1:
+            try:
+                _run_together(st, live, optuna, progress)
+                live = []
+            except _TRIAL_ERRORS:  # one of them diverged: each on its own, to say which
+                for t in live:
+                    shutil.rmtree(t.dir, ignore_errors=True)
+                    t.pruned = False
+        for t in live:
+            _run_alone(st, t, optuna, progress)
+    except BaseException as e:  # the process stops (Ctrl-C, a bug): its trials fail with the reason
+        for t in trials:
+            t.reason = t.reason or f"{type(e).__name__}: {e}"
+            t.tell(study, optuna, False)
         raise
-    if reason:
-        trial.set_user_attr("fail_reason", reason[:2000])
-    trial.set_user_attr("seconds", time.perf_counter() - t0)
-    study.tell(trial, value if state == optuna.trial.TrialState.COMPLETE else None, state=state)
-    shown_v = f"{value:.4f}" if value is not None else state.name + (f" ({reason})" if reason else "")
-    if progress:
-        print(f"trial {trial.number}: {values} -> {shown_v}", flush=True)
+    for t in trials:
+        t.tell(study, optuna, progress)
+
+
+def _run_alone(st: _Study, t: _Trial, optuna: Any, progress: bool | str) -> None:
+    from .seeds import run_seeds
+
+    assert t.cfg is not None
+
+    def report(group: list[Replica]) -> None:
+        t.report(st, group, optuna)
+        if t.pruned:
+            raise optuna.TrialPruned()
+
+    try:
+        seeds = list(t.cfg.run.seeds) or [t.cfg.run.seed]
+        with run_figures(False):  # a trial's runs draw no figures of their own
+            res = run_seeds(t.cfg, seeds=seeds, out=t.dir, progress=progress, data=_data_for(st, t.cfg),
+                            on_round=report, overwrite=t.dir.exists())
+        t.finish(st, [r.history for r in res.runs])
+    except optuna.TrialPruned:
+        pass
+    except _TRIAL_ERRORS as e:
+        t.reason = f"{type(e).__name__}: {e}"
+
+
+def _run_together(st: _Study, trials: list[_Trial], optuna: Any, progress: bool | str) -> None:
+    """Trials that differ only in ``optim.lr`` trained as one batched computation: every seed of every trial a
+    replica (``driver.drive_many``), their clients in the same executor calls, each with its own rate
+    (``engine.clients.train_together``).  A pruned trial's replicas run on with the batch (their result unused)."""
+    import contextlib
+
+    from .driver import Replica, build_local, drive_many
+    from .rundir import RunDirectory
+    from .seeds import SeedsResult, seed_dir, summarize_seeds, write_seeds
+
+    owner: dict[int, _Trial] = {}
+    with contextlib.ExitStack() as stack, run_figures(False):
+        replicas = []
+        for t in trials:
+            assert t.cfg is not None
+            data = _data_for(st, t.cfg)  # the same object for all: only optim.lr differs
+            t.dir.mkdir(parents=True, exist_ok=True)
+            with atomic(t.dir / "config.toml") as f:
+                f.write(dumps(t.cfg.raw))
+            for s in list(t.cfg.run.seeds) or [t.cfg.run.seed]:
+                d = seed_dir(t.dir, s)
+                stack.enter_context(RunDirectory(d))
+                c = t.cfg.with_seed(s)
+                rep = Replica(build_local(c, data, None, d), c, d, f"trial {t.trial.number} seed {s}")
+                owner[id(rep)] = t
+                replicas.append(rep)
+        replicas[0].engine.check_memory(len(replicas))
+
+        def report(group: list[Replica]) -> None:
+            for t in trials:
+                mine = [rep for rep in group if owner[id(rep)] is t]
+                if mine:
+                    t.report(st, mine, optuna)
+
+        runs = drive_many(replicas, False, progress, on_round=report)
+    for t in trials:
+        mine = [r for rep, r in zip(replicas, runs, strict=True) if owner[id(rep)] is t]
+        assert t.cfg is not None
+        seeds = list(t.cfg.run.seeds) or [t.cfg.run.seed]
+        write_seeds(t.dir, SeedsResult(mine, summarize_seeds(t.cfg, seeds, mine), t.dir), f"trial {t.trial.number}")
+        if not t.pruned:
+            t.finish(st, [r.history for r in mine])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,7 +691,6 @@ def _figures(out: Path, study: optuna.Study, optuna: Any, st: _Study, n_complete
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from optuna.visualization import matplotlib as ovm
 
     notes = []
