@@ -235,3 +235,21 @@ def test_failing_trial_recorded_and_study_goes_on(files, tmp_path):
 
 def test_bundled_space_reads():
     assert [p.key for p in read_space("fedavg_lr")] == ["optim.lr", "optim.momentum"]
+
+
+def test_batched_trials_match_trials_run_alone(files, tmp_path, capsys):
+    """--batch-trials: trials differing in optim.lr trained together give each the value it gets alone (vmap
+    executor, a rate per replica); a space over other keys is refused."""
+    space = tmp_path / "lr.toml"
+    space.write_text("[optim]\nlr = { low = 0.001, high = 1.0, log = true }\n")
+    sets = ["run.runner=vmap"]
+    batched = tune(files / "tiny.toml", space, trials=3, seed=5, out=tmp_path / "b", sets=sets, batch_trials=3)
+    assert [r["state"] for r in batched.trials] == ["COMPLETE"] * 3
+    assert len({r["params"]["optim.lr"] for r in batched.trials}) == 3
+    r = batched.trials[1]
+    one = tmp_path / "one.toml"
+    one.write_text(f"[optim]\nlr = {{ choices = [{r['params']['optim.lr']!r}] }}\n")
+    alone = tune(files / "tiny.toml", one, trials=1, seed=0, out=tmp_path / "a", sets=sets)
+    assert alone.best_value == pytest.approx(r["value"], abs=1e-9)
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--batch-trials", "2",
+                      "--out", str(tmp_path / "c")], "optim.lr only")

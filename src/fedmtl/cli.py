@@ -175,7 +175,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     out = args.out or str(Path("runs") / f"tune-{Path(args.config).stem}")
     s = tune(args.config, args.space, trials=args.trials, seed=args.seed, out=out, sets=list(args.set),
              resume=args.resume, objective=args.objective or DEFAULT_OBJECTIVE, direction=args.direction,
-             last=args.last, batch_trials=args.batch_trials, progress="off" if args.quiet else True)
+             last=args.last, batch_trials=args.batch_trials, prune=not args.no_prune,
+             progress="off" if args.quiet else True)
     best = "none completed" if s.best_value is None else f"{s.objective} = {s.best_value:.4f} with {s.best_params}"
     print(f"best: {best} (trial {s.best_trial}); {s.complete} complete, {s.pruned} pruned, {s.failed} failed"
           + (f", {s.interrupted} interrupted and re-run" if s.interrupted else ""))
@@ -543,8 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "an accuracy")
     tu.add_argument("--last", type=int, default=3, help="the objective: the metric's mean over this many last "
                     "evaluated rounds (default 3)")
-    tu.add_argument("--batch-trials", type=int, default=1, metavar="K", help="trials trained together as one "
-                    "batched computation (only 1 at present)")
+    tu.add_argument("--batch-trials", type=int, default=1, metavar="K", help="train K trials together as one "
+                    "batched computation, as seeds are (a space over optim.lr only; vmap or loop executor)")
+    tu.add_argument("--no-prune", action="store_true", help="run every trial to its last round (no median pruning)")
     tu.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a config value")
     _plugins_arg(tu)
     _output_args(tu)

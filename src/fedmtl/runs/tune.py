@@ -276,6 +276,7 @@ class _Study:
     last: int
     seed: int
     out: Path
+    prune: bool = True
     data: dict[str, FederatedData] = field(default_factory=dict)
 
     def build(self, values: dict[str, Any], tuning: bool = True) -> ExperimentConfig:
@@ -315,12 +316,13 @@ def fingerprint(base: ExperimentConfig, params: list[Param], objective: str, dir
 def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 20, seed: int = 0,
          out: str | Path = "runs/tune", *, sets: list[str] | None = None, resume: bool = False,
          objective: str = DEFAULT_OBJECTIVE, direction: str | None = None, last: int = DEFAULT_LAST,
-         batch_trials: int = 1, progress: bool | str = False) -> TuneSummary:
+         batch_trials: int = 1, prune: bool = True, progress: bool | str = False) -> TuneSummary:
     """Search ``space`` for the values of ``config`` (a TOML file, a bundled config's name or a dict; ``sets``:
     ``--set`` overrides) that optimize ``objective`` over ``trials`` trials (TPE seeded by ``seed``, median pruning)
     into ``out`` (``study.db``, ``trials/NNNN/``, ``best.toml``, ``trials.csv``, ``trials.md``, ``tune.json``,
     figures).  ``resume``: continue the study ``out/study.db`` holds (required when it exists).  Returns the
-    summary ``tune.json`` holds."""
+    summary ``tune.json`` holds.  ``batch_trials``: trials trained together as one batched computation (a space
+    over ``optim.lr`` only); ``prune``: False runs every trial to the end."""
     t0 = time.perf_counter()
     raw, source = _load_raw(config)
     sets = list(sets or [])
@@ -342,7 +344,7 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     tuning_sets: list[str] = []
     if base.run.val_fraction == 0 and not base.data.get("val_frac"):
         tuning_sets.append(f"run.val_fraction={DEFAULT_VAL_FRACTION}")
-    study_cfg = _Study(raw, source, sets, tuning_sets, params, objective, direction, last, seed, Path(out))
+    study_cfg = _Study(raw, source, sets, tuning_sets, params, objective, direction, last, seed, Path(out), prune)
     sp = resolve_space(space)
     for p in params:  # every candidate, applied exactly as --set applies it, before anything runs
         for v in p.candidates():
@@ -371,7 +373,8 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     out.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(storage_url, engine_kwargs={"connect_args": {"timeout": 60}})
     study = optuna.create_study(storage=storage, study_name=name, direction=direction, load_if_exists=True,
-                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0) if prune
+                                else optuna.pruners.NopPruner())
     if "fingerprint" not in study.user_attrs:
         for k, v in (("fingerprint", fp), ("objective", objective), ("seed", seed), ("source", source),
                      ("space", str(sp)), ("last", last)):
@@ -675,7 +678,7 @@ def write_outputs(st: _Study, study: optuna.Study, optuna: Any, seconds: float) 
         "n_trials": {"complete": summary.complete, "pruned": summary.pruned, "failed": summary.failed,
                      "interrupted": summary.interrupted},
         "total_seconds": seconds, "trial_seconds": float(sum(r["seconds"] or 0.0 for r in rows)),
-        "sampler": {"name": "TPESampler", "seed": st.seed}, "pruner": "MedianPruner",
+        "sampler": {"name": "TPESampler", "seed": st.seed}, "pruner": "MedianPruner" if st.prune else None,
         "validation": st.tuning_sets or "the config's own", "study": study.study_name, "notes": notes,
         "trials": rows})
     return summary
