@@ -253,3 +253,27 @@ def test_batched_trials_match_trials_run_alone(files, tmp_path, capsys):
     assert alone.best_value == pytest.approx(r["value"], abs=1e-9)
     _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--batch-trials", "2",
                       "--out", str(tmp_path / "c")], "optim.lr only")
+
+
+def test_val_fraction_carves_validation_from_training_only():
+    """run.val_fraction: every client's training examples split into train and validation (disjoint, together the
+    original, the same for every build), the test split untouched; a config whose data has its own is refused."""
+    from fedmtl.config import ConfigError, validate
+
+    raw = {"data": {"name": "fedem_synthetic", "num_clients": 4, "dim": 3, "n_test": 5, "min_samples": 10,
+                    "max_samples": 20}, "model": {"name": "linear"}, "algorithm": {"name": "fedavg"}}
+    plain = validate(raw).build_data()
+    cut = validate({**raw, "run": {"val_fraction": 0.3}}).build_data()
+    again = validate({**raw, "run": {"val_fraction": 0.3, "seed": 7}}).build_data()
+    assert cut.seen.val is not None and again.seen.val is not None
+    assert np.array_equal(cut.seen.val.x, again.seen.val.x)
+    assert np.array_equal(cut.seen.test.x, plain.seen.test.x)
+    for k in range(4):
+        x, _ = plain.seen.train.client(k)
+        tx, vx = cut.seen.train.client(k)[0], cut.seen.val.client(k)[0]
+        assert len(vx) == round(0.3 * len(x)) and len(tx) + len(vx) == len(x)
+        rows = {tuple(r) for r in x.tolist()}
+        assert {tuple(r) for r in tx.tolist()} | {tuple(r) for r in vx.tolist()} == rows
+        assert not {tuple(r) for r in tx.tolist()} & {tuple(r) for r in vx.tolist()}
+    with pytest.raises(ConfigError, match="already has a validation split"):
+        validate({**raw, "data": {**raw["data"], "val_frac": 0.2}, "run": {"val_fraction": 0.3}}).build_data()
