@@ -277,3 +277,21 @@ def test_val_fraction_carves_validation_from_training_only():
         assert not {tuple(r) for r in tx.tolist()} & {tuple(r) for r in vx.tolist()}
     with pytest.raises(ConfigError, match="already has a validation split"):
         validate({**raw, "data": {**raw["data"], "val_frac": 0.2}, "run": {"val_fraction": 0.3}}).build_data()
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_study(files, tmp_path):
+    """Two `fedmtl tune --resume` started at once on a new folder: one database, created once; every trial run by
+    one of them; the study stops at --trials (each process may finish the trial it runs)."""
+    out = tmp_path / "shared"
+    cmd = [sys.executable, "-m", "fedmtl", "tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"),
+           "--trials", "3", "--seed", "3", "--out", str(out), "-q", "--resume"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    trials = _optuna_study(out).get_trials()
+    assert 3 <= len(trials) <= 4 and all(t.state.is_finished() for t in trials)
+    assert len({t.user_attrs["pid"] for t in trials}) <= 2
+    assert all((out / t.user_attrs["dir"]).is_dir() for t in trials)

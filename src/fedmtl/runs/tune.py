@@ -35,6 +35,7 @@ figures ``history.png`` / ``importance.png`` (and PDFs).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import hashlib
@@ -46,6 +47,7 @@ import socket
 import time
 import typing
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +70,8 @@ if TYPE_CHECKING:
 
 #: the study's database in the output folder
 STUDY_DB = "study.db"
+#: the lock file beside it (held while a process creates or checks the database)
+LOCK = ".study.lock"
 #: the objective unless ``--objective`` names another validation metric
 DEFAULT_OBJECTIVE = metric("seen", "val", "acc_mean")
 #: the objective averages the metric over this many last evaluated rounds unless told otherwise
@@ -359,28 +363,12 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     name = f"fedmtl-tune-{fp[:16]}"
     if db.exists() and not resume:
         raise TuneError(f"{db}: a study is there already; continue it with --resume, or give another --out")
-    if not db.exists() and out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if not db.exists() and out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir())):
         raise TuneError(f"{out}: holds files but no {STUDY_DB}; give an empty or new --out")
-    storage_url = f"sqlite:///{db.resolve()}"
-    if db.exists():
-        try:
-            names = optuna.get_all_study_names(storage_url)
-        except Exception as e:  # noqa: BLE001 (not a database, or another program's)
-            raise TuneError(f"{db}: not a study database ({type(e).__name__})") from None
-        if name not in names:
-            raise TuneError(f"{db}: holds the study {shown(names[0] if names else None)}, not {name}: the config, "
-                            "--set, space, objective or seed differ; give another --out")
     out.mkdir(parents=True, exist_ok=True)
-    storage = optuna.storages.RDBStorage(storage_url, engine_kwargs={"connect_args": {"timeout": 60}})
-    study = optuna.create_study(storage=storage, study_name=name, direction=direction, load_if_exists=True,
-                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0) if prune
-                                else optuna.pruners.NopPruner())
-    if "fingerprint" not in study.user_attrs:
-        for k, v in (("fingerprint", fp), ("objective", objective), ("seed", seed), ("source", source),
-                     ("space", str(sp)), ("last", last)):
-            study.set_user_attr(k, v)
-    elif study.user_attrs["fingerprint"] != fp:
-        raise TuneError(f"{db}: the study {name} was started from another config or space; give another --out")
+    with _locked(out / LOCK):  # one process at a time creates or checks the database
+        study = _open_study(optuna, db, name, fp, direction, prune,
+                            {"objective": objective, "seed": seed, "source": source, "space": str(sp), "last": last})
     while True:
         _recover_stale(study, optuna)
         index = _index(study, optuna)
@@ -396,6 +384,45 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
         _run_trials(study_cfg, study, asked, optuna, progress)
     summary = write_outputs(study_cfg, study, optuna, time.perf_counter() - t0)
     return summary
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created) while the block runs: processes starting on one study at the same time
+    create its database one after the other."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _open_study(optuna: Any, db: Path, name: str, fp: str, direction: str, prune: bool,
+                attrs: dict[str, Any]) -> optuna.Study:
+    """The study ``name`` in ``db``, created there if the database holds none; a database holding another study (or
+    that is not a study database) is refused, naming it."""
+    url = f"sqlite:///{db.resolve()}"
+    if db.exists():
+        try:
+            names = optuna.get_all_study_names(url)
+        except Exception as e:  # noqa: BLE001 (not a database, or another program's)
+            raise TuneError(f"{db}: not a study database ({type(e).__name__})") from None
+        if names and name not in names:
+            raise TuneError(f"{db}: holds the study {shown(names[0])}, not {name}: the config, --set, space, "
+                            "objective or seed differ; give another --out")
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+    study = optuna.create_study(storage=storage, study_name=name, direction=direction, load_if_exists=True,
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0) if prune
+                                else optuna.pruners.NopPruner())
+    if "fingerprint" not in study.user_attrs:
+        for k, v in {"fingerprint": fp, **attrs}.items():
+            study.set_user_attr(k, v)
+    elif study.user_attrs["fingerprint"] != fp:
+        raise TuneError(f"{db}: the study {name} was started from another config or space; give another --out")
+    return study
 
 
 def _trial_seed(seed: int, index: int) -> int:
@@ -541,10 +568,15 @@ def _run_trials(st: _Study, study: optuna.Study, asked: list[optuna.Trial], optu
                     t.pruned = False
         for t in live:
             _run_alone(st, t, optuna, progress)
-    except BaseException as e:  # the process stops (Ctrl-C, a bug): its trials fail with the reason
+    except BaseException as e:  # the process stops (Ctrl-C, SIGTERM, a bug): its trials fail with the reason
         for t in trials:
             t.reason = t.reason or f"{type(e).__name__}: {e}"
+            stopped = not isinstance(e, Exception) and not t.reason.startswith("ConfigError")
+            if stopped:  # interrupted, as after kill -9: not counted, its values run again on --resume
+                t.trial.set_user_attr("interrupted", f"stopped by {type(e).__name__}; re-run")
             t.tell(study, optuna, False)
+            if stopped:
+                study.enqueue_trial(t.values, user_attrs={"rerun_of": t.trial.number})
         raise
     for t in trials:
         t.tell(study, optuna, progress)
