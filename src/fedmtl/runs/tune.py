@@ -334,8 +334,8 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
         raise ConfigError(f"--trials {shown(trials)}: a whole number of trials in [1, {MAX_TRIALS}]")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ConfigError(f"--seed {shown(seed)}: an integer in [0, 2^32 - 1]")
-    if isinstance(last, bool) or not isinstance(last, int) or last < 1:
-        raise ConfigError(f"--last {shown(last)}: at least 1 evaluated round")
+    if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= 10**7:
+        raise ConfigError(f"--last {shown(last)}: a number of evaluated rounds in [1, 10^7]")
     if isinstance(batch_trials, bool) or not isinstance(batch_trials, int) or not 1 <= batch_trials <= 1000:
         raise ConfigError(f"--batch-trials {shown(batch_trials)}: a whole number in [1, 1000]")
     direction = check_objective(objective, direction)
