@@ -295,3 +295,10 @@ def test_two_processes_share_one_study(files, tmp_path):
     assert 3 <= len(trials) <= 4 and all(t.state.is_finished() for t in trials)
     assert len({t.user_attrs["pid"] for t in trials}) <= 2
     assert all((out / t.user_attrs["dir"]).is_dir() for t in trials)
+
+
+def test_without_optuna_one_line_names_the_extra(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna raises ImportError
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--out",
+                      str(tmp_path / "o")], "pip install 'fedmtl[tune]'")
+    assert not (tmp_path / "o").exists()
