@@ -220,6 +220,7 @@ def test_other_study_and_existing_folder_refused(study, files, tmp_path, capsys)
              "validation metric")
 
 
+@pytest.mark.slow
 def test_failing_trial_recorded_and_study_goes_on(files, tmp_path):
     """A combination the config refuses (drop_last needs one local epoch) fails its trial with the reason; the
     other trials run."""

@@ -370,17 +370,18 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
         study = _open_study(optuna, db, name, fp, direction, prune,
                             {"objective": objective, "seed": seed, "source": source, "space": str(sp), "last": last})
     while True:
-        _recover_stale(study, optuna)
-        index = _index(study, optuna)
-        if index >= trials:
-            break
-        study.sampler = optuna.samplers.TPESampler(seed=_trial_seed(seed, index),
-                                                   n_startup_trials=max(2, min(10, trials // 3)))
-        asked = [study.ask()]
-        for _ in range(min(batch_trials, trials - index) - 1):  # a batch: the next indices' seeds
-            study.sampler = optuna.samplers.TPESampler(seed=_trial_seed(seed, index + len(asked)),
-                                                       n_startup_trials=max(2, min(10, trials // 3)))
-            asked.append(study.ask())
+        with _locked(out / LOCK):  # one process at a time recovers, counts and asks: each index asked once
+            _recover_stale(study, optuna)
+            index = _index(study)
+            if index >= trials:
+                break
+            asked = []
+            for i in range(index, index + min(batch_trials, trials - index)):
+                study.sampler = optuna.samplers.TPESampler(seed=_trial_seed(seed, i),
+                                                           n_startup_trials=max(2, min(10, trials // 3)))
+                asked.append(study.ask())
+                asked[-1].set_user_attr("pid", os.getpid())  # whose it is: recovered once that process is gone
+                asked[-1].set_user_attr("host", socket.gethostname())
         _run_trials(study_cfg, study, asked, optuna, progress)
     summary = write_outputs(study_cfg, study, optuna, time.perf_counter() - t0)
     return summary
@@ -434,7 +435,7 @@ def _counted(t: optuna.trial.FrozenTrial) -> bool:
     return "interrupted" not in t.user_attrs
 
 
-def _index(study: optuna.Study, optuna: Any) -> int:
+def _index(study: optuna.Study) -> int:
     """Trials so far, those interrupted (re-run under a new number) left out."""
     return sum(_counted(t) for t in study.get_trials(deepcopy=False))
 
@@ -501,8 +502,6 @@ class _Trial:
     def __init__(self, st: _Study, trial: optuna.Trial) -> None:
         self.trial, self.t0 = trial, time.perf_counter()
         self.dir = st.out / "trials" / f"{trial.number:04d}"
-        trial.set_user_attr("pid", os.getpid())
-        trial.set_user_attr("host", socket.gethostname())
         trial.set_user_attr("dir", str(self.dir.relative_to(st.out)))
         self.values = {p.key: p.suggest(trial) for p in st.params}
         self.cfg: ExperimentConfig | None = None
