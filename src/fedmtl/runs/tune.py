@@ -535,7 +535,7 @@ class _Trial:
         if self.reason:
             self.trial.set_user_attr("fail_reason", self.reason[:2000])
         self.trial.set_user_attr("seconds", time.perf_counter() - self.t0)
-        study.tell(self.trial, self.value if state == states.COMPLETE else None, state=state)
+        study.tell(self.trial, self.value if state == states.COMPLETE else None, state=state, skip_if_finished=True)
         if progress:
             what = f"{self.value:.4f}" if state == states.COMPLETE else state.name
             print(f"trial {self.trial.number}: {self.values} -> {what}" + (f" ({self.reason})" if self.reason else ""),
