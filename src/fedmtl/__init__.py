@@ -9,7 +9,8 @@ The public API (everything else is internal and free to change)::
     result = fedmtl.run({"algorithm": {"name": "fedem"}, "run": {"rounds": 20}}, data=data, model=model)
     result.final["seen_test_acc_mean"]
 
-``fedmtl.compare(run_dirs, out)`` puts finished runs side by side (``fedmtl compare``).
+``fedmtl.compare(run_dirs, out)`` puts finished runs side by side (``fedmtl compare``); ``fedmtl.tune(config, space,
+trials=..., seed=..., out=...)`` searches hyperparameters on a validation split (``fedmtl tune``, Optuna).
 ``register_algorithm`` / ``register_model`` / ``register_dataset`` / ``register_aggregator`` / ``register_attack``
 add your own (``fedmtl run --import MODULE`` loads them on the command line), and
 ``fedmtl.testing.check_algorithm`` runs the contract suite on an algorithm of your own.
@@ -27,11 +28,13 @@ from .robust.attacks import register_attack
 from .runs.comparison import compare
 from .runs.driver import RunResult
 from .runs.seeds import SeedsResult
+from .runs.tune import TuneSummary, tune
 
 __version__ = "0.2.0"
 
 __all__ = [
     "SGD", "Algorithm", "BatchNorm", "Batches", "ClientId", "Context", "DataError", "FederatedData", "GlobalModel",
-    "Model", "ModelError", "RunResult", "SeedsResult", "__version__", "compare", "local_sgd", "masked_steps",
-    "register_aggregator", "register_algorithm", "register_attack", "register_dataset", "register_model", "run",
+    "Model", "ModelError", "RunResult", "SeedsResult", "TuneSummary", "__version__", "compare", "local_sgd",
+    "masked_steps", "register_aggregator", "register_algorithm", "register_attack", "register_dataset",
+    "register_model", "run", "tune",
 ]

@@ -1,4 +1,4 @@
-"""Command-line interface: ``fedmtl run | sweep | compare | data | list | main | reproduce | flower | bench``.
+"""Command-line interface: ``fedmtl run | sweep | tune | compare | data | list | main | reproduce | flower | bench``.
 
 Plugins (algorithms, models, datasets registered with ``fedmtl.register_*``) are loaded from the entry-point
 group ``fedmtl.plugins`` at start and from ``--import MODULE`` (repeatable) on the commands that read a config.
@@ -166,6 +166,21 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     sets = list(args.set) + ([f"run.seeds=[{parse_seeds(args.seeds)}]"] if args.seeds is not None else [])
     run_sweep(args.config, sets, out, resume=args.resume, overwrite=args.overwrite)
     print(f"written: {out}/sweep.json, sweep.csv, sweep.png")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .runs.tune import DEFAULT_OBJECTIVE, tune
+
+    out = args.out or str(Path("runs") / f"tune-{Path(args.config).stem}")
+    s = tune(args.config, args.space, trials=args.trials, seed=args.seed, out=out, sets=list(args.set),
+             resume=args.resume, objective=args.objective or DEFAULT_OBJECTIVE, direction=args.direction,
+             last=args.last, batch_trials=args.batch_trials, prune=not args.no_prune,
+             progress="off" if args.quiet else True)
+    best = "none completed" if s.best_value is None else f"{s.objective} = {s.best_value:.4f} with {s.best_params}"
+    print(f"best: {best} (trial {s.best_trial}); {s.complete} complete, {s.pruned} pruned, {s.failed} failed"
+          + (f", {s.interrupted} interrupted and re-run" if s.interrupted else ""))
+    print(f"written: {out}/best.toml, trials.csv, trials.md, tune.json, history.png; the study: {out}/study.db")
     return 0
 
 
@@ -510,6 +525,32 @@ def build_parser() -> argparse.ArgumentParser:
     _plugins_arg(sw)
     _output_args(sw)
     sw.set_defaults(fn=_cmd_sweep)
+
+    tu = sub.add_parser("tune", help="search hyperparameters with Optuna (TPE, median pruning) on a validation "
+                                     "split; resumable, shareable by several processes")
+    tu.add_argument("config")
+    tu.add_argument("--space", required=True, metavar="SPACE.toml",
+                    help="the search space: [table] key = { low, high [, log, int, step] } or { choices = [...] }; "
+                    "a file or a bundled space's name (fedavg_lr)")
+    tu.add_argument("--trials", type=int, default=20, help="trials in the study (default 20; counted over every "
+                    "process working on it)")
+    tu.add_argument("--seed", type=int, default=0, help="the TPE sampler's seed (default 0)")
+    tu.add_argument("--out", help="the study's folder (default runs/tune-<config name>)")
+    tu.add_argument("--resume", action="store_true", help="continue the study in --out (also: a second process "
+                    "working on it)")
+    tu.add_argument("--objective", help="the validation metric to optimize (default seen_val_acc_mean; "
+                    "seen_val_loss, seen_val_acc_p10, ...)")
+    tu.add_argument("--direction", choices=["maximize", "minimize"], help="default: minimize a loss, maximize "
+                    "an accuracy")
+    tu.add_argument("--last", type=int, default=3, help="the objective: the metric's mean over this many last "
+                    "evaluated rounds (default 3)")
+    tu.add_argument("--batch-trials", type=int, default=1, metavar="K", help="train K trials together as one "
+                    "batched computation, as seeds are (a space over optim.lr only; vmap or loop executor)")
+    tu.add_argument("--no-prune", action="store_true", help="run every trial to its last round (no median pruning)")
+    tu.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a config value")
+    _plugins_arg(tu)
+    _output_args(tu)
+    tu.set_defaults(fn=_cmd_tune)
 
     d = sub.add_parser("data", help="print a config's dataset statistics, or 'export' it as per-client .npz files "
                                     "(the node-local format of a Flower SuperNode's data-dir)",

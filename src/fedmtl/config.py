@@ -127,7 +127,7 @@ class Tables:
     registry by the name they hold."""
 
     optim = Table(SGD, defaults_left_out=("lr_milestone_rounds",))
-    run = Table(RunConfig, defaults_left_out=("drop_last", "data_on_device", "seeds"))
+    run = Table(RunConfig, defaults_left_out=("drop_last", "data_on_device", "seeds", "val_fraction"))
     systems = Table(SystemsConfig)
     robust = Table(RobustConfig, when_given=True)
     attack = Table(AttackConfig, when_given=True)
@@ -299,6 +299,13 @@ class ExperimentConfig(Tables):
         if not isinstance(data, FederatedData):
             raise ConfigError(f"dataset builder {self.data['name']!r} returned {type(data).__name__}, "
                               "not a fedmtl.FederatedData")
+        if self.run.val_fraction > 0:  # run.val_fraction: a validation split carved from the training examples
+            from .data.federated import carve_validation
+
+            if data.seen.val is not None:
+                raise ConfigError(f"{self.source}: [run] val_fraction = {self.run.val_fraction:g}, but the data "
+                                  f"{self.data['name']!r} already has a validation split ([data] val_frac): give one")
+            data = carve_validation(data, self.run.val_fraction)
         return data
 
     def build_model(self, input_shape: tuple[int, ...], num_classes: int, meta: dict[str, Any] | None = None) -> Any:

@@ -381,6 +381,36 @@ def describe(data: FederatedData) -> str:
     return "\n".join(lines)
 
 
+#: the seed of the permutation that picks every client's validation examples (``carve_validation``)
+VAL_SEED = 20240
+
+
+def carve_validation(data: FederatedData, fraction: float) -> FederatedData:
+    """``data`` with ``round(fraction * n_k)`` of every seen client k's ``n_k`` training examples moved to its
+    validation split (``[run] val_fraction``): drawn by a permutation seeded with ``VAL_SEED`` and the client's
+    index, so the same examples for every run and every seed; at least one example stays for training.  The
+    remaining training examples keep their order; the test split and the unseen clients are untouched."""
+    if not 0 < fraction < 1:
+        raise DataError(f"val_fraction must lie in (0, 1), got {fraction}")
+    if data.seen.val is not None:
+        raise DataError(f"{data.name}: already has a validation split")
+    train = data.seen.train
+    keep_x, keep_y, val_x, val_y = [], [], [], []
+    for k in range(train.num_clients):
+        x, y = train.client(k)
+        n = x.shape[0]
+        n_val = min(int(round(fraction * n)), n - 1)
+        g = torch.Generator().manual_seed(VAL_SEED * 1_000_003 + k)
+        picked = torch.zeros(n, dtype=torch.bool)
+        picked[torch.randperm(n, generator=g)[:n_val]] = True
+        keep_x.append(x[~picked])
+        keep_y.append(y[~picked])
+        val_x.append(x[picked])
+        val_y.append(y[picked])
+    seen = ClientGroup(Split.from_lists(keep_x, keep_y), data.seen.test, Split.from_lists(val_x, val_y))
+    return FederatedData(seen, data.num_classes, data.unseen, data.name, data.meta)
+
+
 # ---------------------------------------------------------------------------------------------
 # Padded views
 

@@ -243,11 +243,13 @@ def concat_orders(orders: list[Orders]) -> Orders:
 
 
 def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[Tensor], orders: list[Orders],
-                   lr: float, round_idx: int) -> list[TrainOut]:
+                   lr: float | list[float], round_idx: int) -> list[TrainOut]:
     """One round of several replicas of a run (``fedmtl.runs.seeds``) as one batched computation: replica i's
     clients ``ids[i]`` train from ``payloads[i]`` in ``orders[i]`` with their states in ``members[i]``'s store.
     The replicas share the data, the algorithm and the executor (``members[0]``'s); every client's result is what
-    ``members[i].train`` alone gives it."""
+    ``members[i].train`` alone gives it.  ``lr``: the replicas' rate, or each replica's own (trials of a search
+    that differ in ``optim.lr``, ``fedmtl.runs.tune``): a rate per client then goes to the executor, and the
+    results agree with ``members[i].train`` alone to rounding (``optim.local_sgd`` with a tensor rate)."""
     first = members[0]
     if any(m.data is not first.data for m in members):
         raise ValueError("train_together: the replicas must share one FederatedData")
@@ -260,7 +262,10 @@ def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[
     all_rows = torch.cat(rows)
     batches = TrainBatches(first.data.seen.train, all_rows, concat_orders(orders), first.batch_size, first.device,
                            first.drop_last)
-    updates, new_states, losses = first.executor.train(first._update, payload, stacked, batches, lr, payload_rows=True)
+    rate: float | Tensor = lr if not isinstance(lr, list) else lr[0] if len(set(lr)) == 1 else \
+        torch.repeat_interleave(torch.tensor(lr, dtype=torch.float64), torch.tensor(sizes)).to(first.device)
+    updates, new_states, losses = first.executor.train(first._update, payload, stacked, batches, rate,
+                                                       payload_rows=True)
     outs, at = [], 0
     for m, r, k in zip(members, rows, sizes, strict=True):
         seg = torch.arange(at, at + k, device=losses.device)

@@ -139,13 +139,15 @@ class Executor:
 
     name = "executor"
 
-    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float | Tensor,
               payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
         """``fn(payload, state, batches, lr)`` for every client; ``states`` stacked (K, ...).  ``payload_rows``:
         the payload is stacked too, one row per client (replicas of a run with several seeds, each client
         training from its own replica's model).  ``clients``: ``fn``'s clients form, ``clients(payload, states,
         client_batches, lr)`` for K clients at once (``Algorithm.client_update_clients``), which only the stacked
-        executor runs."""
+        executor runs.  ``lr``: one rate, or a (K,) tensor of rates, one per client (replicas of different runs
+        batched together, ``clients.train_together``: the vmap executor maps it with the clients, the loop executor
+        gives each client its own as a float, the stacked executor leaves such a call to its fallback)."""
         raise NotImplementedError
 
     def map(self, fn: Callable[..., Any], shared: Any, *stacked: Any) -> Any:
@@ -162,7 +164,7 @@ class VmapExecutor(Executor):
 
     def __init__(self, chunk_size: int = 0, bucketing: Literal["steps", "none"] = "steps"):
         self.chunk_size, self.bucketing = chunk_size, bucketing
-        self._train_fns: dict[tuple[Callable[..., Any], bool, Any], Callable[..., Any]] = {}
+        self._train_fns: dict[tuple[Callable[..., Any], bool, Any, bool], Callable[..., Any]] = {}
 
     def buckets(self, counts: Tensor, batch_size: int) -> list[Tensor]:
         """Positions (into the K clients) grouped into vmap calls."""
@@ -178,20 +180,22 @@ class VmapExecutor(Executor):
             groups += list(torch.split(pos, self.chunk_size or len(pos)))
         return groups
 
-    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float | Tensor,
               payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
             # the steps live for the whole bucket skip local_sgd's dead-step masking (``Batches.all_live``)
             p, b = pos.to(batches.device), batches.padded(pos)
             dims = T.batch_dims(b)  # 0 on the tensors, None on the flags and on fields left None
-            key = (fn, payload_rows, dims)
+            rows_lr = isinstance(lr, Tensor)  # a rate per client (replicas with rates of their own, batched)
+            key = (fn, payload_rows, dims, rows_lr)
             vfn = self._train_fns.get(key)
             if vfn is None:
-                vfn = self._train_fns[key] = vmap(fn, in_dims=(0 if payload_rows else None, 0, dims, None),
-                                                  randomness="error")
+                vfn = self._train_fns[key] = vmap(fn, in_dims=(0 if payload_rows else None, 0, dims,
+                                                               0 if rows_lr else None), randomness="error")
             try:
-                outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b, lr))
+                outs.append(vfn(T.take(payload, p) if payload_rows else payload, T.take(states, p), b,
+                                lr[p] if isinstance(lr, Tensor) else lr))
             except Exception as e:
                 failed_at(e, pos.tolist())
                 raise
@@ -224,12 +228,13 @@ def failed_at(exc: BaseException, rows: list[int]) -> None:
 class LoopExecutor(Executor):
     name = "loop"
 
-    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float | Tensor,
               payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
         result = None
         for i in range(len(batches.rows)):  # written straight into a preallocated stack
             try:
-                out = fn(T.take(payload, i) if payload_rows else payload, T.take(states, i), batches.ragged(i), lr)
+                out = fn(T.take(payload, i) if payload_rows else payload, T.take(states, i), batches.ragged(i),
+                         float(lr[i]) if isinstance(lr, Tensor) else lr)
             except Exception as e:
                 failed_at(e, [i])
                 raise
@@ -269,9 +274,10 @@ class StackedExecutor(Executor):
             return self
         return self.fallback
 
-    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float,
+    def train(self, fn: Callable[..., Any], payload: Any, states: Any, batches: TrainBatches, lr: float | Tensor,
               payload_rows: bool = False, clients: Callable[..., Any] | None = None) -> Any:
-        if payload_rows or clients is None:  # clients from several models (merged replicas), or no clients form
+        if payload_rows or clients is None or isinstance(lr, Tensor):  # several models (merged replicas), no clients
+            # form, or a rate per client
             return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
         steps = batches.live_counts()
         order = torch.argsort(-steps, stable=True)  # most steps first: the live clients of every step are a prefix

@@ -72,6 +72,10 @@ class RunConfig:
     threads: Annotated[int, Range(0, 1024)] = 0
     #: several seeds: independent replicas of the run, batched (fedmtl.runs.seeds)
     seeds: tuple[Annotated[int, Range(0, MAX_SEED)], ...] = ()
+    #: > 0: this fraction of every seen client's training examples becomes its validation split (``seen_val_*``
+    #: metrics), carved deterministically (the same examples for every seed and every run of the config; at least
+    #: one example stays for training); the test split is untouched.  What ``fedmtl tune`` measures its objective on
+    val_fraction: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
 
     def __post_init__(self) -> None:
         check_fields(self, "run")

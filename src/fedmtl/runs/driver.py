@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
@@ -270,13 +271,17 @@ def drive(engine: Engine, cfg: ExperimentConfig, out_dir: Path | None, resume: b
 
 
 def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool | str = True,
-               group_dir: Path | None = None) -> list[RunResult]:
+               group_dir: Path | None = None,
+               on_round: Callable[[list[Replica]], None] | None = None) -> list[RunResult]:
     """Advance several runs (the replicas of a run with several seeds) round by round together: the replicas at
     the same round train their clients in one batched computation (``clients.train_together``) where they are
     all simulated in this process, each on its own otherwise; then each is evaluated, checkpointed and written
     as a run of its own.  Each replica's result equals what ``drive`` gives it alone.  ``group_dir`` (the top level
     of a run with several seeds): the replicas' checkpoints of a round are committed together (``_checkpoint_group``),
-    so a resume finds them all at the same round and batches them exactly as the uninterrupted run did."""
+    so a resume finds them all at the same round and batches them exactly as the uninterrupted run did.
+    ``on_round``: called with the replicas of every round once their rows (and evaluation, where due) are in their
+    histories and checkpointed (``fedmtl.runs.tune`` reports each evaluated round to its pruner there); what it
+    raises stops the run."""
     prog = progress if isinstance(progress, Progress) else Progress(progress)
     try:
         for rep in replicas:
@@ -293,6 +298,8 @@ def drive_many(replicas: list[Replica], resume: bool, progress: Progress | bool 
             for rep, row in zip(group, rows, strict=True):
                 _after_round(rep, row, dt, prog, rep in due)
             _checkpoint_group([rep for rep in group if rep.checkpoint_due], group_dir)
+            if on_round is not None:
+                on_round(group)
         return [_finish(rep) for rep in replicas]
     finally:
         prog.close()
@@ -376,7 +383,7 @@ def _train_together(engines: list[Engine], plans: list[RoundPlan]) -> list[Train
         trained = train_together([engines[i].clients for i in active],  # type: ignore[misc]
                                  [plans[i].payload for i in active], [plans[i].ids for i in active],
                                  [plans[i].orders for i in active],  # type: ignore[misc]
-                                 plans[active[0]].lr, plans[active[0]].round)
+                                 [plans[i].lr for i in active], plans[active[0]].round)
         for i, o in zip(active, trained, strict=True):
             outs[i] = o
     return outs
@@ -385,9 +392,9 @@ def _train_together(engines: list[Engine], plans: list[RoundPlan]) -> list[Train
 def _evaluate(reps: list[Replica]) -> list[dict[str, Any]]:
     """``Engine.evaluate`` of each replica; replicas simulated here that evaluate the same clients are evaluated
     together (``clients.evaluate_together``: the evaluation data read once for all of them)."""
-    if not _batchable(reps) or any(
+    if not _batchable(reps) or len({rep.engine.opt.lr for rep in reps}) > 1 or any(
             not all(torch.equal(rep.engine.eval_ids[g], reps[0].engine.eval_ids[g]) for g in rep.engine.eval_ids)
-            for rep in reps):
+            for rep in reps):  # (replicas with rates of their own personalize with their own)
         return [rep.engine.evaluate(rep.state) for rep in reps]  # type: ignore[arg-type]
     out: list[dict[str, Any]] = [{} for _ in reps]
     for group in reps[0].engine.clients.groups:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,9 +79,11 @@ def stats(values: Sequence[float | None]) -> dict[str, Any]:
 
 def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None = None, out: str | Path | None = None,
               resume: bool = False, progress: bool | str = True, data: FederatedData | None = None,
-              model: Model | None = None, overwrite: bool = False) -> SeedsResult:
+              model: Model | None = None, overwrite: bool = False,
+              on_round: Callable[[list[Replica]], None] | None = None) -> SeedsResult:
     """Run ``cfg`` once per seed (default: ``cfg.run.seeds``), the replicas batched together.  ``resume``: the
-    seeds whose folder holds a checkpoint continue from it; ``overwrite``: the other seeds' results are replaced."""
+    seeds whose folder holds a checkpoint continue from it; ``overwrite``: the other seeds' results are replaced.
+    ``on_round``: called after every round with the replicas that ran it (``driver.drive_many``)."""
     seeds = list(seeds if seeds is not None else cfg.run.seeds)
     if not seeds:
         raise ConfigError(f"{cfg.source}: no seeds to run (run.seeds or --seeds)")
@@ -114,7 +116,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int] | tuple[int, ...] | None =
         replicas[0].engine.check_memory(len(replicas))  # all replicas' clients share the batched calls
         if out_dir is not None:
             top_dir.commit()  # built: the results an overwrite replaces go only now
-        runs = drive_many(replicas, resume, prog, group_dir=out_dir)
+        runs = drive_many(replicas, resume, prog, group_dir=out_dir, on_round=on_round)
         result = SeedsResult(runs, summarize_seeds(cfg, seeds, runs), out_dir)
         if out_dir is not None:
             write_seeds(out_dir, result, f"{name} on {cfg.data['name']}")

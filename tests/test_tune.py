@@ -1,0 +1,305 @@
+"""``fedmtl tune``: an Optuna study over a TOML space, on a validation split, resumable after kill -9."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("optuna")
+
+import fedmtl  # noqa: E402
+from fedmtl.cli import EXIT_INPUT, main  # noqa: E402
+from fedmtl.runs.tune import read_space, tune  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = """
+[data]
+name = "fedem_synthetic"
+num_clients = 6
+dim = 8
+n_test = 20
+min_samples = 30
+max_samples = 60
+
+[model]
+name = "linear"
+
+[algorithm]
+name = "fedavg"
+
+[optim]
+lr = 0.1
+
+[run]
+rounds = 3
+batch_size = 16
+eval_every = 1
+checkpoint_every = 0
+seeds = [1, 2]
+"""
+
+SPACE = """
+[optim]
+lr = { low = 0.001, high = 1.0, log = true }
+momentum = { low = 0.0, high = 0.9 }
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tune")
+    (d / "tiny.toml").write_text(TINY)
+    (d / "space.toml").write_text(SPACE)
+    return d
+
+
+@pytest.fixture(scope="module")
+def study(files):
+    """The uninterrupted reference study: 6 trials, TPE seed 3."""
+    out = files / "whole"
+    return tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=out), out
+
+
+def _optuna_study(out: Path):
+    import optuna
+
+    storage = f"sqlite:///{out / 'study.db'}"
+    return optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_gives_the_uninterrupted_study(files, study):
+    """The done-when check: kill -9 the command mid-study, --resume: the same best trial as the uninterrupted
+    study with the same sampler seed, the interrupted trial re-run with its values and never counted twice."""
+    whole, _ = study
+    out = files / "killed"
+    cmd = [sys.executable, "-m", "fedmtl", "tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"),
+           "--trials", "6", "--seed", "3", "--out", str(out), "-q"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "trials" / "0002").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
+    resumed = tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=out, resume=True)
+    assert resumed.interrupted == 1
+    assert resumed.complete + resumed.pruned + resumed.failed == 6 == whole.complete + whole.pruned + whole.failed
+    assert resumed.best_params == whole.best_params and resumed.best_value == whole.best_value
+    rows = {r["number"]: r for r in resumed.trials}
+    stale = next(r for r in resumed.trials if r["reason"].startswith("interrupted"))
+    assert rows[stale["number"] + 1]["params"] == stale["params"]  # re-run with the same values
+    # the counted trials are the uninterrupted study's trials, in order
+    counted = [r for r in resumed.trials if r is not stale]
+    assert [(r["params"], r["state"], r["value"]) for r in counted] == \
+        [(r["params"], r["state"], r["value"]) for r in whole.trials]
+    with pytest.raises(ValueError, match="study.db: a study is there already"):  # without --resume: refused
+        tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=out)
+
+
+def test_reports_every_evaluated_round_and_prunes_the_worse(study):
+    whole, out = study
+    import optuna
+
+    trials = _optuna_study(out).get_trials()
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert done and pruned
+    for t in done:  # one report per evaluated round (eval_every = 1, 3 rounds); the objective their last-3 mean
+        assert sorted(t.intermediate_values) == [1, 2, 3]
+        assert t.value == pytest.approx(np.mean(list(t.intermediate_values.values())), abs=1e-12)
+    for t in pruned:  # stopped at a round where it fell below the median of the completed trials
+        step = max(t.intermediate_values)
+        assert step < 3
+        earlier = [d for d in done if d.number < t.number]
+        assert t.intermediate_values[step] < np.median([d.intermediate_values[step] for d in earlier])
+    meta = json.loads((out / "tune.json").read_text())
+    assert meta["n_trials"] == {"complete": len(done), "pruned": len(pruned), "failed": 0, "interrupted": 0}
+    assert meta["best_params"] == whole.best_params and meta["sampler"] == {"name": "TPESampler", "seed": 3}
+    rows = list(csv.DictReader((out / "trials.csv").open()))
+    assert [int(r["number"]) for r in rows] == list(range(6)) and "optim.lr" in rows[0]
+    assert (out / "history.png").exists() and (out / "importance.pdf").exists()
+
+
+def test_objective_on_validation_only(study, files):
+    """No trial reads the test split: the runs record validation metrics and no test metric."""
+    _, out = study
+    header = (out / "trials" / "0000" / "seed-1" / "metrics.csv").read_text().splitlines()[0]
+    assert "seen_val_acc_mean" in header and "test" not in header and "unseen" not in header
+
+
+def test_test_split_poisoned_objective_unchanged(tmp_path):
+    """The same study over data whose test labels are all flipped gives the same objective values."""
+
+    @fedmtl.register_dataset("tune_poison", replace=True)
+    def poison(flip: bool = False):
+        rng = np.random.default_rng(0)
+        w = rng.normal(size=(5, 2))
+
+        def client(n):
+            x = rng.normal(size=(n, 5))
+            return x, np.argmax(x @ w, 1)
+
+        train = [client(30) for _ in range(4)]
+        test = [client(10) for _ in range(4)]
+        if flip:
+            test = [(x, 1 - y) for x, y in test]
+        return fedmtl.FederatedData.from_arrays(train, test, num_classes=2)
+
+    cfg = {"data": {"name": "tune_poison"}, "model": {"name": "linear"}, "algorithm": {"name": "fedavg"},
+           "run": {"rounds": 2, "eval_every": 1, "batch_size": 8, "checkpoint_every": 0}}
+    space = tmp_path / "s.toml"
+    space.write_text("[optim]\nlr = { low = 0.01, high = 1.0, log = true }\n")
+    a = tune(cfg, space, trials=2, seed=1, out=tmp_path / "a")
+    b = tune({**cfg, "data": {"name": "tune_poison", "flip": True}}, space, trials=2, seed=1, out=tmp_path / "b")
+    assert [r["value"] for r in a.trials] == [r["value"] for r in b.trials]
+    assert all(r["value"] is not None for r in a.trials)
+
+
+def test_best_toml_runs(study, tmp_path):
+    whole, out = study
+    best = (out / "best.toml").read_text()
+    assert "val_fraction" not in best  # the tuning split is the search's own: the final run trains on all
+    run = fedmtl.run(out / "best.toml", out=None, run__rounds=1, run__seeds=[1])
+    assert "seen_test_acc_mean" in run.final
+
+
+def _refused(capsys, args, *needles):
+    capsys.readouterr()
+    assert main(args) == EXIT_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.mark.parametrize("entry, what", [
+    ("[optim]\nlrr = { low = 0.1, high = 1.0 }", "unknown key"),
+    ("[optim]\nlr = { low = 1.0, high = 0.5 }", "empty range"),
+    ("[optim]\nlr = { low = 0.0, high = 1.0, log = true }", "log range"),
+    ("[optim]\nlr = { low = 0.0, high = 1.0 }", "optim.lr = 0"),  # lr lies in (0, 1000]: 0 is outside
+    ("[run]\nsampling_rate = { low = 0.5, high = 2.0 }", "run.sampling_rate = 2"),
+    ("[run]\nlocal_epochs = { low = 1.0, high = 4.0 }", "integer"),  # a float range for an int key
+    ("[optim]\nlr = 0.5", "expected a range"),
+])
+def test_bad_space_refused_before_anything_runs(files, tmp_path, capsys, entry, what):
+    space = tmp_path / "bad.toml"
+    space.write_text(entry + "\n")
+    out = tmp_path / "out"
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(space), "--out", str(out)], "bad.toml", what)
+    assert not out.exists()
+
+
+def test_other_study_and_existing_folder_refused(study, files, tmp_path, capsys):
+    _, out = study
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    other = tmp_path / "other.toml"
+    other.write_text("[optim]\nlr = { low = 0.01, high = 0.5, log = true }\n")
+    base = ["tune", str(files / "tiny.toml"), "--trials", "6", "--seed", "3", "--out", str(out)]
+    _refused(capsys, base + ["--space", str(files / "space.toml")], "study.db", "--resume")
+    _refused(capsys, base + ["--space", str(other), "--resume"], "study.db", "fedmtl-tune-")
+    _refused(capsys, base + ["--space", str(files / "space.toml"), "--resume", "--seed", "4"], "study.db")
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing touched
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x.txt").write_text("mine")
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--out",
+                      str(tmp_path / "full")], "holds files")
+    _refused(capsys, base + ["--space", str(files / "space.toml"), "--resume", "--objective", "seen_test_acc_mean"],
+             "validation metric")
+
+
+@pytest.mark.slow
+def test_failing_trial_recorded_and_study_goes_on(files, tmp_path):
+    """A combination the config refuses (drop_last needs one local epoch) fails its trial with the reason; the
+    other trials run."""
+    space = tmp_path / "s.toml"
+    space.write_text("[run]\nlocal_epochs = { choices = [1, 2] }\ndrop_last = { choices = [true] }\n")
+    s = tune(files / "tiny.toml", space, trials=4, seed=0, out=tmp_path / "o")
+    failed = [r for r in s.trials if r["state"] == "FAIL"]
+    ok = [r for r in s.trials if r["state"] != "FAIL"]
+    assert failed and ok and len(s.trials) == 4
+    assert all(r["params"]["run.local_epochs"] == 2 and "drop_last" in r["reason"] for r in failed)
+    assert all(r["params"]["run.local_epochs"] == 1 for r in ok)
+
+
+def test_bundled_space_reads():
+    assert [p.key for p in read_space("fedavg_lr")] == ["optim.lr", "optim.momentum"]
+
+
+def test_batched_trials_match_trials_run_alone(files, tmp_path, capsys):
+    """--batch-trials: trials differing in optim.lr trained together give each the value it gets alone (vmap
+    executor, a rate per replica); a space over other keys is refused."""
+    space = tmp_path / "lr.toml"
+    space.write_text("[optim]\nlr = { low = 0.001, high = 1.0, log = true }\n")
+    sets = ["run.runner=vmap"]
+    batched = tune(files / "tiny.toml", space, trials=3, seed=5, out=tmp_path / "b", sets=sets, batch_trials=3)
+    assert [r["state"] for r in batched.trials] == ["COMPLETE"] * 3
+    assert len({r["params"]["optim.lr"] for r in batched.trials}) == 3
+    r = batched.trials[1]
+    one = tmp_path / "one.toml"
+    one.write_text(f"[optim]\nlr = {{ choices = [{r['params']['optim.lr']!r}] }}\n")
+    alone = tune(files / "tiny.toml", one, trials=1, seed=0, out=tmp_path / "a", sets=sets)
+    assert alone.best_value == pytest.approx(r["value"], abs=1e-9)
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--batch-trials", "2",
+                      "--out", str(tmp_path / "c")], "optim.lr only")
+
+
+def test_val_fraction_carves_validation_from_training_only():
+    """run.val_fraction: every client's training examples split into train and validation (disjoint, together the
+    original, the same for every build), the test split untouched; a config whose data has its own is refused."""
+    from fedmtl.config import ConfigError, validate
+
+    raw = {"data": {"name": "fedem_synthetic", "num_clients": 4, "dim": 3, "n_test": 5, "min_samples": 10,
+                    "max_samples": 20}, "model": {"name": "linear"}, "algorithm": {"name": "fedavg"}}
+    plain = validate(raw).build_data()
+    cut = validate({**raw, "run": {"val_fraction": 0.3}}).build_data()
+    again = validate({**raw, "run": {"val_fraction": 0.3, "seed": 7}}).build_data()
+    assert cut.seen.val is not None and again.seen.val is not None
+    assert np.array_equal(cut.seen.val.x, again.seen.val.x)
+    assert np.array_equal(cut.seen.test.x, plain.seen.test.x)
+    for k in range(4):
+        x, _ = plain.seen.train.client(k)
+        tx, vx = cut.seen.train.client(k)[0], cut.seen.val.client(k)[0]
+        assert len(vx) == round(0.3 * len(x)) and len(tx) + len(vx) == len(x)
+        rows = {tuple(r) for r in x.tolist()}
+        assert {tuple(r) for r in tx.tolist()} | {tuple(r) for r in vx.tolist()} == rows
+        assert not {tuple(r) for r in tx.tolist()} & {tuple(r) for r in vx.tolist()}
+    with pytest.raises(ConfigError, match="already has a validation split"):
+        validate({**raw, "data": {**raw["data"], "val_frac": 0.2}, "run": {"val_fraction": 0.3}}).build_data()
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_study(files, tmp_path):
+    """Two `fedmtl tune --resume` started at once on a new folder: one database, created once; every trial run by
+    one of them; the study stops at --trials (each process may finish the trial it runs)."""
+    out = tmp_path / "shared"
+    cmd = [sys.executable, "-m", "fedmtl", "tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"),
+           "--trials", "3", "--seed", "3", "--out", str(out), "-q", "--resume"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    trials = _optuna_study(out).get_trials()
+    assert 3 <= len(trials) <= 4 and all(t.state.is_finished() for t in trials)
+    assert len({t.user_attrs["pid"] for t in trials}) <= 2
+    assert all((out / t.user_attrs["dir"]).is_dir() for t in trials)
+
+
+def test_without_optuna_one_line_names_the_extra(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna raises ImportError
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--out",
+                      str(tmp_path / "o")], "pip install 'fedmtl[tune]'")
+    assert not (tmp_path / "o").exists()
