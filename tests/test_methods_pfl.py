@@ -1,0 +1,133 @@
+"""FedAS, pFedFDA, Floco, FedGen: each method's defining property by hand or as a reduction to another method."""
+
+import pytest
+import torch
+
+from fedmtl import tree as T
+from fedmtl.algorithms import FedAS, FedPer
+from fedmtl.algorithms.base import Context
+from fedmtl.algorithms.bodyhead import SplitModel
+from fedmtl.algorithms.fedas import ASUpdate, alignment_step, fisher_trace
+from fedmtl.models import build_model
+from fedmtl.models.base import ModelError
+from fedmtl.optim import SGD, Batches
+
+from .conftest import all_client_states, make_sim, run_rounds
+
+
+def _same(a, b, atol=1e-6):
+    for x, y in zip(T.leaves(a), T.leaves(b), strict=True):
+        assert torch.allclose(x, y, atol=atol), (x - y).abs().max()
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return build_model("mlp", 10, 2, hidden=(16,))
+
+
+def _batches(s: int, b: int, d: int, classes: int, seed: int) -> Batches:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s, b, d, generator=g)
+    y = torch.randint(0, classes, (s, b), generator=g)
+    mask = torch.ones(s, b)
+    mask[-1, b // 2:] = 0.0  # a padded last batch
+    return Batches(x, y, mask, torch.arange(s * b).reshape(s, b), mask.sum())
+
+
+@pytest.mark.parametrize("cls", [FedAS])
+def test_refuses_a_model_without_a_head(cls, small_model):
+    with pytest.raises(ModelError, match=cls.name):
+        cls().check_model(small_model)
+
+
+# ------------------------------------------------------------------------------------------------ FedAS
+@pytest.mark.correctness(
+    ("fedas",), "without parameter alignment and with sample-count weights, FedAS trains and aggregates as FedPer; "
+    "its clients keep their whole trained model",
+    guards="a local model trained from something other than the received body and the client's own head",
+)
+def test_fedas_without_alignment_and_fisher_is_fedper(small_data, mlp):
+    sim = make_sim(FedAS(align_epochs=0, weighting="samples"), small_data, model=mlp, sampling_rate=0.5)
+    sa, _ = run_rounds(sim, 2)
+    sb, _ = run_rounds(make_sim(FedPer(), small_data, model=mlp, sampling_rate=0.5), 2)
+    _same(sa.server.params, sb.server.params, atol=1e-6)
+    own = all_client_states(sim).params
+    assert float((own["2.weight"] - own["2.weight"][0]).abs().max()) > 1e-3  # every client has its own head
+
+
+@pytest.mark.correctness(
+    ("fedas",), "the server's body is the Fisher-trace-weighted mean sum_i F_i phi_i / sum_i F_i of the valid "
+    "updates; F_i is the empirical Fisher's trace (1/n) sum_l ||grad log p(y_l|x_l)||^2 over single examples (a "
+    "per-example autograd loop) or, as in the authors' code, the summed squared mini-batch gradients",
+    guards="weights by sample counts, a NaN update's trace read, a trace of the mean gradient instead of the mean of "
+           "per-example squared gradients",
+)
+def test_fedas_fisher_trace_and_weighted_aggregation(mlp):
+    params = mlp.init(3)
+    b = _batches(3, 8, 10, 2, seed=0)
+    per, n = 0.0, 0.0
+    for s in range(3):
+        for i in range(8):
+            if b.mask[s, i] == 0:
+                continue
+            p = {k: v.detach().requires_grad_() for k, v in params.items()}
+            g = torch.autograd.grad(mlp.nll(mlp.apply(p, b.x[s, i:i + 1]), b.y[s, i:i + 1]).sum(), list(p.values()))
+            per += sum(float((v ** 2).sum()) for v in g)
+            n += 1
+    assert float(fisher_trace(mlp, params, b, 3, per_sample=True)) == pytest.approx(per / n, rel=1e-4)
+    batch = 0.0
+    for s in range(3):
+        p = {k: v.detach().requires_grad_() for k, v in params.items()}
+        g = torch.autograd.grad(mlp.loss(p, b.x[s], b.y[s], b.mask[s]), list(p.values()))
+        batch += sum(float((v ** 2).sum()) for v in g)
+    assert float(fisher_trace(mlp, params, b, 3, per_sample=False)) == pytest.approx(batch, rel=1e-4)
+    assert batch < per  # a mean gradient is shorter than the mean of the per-example ones here
+
+    body, head = mlp.split(params)
+    bodies = T.stack([T.scale(body, 1.0), T.scale(body, 2.0), T.scale(body, float("nan"))])
+    fisher = torch.tensor([1.0, 3.0, float("nan")])
+    ctx = Context(mlp, SGD(0.1), 3, 30.0)
+    new = FedAS().aggregate(ctx, SplitModel(body, head), ASUpdate(bodies, fisher), torch.tensor([10.0, 10.0, 0.0]),
+                            torch.arange(3))
+    _same(new.params, T.scale(body, (1.0 * 1.0 + 3.0 * 2.0) / 4.0), atol=1e-6)
+    by_counts = FedAS(weighting="samples").aggregate(ctx, SplitModel(body, head), ASUpdate(bodies, fisher),
+                                                     torch.tensor([10.0, 30.0, 0.0]), torch.arange(3))
+    _same(by_counts.params, T.scale(body, (10.0 + 60.0) / 40.0), atol=1e-6)
+
+
+@pytest.mark.correctness(
+    ("fedas",), "parameter alignment: the gradient of the sum over the batch's classes of the mean-squared distance "
+    "of the received body's features to the client's own prototypes, by autograd on the hand-written loss",
+    guards="prototypes of the received body instead of the client's own, a distance averaged over all examples "
+           "instead of per class",
+)
+def test_fedas_alignment_gradient_by_hand(mlp):
+    received, own = mlp.init(1), mlp.init(2)
+    b = _batches(1, 12, 10, 2, seed=4)
+    x, y, m = b.x[0], b.y[0], b.mask[0]
+    z_own = mlp.features(own, x)
+    protos = torch.stack([z_own[(y == c) & (m > 0)].mean(0) for c in range(2)])
+    body, head = mlp.split(received)
+    grads, _ = alignment_step(mlp, head, protos, torch.ones(2))(body, x, y, m, None)
+    p = {k: v.detach().requires_grad_() for k, v in body.items()}
+    z = mlp.features({**p, **head}, x)
+    loss = sum(((z[(y == c) & (m > 0)] - protos[c]) ** 2).mean() for c in range(2))
+    want = torch.autograd.grad(loss, list(p.values()))
+    for k, g in zip(p, want, strict=True):
+        assert torch.allclose(grads[k], g, atol=1e-6), k
+    assert float(sum((g ** 2).sum() for g in want)) > 1e-6  # a real pull: the two bodies differ
+
+
+# ------------------------------------------------------------------------------------------------ bundled configs
+@pytest.mark.parametrize("name", ["fedas"])
+def test_bundled_configs_load_and_compare_with_local(name):
+    from pathlib import Path
+
+    from fedmtl import config
+
+    path = Path(__file__).resolve().parents[1] / f"src/fedmtl/configs/fmnist/{name}.toml"
+    cfg = config.load(path)
+    assert cfg.build_algorithm().name == name
+    local, raw = config.read_toml(path.parent / "local.toml"), config.read_toml(path)
+    for table in ("data", "model", "optim", "run"):
+        assert raw[table] == local[table], table
