@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from fedmtl import tree as T
-from fedmtl.algorithms import FedAS, FedPer
+from fedmtl.algorithms import FedAS, FedPer, PFedFDA
 from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.bodyhead import SplitModel
 from fedmtl.algorithms.fedas import ASUpdate, alignment_step, fisher_trace
+from fedmtl.algorithms.pfedfda import FDAServer, FDAUpdate, discriminants, gaussian_estimate, shrink
 from fedmtl.models import build_model
 from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD, Batches
@@ -34,7 +35,7 @@ def _batches(s: int, b: int, d: int, classes: int, seed: int) -> Batches:
     return Batches(x, y, mask, torch.arange(s * b).reshape(s, b), mask.sum())
 
 
-@pytest.mark.parametrize("cls", [FedAS])
+@pytest.mark.parametrize("cls", [FedAS, PFedFDA])
 def test_refuses_a_model_without_a_head(cls, small_model):
     with pytest.raises(ModelError, match=cls.name):
         cls().check_model(small_model)
@@ -118,8 +119,85 @@ def test_fedas_alignment_gradient_by_hand(mlp):
     assert float(sum((g ** 2).sum() for g in want)) > 1e-6  # a real pull: the two bodies differ
 
 
+# ------------------------------------------------------------------------------------------------ pFedFDA
+@pytest.mark.correctness(
+    ("pfedfda",), "the generative head: its softmax is the posterior of the Gaussians N(mu_c, Sigma') with priors pi_c "
+    "(multivariate normal densities), Sigma' = (1 - eps) Sigma + eps tr(Sigma)/d I the shrunk covariance",
+    guards="a head without the quadratic term or the log prior, a covariance used unshrunk or shrunk towards the "
+           "wrong target",
+)
+def test_pfedfda_generative_head_is_the_gaussian_posterior():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 3, generator=g, dtype=torch.float64)
+    cov = a @ a.T + 0.1 * torch.eye(3, dtype=torch.float64)
+    means = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    priors = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    shrunk = (1 - 1e-4) * cov + 1e-4 * torch.trace(cov) / 3 * torch.eye(3, dtype=torch.float64)
+    assert torch.allclose(shrink(cov), shrunk, atol=1e-12)
+    z = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    w, b = discriminants(means, cov, priors)
+    dens = torch.stack([torch.distributions.MultivariateNormal(m, shrunk).log_prob(z) for m in means], -1)
+    want = torch.softmax(dens + priors.log(), -1)
+    assert torch.allclose(torch.softmax(z @ w.T + b, -1), want, atol=1e-9)
+
+
+@pytest.mark.correctness(
+    ("pfedfda",), "the local Gaussian estimate: class means (the global mean for a class with min_samples examples or "
+    "fewer), the pooled within-class covariance S / (n - 1) + ridge I, padding left out, by hand; the server's "
+    "means and covariance are the n_i-weighted means of the clients' interpolated estimates",
+    guards="a covariance around the overall mean, padding counted, a rare class's mean estimated from 1-2 examples",
+)
+def test_pfedfda_local_estimate_and_server_means_by_hand():
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(9, 2, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2])
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 0], dtype=torch.float64)  # the last example is padding
+    onehot = torch.nn.functional.one_hot(y, 3).to(torch.float64) * mask[:, None]
+    glob = torch.full((3, 2), 7.0, dtype=torch.float64)
+    means, cov = gaussian_estimate(z, onehot, glob, min_samples=2, ridge=0.5)
+    want_means = torch.stack([z[:4].mean(0), z[4:7].mean(0), glob[2]])  # class 2: one real example, the global mean
+    assert torch.allclose(means, want_means, atol=1e-12)
+    centered = torch.cat([z[:4] - want_means[0], z[4:7] - want_means[1], z[7:8] - want_means[2]])
+    assert torch.allclose(cov, centered.T @ centered / 7 + 0.5 * torch.eye(2, dtype=torch.float64), atol=1e-12)
+
+    mlp = build_model("mlp", 10, 3, hidden=(2,))
+    body, _ = mlp.split(mlp.init(0))
+    ups = FDAUpdate(T.stack([body, body, body]), torch.stack([means, 2 * means, means * float("nan")]).float(),
+                    torch.stack([cov, 3 * cov, cov]).float())
+    ctx = Context(mlp, SGD(0.1), 3, 40.0)
+    new = PFedFDA().aggregate(ctx, FDAServer(body, means.float(), cov.float()), ups, torch.tensor([10.0, 30.0, 0.0]),
+                              torch.arange(3))
+    assert torch.allclose(new.means, (0.25 + 0.75 * 2) * means.float(), atol=1e-5)
+    assert torch.allclose(new.cov, (0.25 + 0.75 * 3) * cov.float(), atol=1e-5)
+
+
+@pytest.mark.correctness(
+    ("pfedfda",), "the local-global interpolation: beta = 0 gives the global generative head (with the client's "
+    "priors), beta = 1 the local one; the cross-validated beta is 1 where the global means are wrong and the local "
+    "data plentiful",
+    guards="beta applied the wrong way round, a cross-validation that cannot prefer the local estimate",
+)
+def test_pfedfda_interpolation_and_cross_validated_beta():
+    mlp = build_model("mlp", 3, 2, hidden=(3,))
+    g = torch.Generator().manual_seed(2)
+    y = torch.arange(80) % 2
+    true = torch.tensor([[2.0, 0.0, 0.0], [-2.0, 0.0, 0.0]])
+    z = true[y] + 0.5 * torch.randn(80, 3, generator=g)
+    mask = torch.ones(80)
+    wrong, cov_g = true.flip(0), torch.eye(3)  # the global means swap the classes
+    local_means, local_cov = gaussian_estimate(z, torch.nn.functional.one_hot(y, 2).float(), wrong, 2, 1.0)
+    m0, c0, b0 = PFedFDA(interpolation="fixed", beta=0.0).adapt(mlp, z, y, mask, wrong, cov_g)
+    assert float(b0) == 0.0 and torch.allclose(m0, wrong) and torch.allclose(c0, cov_g)
+    m1, c1, _ = PFedFDA(interpolation="fixed", beta=1.0).adapt(mlp, z, y, mask, wrong, cov_g)
+    assert torch.allclose(m1, local_means, atol=1e-6) and torch.allclose(c1, local_cov, atol=1e-6)
+    _, _, beta = PFedFDA().adapt(mlp, z, y, mask, wrong, cov_g)
+    assert float(beta) == 1.0
+    _, _, beta = PFedFDA().adapt(mlp, z, y, mask, true, 0.25 * torch.eye(3))  # a global estimate that is right
+    assert float(beta) < 1.0
+
+
 # ------------------------------------------------------------------------------------------------ bundled configs
-@pytest.mark.parametrize("name", ["fedas"])
+@pytest.mark.parametrize("name", ["fedas", "pfedfda"])
 def test_bundled_configs_load_and_compare_with_local(name):
     from pathlib import Path
 

@@ -39,6 +39,7 @@ from .mocha import Mocha
 from .moon import Moon
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
+from .pfedfda import PFedFDA
 from .pfedhn import PFedHN
 from .pfedme import PFedMe
 from .qffl import QFFL
@@ -47,7 +48,7 @@ from .scaffold import Scaffold
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
              PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
-             FedAS):
+             FedAS, PFedFDA):
     register_algorithm(_cls, replace=True)
 
 
@@ -62,5 +63,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
-    "FedAS",
+    "FedAS", "PFedFDA",
 ]
