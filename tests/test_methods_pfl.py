@@ -1,13 +1,16 @@
 """FedAS, pFedFDA, Floco, FedGen: each method's defining property by hand or as a reduction to another method."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from fedmtl import tree as T
-from fedmtl.algorithms import FedAS, FedPer, PFedFDA
+from fedmtl.algorithms import FedAS, FedAvg, FedPer, Floco, PFedFDA
 from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.bodyhead import SplitModel
 from fedmtl.algorithms.fedas import ASUpdate, alignment_step, fisher_trace
+from fedmtl.algorithms.floco import project_clients, project_to_simplex, riesz_log_energy
 from fedmtl.algorithms.pfedfda import FDAServer, FDAUpdate, discriminants, gaussian_estimate, shrink
 from fedmtl.models import build_model
 from fedmtl.models.base import ModelError
@@ -35,7 +38,7 @@ def _batches(s: int, b: int, d: int, classes: int, seed: int) -> Batches:
     return Batches(x, y, mask, torch.arange(s * b).reshape(s, b), mask.sum())
 
 
-@pytest.mark.parametrize("cls", [FedAS, PFedFDA])
+@pytest.mark.parametrize("cls", [FedAS, PFedFDA, Floco])
 def test_refuses_a_model_without_a_head(cls, small_model):
     with pytest.raises(ModelError, match=cls.name):
         cls().check_model(small_model)
@@ -196,8 +199,83 @@ def test_pfedfda_interpolation_and_cross_validated_beta():
     assert float(beta) < 1.0
 
 
+# ------------------------------------------------------------------------------------------------ Floco
+@pytest.mark.correctness(
+    ("floco",), "one endpoint (M = 1) is FedAvg: the simplex layer W(alpha) = sum_m alpha_m W_m is the plain layer",
+    guards="a simplex layer that changes the model, an update rule other than the run's SGD",
+)
+def test_floco_with_one_endpoint_is_fedavg(small_data, mlp):
+    sim = make_sim(Floco(endpoints=1, tau=2), small_data, model=mlp, sampling_rate=0.5)
+    st = sim.init_state()
+    wn = "2.weight"
+    start = {**mlp.init(7), wn: st.server.simplex[0].clone()}  # FedAvg from the same start (seed 7: the simulator's)
+    ref = make_sim(FedAvg(), small_data, model=dataclasses.replace(mlp, initial_params=start), sampling_rate=0.5)
+    sa, _ = run_rounds(sim, 3)
+    sb, _ = run_rounds(ref, 3)
+    got = {**sa.server.params, wn: sa.server.simplex[0]}
+    for k, v in sb.server.params.items():
+        assert torch.allclose(got[k], v, atol=1e-5), k
+
+
+@pytest.mark.correctness(
+    ("floco",), "the Euclidean projection onto the simplex of sum z (Duchi et al. 2008) by hand; the projection of "
+    "clients places two groups of gradient signatures at two distant centers, each group together, at the z of least "
+    "Riesz s-energy",
+    guards="a projection that is not onto the simplex, centers that do not follow the signatures, the wrong z",
+)
+def test_floco_projection_by_hand():
+    beta = project_to_simplex(torch.tensor([[0.5, 0.2, -0.1], [0.2, 0.3, 0.5]], dtype=torch.float64))
+    want = torch.tensor([[0.5 + 0.4 / 3, 0.2 + 0.4 / 3, -0.1 + 0.4 / 3], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    assert torch.allclose(beta, want, atol=1e-12)
+    assert torch.allclose(project_to_simplex(torch.tensor([[3.0, 0.0, 1.0]]), 0.5), torch.tensor([[0.5, 0.0, 0.0]]))
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    sigs = torch.stack([a + 0.01 * torch.randn(40, generator=g) for _ in range(4)]
+                       + [b + 0.01 * torch.randn(40, generator=g) for _ in range(4)])
+    c = project_clients(sigs, 3)
+    assert torch.allclose(c.sum(-1), torch.ones(8, dtype=torch.float64)) and bool((c >= 0).all())
+    assert float((c[:4] @ c[4:].T).abs().max()) < 1e-12  # the two groups share no endpoint
+    energies = []  # the chosen centers have the least energy over the grid
+    from fedmtl.algorithms.floco import pca_scores
+    kappa = pca_scores(sigs.double(), 3)
+    for z in torch.linspace(1e-4, 1.0, 1000, dtype=torch.float64):
+        p = project_to_simplex(kappa, z)
+        energies.append(float(riesz_log_energy(p / p.sum(-1, keepdim=True))))
+    assert float(riesz_log_energy(c)) == pytest.approx(min(energies), abs=1e-9)
+
+
+@pytest.mark.correctness(
+    ("floco",), "before round tau every step's alpha is on the simplex; from tau on it lies in the client's subregion "
+    "(within L1 distance rho of its center; on the simplex, or the authors' L1-ball draw), the centers placed in the "
+    "round before tau from the clients' signatures, and a client predicts at its center",
+    guards="a subregion ignored after the projection, draws outside the L1 ball, a projection at the wrong round",
+)
+@pytest.mark.parametrize("subregion", ["simplex", "ball"])
+def test_floco_subregions_after_the_projection(small_data, mlp, subregion):
+    alg = Floco(endpoints=3, tau=3, rho=0.2, subregion=subregion)
+    sim = make_sim(alg, small_data, model=mlp)
+    st = sim.init_state()
+    sim.round(st)
+    assert torch.allclose(st.server.centers, torch.full_like(st.server.centers, 1 / 3))  # round 1: no projection
+    before = alg.alphas(sim.ctx, st.server, torch.tensor(0), 50)
+    assert torch.allclose(before.sum(-1), torch.ones(50)) and bool((before >= 0).all())
+    assert float(before.std(0).min()) > 0.1  # spread over the whole simplex
+    sim.round(st)  # round 2 = tau - 1: the projection
+    centers = st.server.centers
+    assert float((centers - 1 / 3).abs().max()) > 0.05 and torch.allclose(centers.sum(-1), torch.ones(len(centers)))
+    after = alg.alphas(sim.ctx, st.server, torch.tensor(5), 200)  # round 3 = tau
+    dist = (after - centers[5]).abs().sum(-1)
+    assert float(dist.max()) <= 0.2 + 1e-6 and float(dist.max()) > 0.05
+    if subregion == "simplex":  # the authors' L1-ball draw may leave the simplex (its sum is not kept)
+        assert bool((after >= -1e-7).all()) and torch.allclose(after.sum(-1), torch.ones(200), atol=1e-6)
+    from fedmtl.algorithms.base import ClientId
+    model = alg.personalize(sim.ctx, st.server, ClientId(torch.tensor(5)), None, 0.1, True)
+    assert torch.allclose(model["2.weight"], torch.tensordot(centers[5], st.server.simplex, dims=1))
+
+
 # ------------------------------------------------------------------------------------------------ bundled configs
-@pytest.mark.parametrize("name", ["fedas", "pfedfda"])
+@pytest.mark.parametrize("name", ["fedas", "pfedfda", "floco"])
 def test_bundled_configs_load_and_compare_with_local(name):
     from pathlib import Path
 

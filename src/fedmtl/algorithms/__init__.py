@@ -30,6 +30,7 @@ from .fedrep import FedRep
 from .fedrod import FedRoD
 from .fedsa_lora import FedSALoRA
 from .ffa_lora import FFALoRA
+from .floco import Floco
 from .gpfl import GPFL
 from .ifca import IFCA
 from .knnper import KNNPer
@@ -48,7 +49,7 @@ from .scaffold import Scaffold
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
              PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
-             FedAS, PFedFDA):
+             FedAS, PFedFDA, Floco):
     register_algorithm(_cls, replace=True)
 
 
@@ -63,5 +64,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
-    "FedAS", "PFedFDA",
+    "FedAS", "PFedFDA", "Floco",
 ]
