@@ -6,10 +6,18 @@ import pytest
 import torch
 
 from fedmtl import tree as T
-from fedmtl.algorithms import FedAS, FedAvg, FedPer, Floco, PFedFDA
+from fedmtl.algorithms import FedAS, FedAvg, FedGen, FedPer, Floco, PFedFDA
 from fedmtl.algorithms.base import Context
 from fedmtl.algorithms.bodyhead import SplitModel
 from fedmtl.algorithms.fedas import ASUpdate, alignment_step, fisher_trace
+from fedmtl.algorithms.fedgen import (
+    GenServer,
+    diversity_loss,
+    ensemble_weights,
+    generate,
+    init_generator,
+    teacher_loss,
+)
 from fedmtl.algorithms.floco import project_clients, project_to_simplex, riesz_log_energy
 from fedmtl.algorithms.pfedfda import FDAServer, FDAUpdate, discriminants, gaussian_estimate, shrink
 from fedmtl.models import build_model
@@ -38,7 +46,7 @@ def _batches(s: int, b: int, d: int, classes: int, seed: int) -> Batches:
     return Batches(x, y, mask, torch.arange(s * b).reshape(s, b), mask.sum())
 
 
-@pytest.mark.parametrize("cls", [FedAS, PFedFDA, Floco])
+@pytest.mark.parametrize("cls", [FedAS, PFedFDA, Floco, FedGen])
 def test_refuses_a_model_without_a_head(cls, small_model):
     with pytest.raises(ModelError, match=cls.name):
         cls().check_model(small_model)
@@ -274,8 +282,118 @@ def test_floco_subregions_after_the_projection(small_data, mlp, subregion):
     assert torch.allclose(model["2.weight"], torch.tensordot(centers[5], st.server.simplex, dims=1))
 
 
+# ------------------------------------------------------------------------------------------------ FedGen
+@pytest.mark.correctness(
+    ("fedgen",), "without the generated terms (alpha = beta = 0) the clients train as FedAvg's and the global model "
+    "is FedAvg's, whatever the generator",
+    guards="a local update rule or an aggregation other than FedAvg's under FedGen's regularizers",
+)
+def test_fedgen_without_distillation_is_fedavg(small_data, mlp):
+    alg = FedGen(generative_alpha=0.0, generative_beta=0.0, generator_hidden=8, noise_dim=3, generator_steps=1)
+    sa, _ = run_rounds(make_sim(alg, small_data, model=mlp, sampling_rate=0.5), 2)  # round 2 has the terms, at 0
+    sb, _ = run_rounds(make_sim(FedAvg(), small_data, model=mlp, sampling_rate=0.5), 2)
+    for k, v in sb.server.params.items():
+        assert torch.allclose(sa.server.params[k], v, atol=1e-5), k
+
+
+@pytest.mark.correctness(
+    ("fedgen",), "the server's generator objective by hand: ensemble weights (n_ky + 1) / sum_l (n_ly + 1), the "
+    "weighted cross-entropy of every head on the generated representations, the diversity loss; the server's steps "
+    "are torch.optim.Adam's on that objective (same draws), and they lower the ensemble loss",
+    guards="heads weighted uniformly instead of by label counts, a generator trained on one head, a wrong Adam step",
+)
+def test_fedgen_generator_is_trained_on_the_heads_and_label_counts():
+    import torch.nn.functional as F
+
+    mlp = build_model("mlp", 10, 3, hidden=(16,))
+    g = torch.Generator().manual_seed(5)
+    counts = torch.tensor([[5.0, 0.0, 1.0], [1.0, 3.0, 0.0]])  # class 2: no client holds it twice
+    w = ensemble_weights(counts)
+    assert torch.allclose(w, torch.tensor([[6 / 8, 1 / 5, 2 / 3], [2 / 8, 4 / 5, 1 / 3]]))
+    heads = [{"2.weight": torch.randn(3, 16, generator=g), "2.bias": torch.randn(3, generator=g)} for _ in range(2)]
+    z, y = torch.randn(6, 16, generator=g), torch.tensor([0, 1, 2, 0, 1, 0])
+    want = sum((F.cross_entropy(z @ h["2.weight"].T + h["2.bias"], y, reduction="none") * w[k][y]).mean()
+               for k, h in enumerate(heads))
+    assert float(teacher_loss(mlp, heads, w, z, y)) == pytest.approx(float(want), rel=1e-6)
+    eps = torch.rand(6, 3, generator=g)
+    pairs = [((eps[i] - eps[j]) ** 2).mean() * (z[i] - z[j]).abs().mean() for i in range(6) for j in range(6)]
+    assert float(diversity_loss(eps, z)) == pytest.approx(float(torch.exp(-torch.stack(pairs).mean())), rel=1e-6)
+
+    alg = FedGen(generator_hidden=8, noise_dim=3, generator_steps=4, generator_batch_size=10)
+    ctx = Context(mlp, SGD(0.1), 2, 10.0)
+    gen0 = init_generator(3, 3, 8, 16, torch.Generator().manual_seed(0))
+    zeros = {k: torch.zeros_like(v) for k, v in gen0.items() if "running" not in k}
+    server = GenServer(mlp.init(0), gen0, zeros, dict(zeros), torch.tensor(0), torch.tensor(3), torch.tensor(11))
+    gen, _, _, steps = alg.train_generator(ctx, server, heads, counts)
+    assert int(steps) == 4
+    # the same steps with torch.optim.Adam on leaf tensors and the same draws
+    leaves = {k: v.clone().requires_grad_() for k, v in gen0.items() if "running" not in k}
+    stats = {k: v.clone() for k, v in gen0.items() if "running" in k}
+    adam = torch.optim.Adam(leaves.values(), lr=3e-4 * 0.98**3, weight_decay=1e-2)
+    draws = torch.Generator().manual_seed((11 * 1_000_003 + 3 * 7_919 + 17) % (2**62))
+    qualified = torch.tensor([0, 1])  # the labels some client holds more than once
+    for _ in range(4):
+        yy = qualified[torch.randint(2, (10,), generator=draws)]
+        ee = torch.rand(10, 3, generator=draws)
+        zz, stats = generate({**leaves, **stats}, F.one_hot(yy, 3).float(), ee, train=True)
+        loss = teacher_loss(mlp, heads, w, zz, yy) + diversity_loss(ee, zz)
+        adam.zero_grad()
+        loss.backward()
+        adam.step()
+        stats = {k: v.detach() for k, v in stats.items()}
+    for k, v in leaves.items():
+        assert torch.allclose(gen[k], v.detach(), atol=1e-6), k
+    for k, v in stats.items():
+        assert torch.allclose(gen[k], v, atol=1e-6), k
+    # many steps lower the ensemble (teacher) loss of fresh samples
+    trained, _, _, _ = FedGen(generator_hidden=8, noise_dim=3, generator_steps=300, generator_lr=0.01,
+                              ensemble_eta=0.0).train_generator(ctx, server, heads, counts)
+    yy, ee = torch.tensor([0, 1] * 50), torch.rand(100, 3, generator=g)
+    before = teacher_loss(mlp, heads, w, generate(gen0, F.one_hot(yy, 3).float(), ee, False)[0], yy)
+    after = teacher_loss(mlp, heads, w, generate(trained, F.one_hot(yy, 3).float(), ee, False)[0], yy)
+    assert float(after) < 0.5 * float(before)
+
+
+@pytest.mark.correctness(
+    ("fedgen",), "the client's objective by hand: cross-entropy + (B_g / B) alpha_t x the cross-entropy of its head "
+    "on generated representations of sampled labels + beta_t x KL(softmax(head(G(y))) || p(. | x)) (batch mean), "
+    "alpha_t = alpha 0.98^t, no generated terms in the first round",
+    guards="the distillation's KL reversed or taken on logits, a generator trained by the clients, terms on from "
+           "round one",
+)
+def test_fedgen_client_objective_by_hand():
+    import torch.nn.functional as F
+
+    mlp = build_model("mlp", 10, 3, hidden=(16,))
+    alg = FedGen(generator_hidden=8, noise_dim=3, gen_batch_size=4)
+    g = torch.Generator().manual_seed(6)
+    gen = init_generator(3, 3, 8, 16, g)
+    gen["bn.running_mean"], gen["bn.running_var"] = torch.randn(8, generator=g), torch.rand(8, generator=g) + 0.5
+    p = mlp.init(1)
+    x, y, mask = torch.randn(5, 10, generator=g), torch.tensor([0, 1, 2, 0, 1]), torch.tensor([1.0, 1, 1, 1, 0])
+    y_hat, eps_hat, eps = torch.tensor([1, 0, 2, 1]), torch.rand(4, 3, generator=g), torch.rand(5, 3, generator=g)
+    alpha, beta = torch.tensor(2.0), torch.tensor(3.0)
+    got = alg.local_loss(mlp, gen, p, x, y, mask, y_hat, eps_hat, eps, alpha, beta)
+
+    def g_eval(yy, ee):  # the generator in evaluation mode, by hand
+        h = torch.cat([ee, F.one_hot(yy, 3).float()], -1) @ gen["fc.weight"].T + gen["fc.bias"]
+        h = (h - gen["bn.running_mean"]) / torch.sqrt(gen["bn.running_var"] + 1e-5) * gen["bn.weight"] + gen["bn.bias"]
+        return torch.relu(h) @ gen["out.weight"].T + gen["out.bias"]
+
+    def head(zz):
+        return zz @ p["2.weight"].T + p["2.bias"]
+
+    real = mlp.apply(p, x)[:4]
+    ce = F.cross_entropy(real, y[:4])
+    gen_ce = F.cross_entropy(head(g_eval(y_hat, eps_hat)), y_hat)
+    teacher = F.softmax(head(g_eval(y, eps))[:4], -1)
+    kl = F.kl_div(F.log_softmax(real, -1), teacher, reduction="batchmean")
+    assert float(got) == pytest.approx(float(ce + (4 / 4) * 2.0 * gen_ce + 3.0 * kl), rel=1e-5)
+    assert float(alg.weights_at(10.0, torch.tensor(5))) == pytest.approx(10.0 * 0.98**5)
+
+
 # ------------------------------------------------------------------------------------------------ bundled configs
-@pytest.mark.parametrize("name", ["fedas", "pfedfda", "floco"])
+@pytest.mark.parametrize("name", ["fedas", "pfedfda", "floco", "fedgen"])
 def test_bundled_configs_load_and_compare_with_local(name):
     from pathlib import Path
 

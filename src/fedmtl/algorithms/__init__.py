@@ -21,6 +21,7 @@ from .fedcp import FedCP
 from .feddyn import FedDyn
 from .fedem import FedEM
 from .fedfomo import FedFomo
+from .fedgen import FedGen
 from .fedlc import FedLC
 from .fednova import FedNova
 from .fedpac import FedPAC
@@ -49,7 +50,7 @@ from .scaffold import Scaffold
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
              PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
-             FedAS, PFedFDA, Floco):
+             FedAS, PFedFDA, Floco, FedGen):
     register_algorithm(_cls, replace=True)
 
 
@@ -64,5 +65,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
-    "FedAS", "PFedFDA", "Floco",
+    "FedAS", "PFedFDA", "Floco", "FedGen",
 ]

@@ -48,6 +48,7 @@ Deviations and choices, each stated where it is implemented:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple
 
@@ -55,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models.base import Model, ModelError
-from ..optim import Batches, live_steps, masked_steps
+from ..optim import SGD, Batches, live_steps, masked_steps
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, ClientId, Context, Toy, nobody, row
@@ -158,6 +159,33 @@ def project_clients(signatures: Tensor, m: int, grid: int = 1000) -> Tensor:
         if e < best_e:  # finite and strictly lower: the first minimum
             best, best_e = beta, e
     return best if best is not None else torch.full((k, m), 1.0 / m, dtype=torch.float64)
+
+
+def sgd_by_step(step_grad: Callable[[Params, int, Tensor], tuple[Params, Tensor]], params: Params, batches: Batches,
+                lr: float | Tensor, opt: SGD) -> tuple[Params, Tensor]:
+    """Local SGD (the run's momentum and weight decay, as ``torch.optim.SGD`` with dampening 0) over ``batches`` whose
+    gradient at step s is ``step_grad(params, s, j)``, j (a (1,) long tensor) the index of the step among the live
+    ones: for methods whose step draws its own randomness (Floco's alpha, FedGen's generated samples), keyed by j so
+    that the loop and vmap executors (padding between epochs) draw alike.  Returns (params, mean loss over the live
+    steps).  vmap-safe."""
+    live = live_steps(batches).to(torch.long)
+    nth = (torch.cumsum(live, 0) - 1).clamp_min(0)
+
+    def step(carry: tuple[Params, Params], s: int) -> tuple[tuple[Params, Params], Tensor]:
+        p, buf = carry
+        g, value = step_grad(p, s, nth[s].reshape(1))
+        new_p, new_buf = {}, {}
+        for k, v in p.items():
+            d = g[k] + opt.weight_decay * v if opt.weight_decay else g[k]
+            if opt.momentum > 0:
+                d = d + opt.momentum * buf[k]
+                new_buf[k] = d
+            new_p[k] = v - lr * d
+        return (new_p, new_buf), value.detach()
+
+    buf0 = {k: torch.zeros_like(v) for k, v in params.items()} if opt.momentum > 0 else {}
+    (trained, _), mean_loss = masked_steps(batches, step, (params, buf0))
+    return trained, mean_loss
 
 
 @dataclass(frozen=True)
@@ -266,13 +294,9 @@ class Floco(Algorithm[FlocoServer, ClientId]):
     def client_update(
         self, ctx: Context, payload: FlocoServer, state: ClientId, batches: Batches, lr: float
     ) -> tuple[FlocoUpdate, ClientId, Tensor]:
-        model, opt = ctx.model, ctx.opt
+        model = ctx.model
         wn = self.weight_name(model)
-        # the j-th live step draws the j-th alpha, wherever padding puts it (loop and vmap agree)
-        live = live_steps(batches).to(torch.long)
-        nth = (torch.cumsum(live, 0) - 1).clamp_min(0).to(payload.simplex.device)
-        alphas = self.alphas(ctx, payload, state.id, len(batches.x)).index_select(0, nth)
-        params: Params = {**payload.params, "__simplex__": payload.simplex}
+        alphas = self.alphas(ctx, payload, state.id, len(batches.x))
 
         def loss(p: Params, x: Tensor, y: Tensor, mask: Tensor, alpha: Tensor) -> Tensor:
             w = torch.tensordot(alpha, p["__simplex__"], dims=1)  # W(alpha) = sum_m alpha_m W_m
@@ -281,20 +305,12 @@ class Floco(Algorithm[FlocoServer, ClientId]):
 
         grad = torch.func.grad_and_value(loss)
 
-        def step(carry: tuple[Params, Params], s: int) -> tuple[tuple[Params, Params], Tensor]:
-            p, buf = carry
-            g, value = grad(p, batches.x[s], batches.y[s], batches.mask[s], alphas[s])
-            new_p, new_buf = {}, {}
-            for k, v in p.items():  # SGD with the run's momentum and weight decay (torch.optim.SGD, dampening 0)
-                d = g[k] + opt.weight_decay * v if opt.weight_decay else g[k]
-                if opt.momentum > 0:
-                    d = d + opt.momentum * buf[k]
-                    new_buf[k] = d
-                new_p[k] = v - lr * d
-            return (new_p, new_buf), value.detach()
+        def step_grad(p: Params, s: int, nth: Tensor) -> tuple[Params, Tensor]:
+            # the j-th live step draws the j-th alpha, wherever padding puts it (loop and vmap agree)
+            return grad(p, batches.x[s], batches.y[s], batches.mask[s], alphas.index_select(0, nth).squeeze(0))
 
-        buf0 = {k: torch.zeros_like(v) for k, v in params.items()} if opt.momentum > 0 else {}
-        (trained, _), mean_loss = masked_steps(batches, step, (params, buf0))
+        trained, mean_loss = sgd_by_step(step_grad, {**payload.params, "__simplex__": payload.simplex}, batches, lr,
+                                         ctx.opt)
         simplex = trained.pop("__simplex__")
         return FlocoUpdate(trained, simplex), state, mean_loss
 
