@@ -79,8 +79,9 @@ def fisher_trace(model: Model, params: Params, batches: Batches, steps: int, per
     """F_i over the real examples of the first ``steps`` batches.  ``per_sample``: (1/n) sum_l ||grad log p(y_l|x_l)||^2
     (per-example gradients, ``torch.func.vmap``); otherwise the authors' sum over batches of ||grad of the batch-mean
     negative log-likelihood||^2.  vmap-safe."""
-    total = torch.zeros((), dtype=torch.float32)
-    count = torch.zeros((), dtype=torch.float32)
+    dev = next(iter(params.values())).device
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    count = torch.zeros((), dtype=torch.float32, device=dev)
     frozen = {k: v.detach() for k, v in params.items()}
     for s in range(steps):
         x, y, mask = batches.x[s], batches.y[s], batches.mask[s]
@@ -183,7 +184,7 @@ class FedAS(Algorithm[SplitModel, ASClient]):
         return server
 
     def update_like(self, ctx: Context, payload: SplitModel) -> ASUpdate:
-        return ASUpdate(payload.params, torch.zeros(()))
+        return ASUpdate(payload.params, torch.zeros((), device=next(iter(payload.params.values())).device))
 
     def aggregate(self, ctx: Context, server: SplitModel, updates: ASUpdate, weights: Tensor,
                   clients: Tensor) -> SplitModel:

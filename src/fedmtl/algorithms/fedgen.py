@@ -187,7 +187,7 @@ class FedGen(Algorithm[GenServer, ClientId]):
         """max(1e-4, base 0.98^t) (the authors' exp_lr_scheduler), a tensor of the round t; 0 where base is 0 (the
         authors' floor would keep 1e-4 of a term switched off)."""
         if base == 0:
-            return torch.zeros((), dtype=torch.float64)
+            return torch.zeros((), dtype=torch.float64, device=t.device)
         return torch.clamp(base * DECAY ** t.to(torch.float64), min=1e-4)
 
     # -- server ---------------------------------------------------------------------------------
@@ -198,15 +198,18 @@ class FedGen(Algorithm[GenServer, ClientId]):
         gen = {k: v.to(ref.device, ref.dtype) for k, v in
                init_generator(self.noise_dim, c, self.generator_hidden, d, g).items()}
         zeros = {k: torch.zeros_like(v) for k, v in gen.items() if k not in STATS}
-        return GenServer({k: v.clone() for k, v in params.items()}, gen, zeros, T.clone(zeros),
-                         torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long),
-                         torch.tensor(int(seed) % _MOD, dtype=torch.long))
+        def count(v: int) -> Tensor:
+            return torch.tensor(v, dtype=torch.long, device=ref.device)
+
+        return GenServer({k: v.clone() for k, v in params.items()}, gen, zeros, T.clone(zeros), count(0), count(0),
+                         count(int(seed) % _MOD))
 
     def payload(self, server: GenServer) -> GenServer:
         return server
 
     def update_like(self, ctx: Context, payload: GenServer) -> GenUpdate:
-        return GenUpdate(payload.params, torch.zeros(ctx.model.num_classes))
+        ref = next(iter(payload.params.values()))
+        return GenUpdate(payload.params, torch.zeros(ctx.model.num_classes, device=ref.device))
 
     def train_generator(self, ctx: Context, server: GenServer, heads: list[Params],
                         counts: Tensor) -> tuple[Params, Params, Params, Tensor]:
@@ -241,7 +244,7 @@ class FedGen(Algorithm[GenServer, ClientId]):
                 m_hat, v_hat = m[k] / (1 - 0.9**step), v[k] / (1 - 0.999**step)
                 gen[k] = x.detach() - rate * m_hat / (torch.sqrt(v_hat) + 1e-8)
             gen.update(stats)
-        return gen, m, v, torch.tensor(step, dtype=torch.long)
+        return gen, m, v, torch.tensor(step, dtype=torch.long, device=server.adam_t.device)
 
     def aggregate(self, ctx: Context, server: GenServer, updates: GenUpdate, weights: Tensor,
                   clients: Tensor) -> GenServer:

@@ -235,7 +235,8 @@ class Floco(Algorithm[FlocoServer, ClientId]):
                            torch.zeros(n, simplex.numel(), dtype=w.dtype, device=w.device),
                            torch.zeros(n, dtype=w.dtype, device=w.device),
                            torch.full((n, self.endpoints), 1.0 / self.endpoints, dtype=w.dtype, device=w.device),
-                           torch.zeros((), dtype=torch.long), torch.tensor(int(seed) % _MOD, dtype=torch.long))
+                           torch.zeros((), dtype=torch.long, device=w.device),
+                           torch.tensor(int(seed) % _MOD, dtype=torch.long, device=w.device))
 
     def payload(self, server: FlocoServer) -> FlocoServer:
         return server
@@ -288,7 +289,7 @@ class Floco(Algorithm[FlocoServer, ClientId]):
             direction = u[:, m:2 * m] * 2 - 1
             direction = direction / direction.abs().sum(-1, keepdim=True)
             local = center + self.rho * u[:, 2 * m:] * direction
-        projected = t1 >= self.projection_round(ctx)
+        projected = (t1 >= self.projection_round(ctx)).to(local.device)
         return torch.where(projected, local, free).to(payload.simplex.dtype)
 
     def client_update(

@@ -98,7 +98,11 @@ def shrink(cov: Tensor, eps: float = EPS) -> Tensor:
 def discriminants(means: Tensor, cov: Tensor, priors: Tensor) -> tuple[Tensor, Tensor]:
     """(W (C, d), b (C,)) of the generative head: w_c = Sigma'^{-1} mu_c, b_c = -mu_c^T Sigma'^{-1} mu_c / 2 +
     log pi_c, Sigma' the shrunk covariance."""
-    coefs = torch.linalg.solve(shrink(cov), means.T).T  # (C, d): Sigma'^{-1} mu_c
+    s = shrink(cov)
+    # + 1e-10 I: below float rounding for any covariance of scale 1e-3 or more; keeps an all-zero one (dead features,
+    # cov_ridge = 0) solvable
+    s = s + 1e-10 * torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
+    coefs = torch.linalg.solve(s, means.T).T  # (C, d): Sigma'^{-1} mu_c
     return coefs, -0.5 * (means * coefs).sum(-1) + torch.log(priors)
 
 
