@@ -307,9 +307,9 @@ def test_fedgen_generator_is_trained_on_the_heads_and_label_counts():
 
     mlp = build_model("mlp", 10, 3, hidden=(16,))
     g = torch.Generator().manual_seed(5)
-    counts = torch.tensor([[5.0, 0.0, 1.0], [1.0, 3.0, 0.0]])  # class 2: no client holds it twice
+    counts = torch.tensor([[5.0, 0.0, 0.0], [1.0, 3.0, 0.0]])  # class 2: no client of the round holds it
     w = ensemble_weights(counts)
-    assert torch.allclose(w, torch.tensor([[6 / 8, 1 / 5, 2 / 3], [2 / 8, 4 / 5, 1 / 3]]))
+    assert torch.allclose(w, torch.tensor([[6 / 8, 1 / 5, 1 / 2], [2 / 8, 4 / 5, 1 / 2]]))
     heads = [{"2.weight": torch.randn(3, 16, generator=g), "2.bias": torch.randn(3, generator=g)} for _ in range(2)]
     z, y = torch.randn(6, 16, generator=g), torch.tensor([0, 1, 2, 0, 1, 0])
     want = sum((F.cross_entropy(z @ h["2.weight"].T + h["2.bias"], y, reduction="none") * w[k][y]).mean()
@@ -331,7 +331,7 @@ def test_fedgen_generator_is_trained_on_the_heads_and_label_counts():
     stats = {k: v.clone() for k, v in gen0.items() if "running" in k}
     adam = torch.optim.Adam(leaves.values(), lr=3e-4 * 0.98**3, weight_decay=1e-2)
     draws = torch.Generator().manual_seed((11 * 1_000_003 + 3 * 7_919 + 17) % (2**62))
-    qualified = torch.tensor([0, 1])  # the labels some client holds more than once
+    qualified = torch.tensor([0, 1])  # the labels some client holds
     for _ in range(4):
         yy = qualified[torch.randint(2, (10,), generator=draws)]
         ee = torch.rand(10, 3, generator=draws)

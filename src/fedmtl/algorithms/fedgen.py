@@ -14,7 +14,7 @@ to a representation z, so that the ensemble of the round's clients' heads h_k pr
     min_w  alpha_e * sum_k E_{y, eps} [ a_{k,y} CE(h_k(G_w(y, eps)), y) ] + eta * L_div(eps, G_w(y, eps)),
     a_{k,y} = (n_{k,y} + 1) / sum_l (n_{l,y} + 1),
 
-y uniform over the labels some client of the round holds more than once, and L_div = exp(-mean_ij ||eps_i -
+y uniform over the labels some client of the round holds, and L_div = exp(-mean_ij ||eps_i -
 eps_j||^2_mean * |g_i - g_j|_mean) the diversity loss; ``generator_steps`` Adam steps a round (rate
 ``generator_lr`` x 0.98^round, L2 weight ``generator_weight_decay``), before the models are averaged (FedAvg).
 The generator is an MLP: [eps, onehot(y)] -> Linear(``generator_hidden``) -> BatchNorm -> ReLU -> Linear(d).
@@ -218,7 +218,8 @@ class FedGen(Algorithm[GenServer, ClientId]):
         model = ctx.model
         gen, m, v, step = dict(server.gen), dict(server.adam_m), dict(server.adam_v), int(server.adam_t)
         weights = ensemble_weights(counts.to(torch.float64)).to(next(iter(gen.values())).dtype)
-        qualified = torch.nonzero(counts.max(0).values > 1).flatten()  # labels some client holds more than once
+        # the labels some client of the round holds (the authors': a count above 1 in counts that start at 1)
+        qualified = torch.nonzero(counts.max(0).values > 0).flatten()
         if qualified.numel() == 0 or self.generator_steps == 0:
             return gen, m, v, server.adam_t
         rate = self.generator_lr * DECAY ** int(server.t)  # ExponentialLR(0.98), stepped once a round
