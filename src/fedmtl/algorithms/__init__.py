@@ -13,6 +13,7 @@ from .decentralized import DSGD, DFedEM
 from .ditto import Ditto
 from .fedala import FedALA
 from .fedamp import FedAMP
+from .fedas import FedAS
 from .fedavg import FedAvg, FedAvgFT, FedProx
 from .fedbabu import FedBABU
 from .fedbn import FedBN
@@ -22,6 +23,7 @@ from .feddbe import FedDBE
 from .feddyn import FedDyn
 from .fedem import FedEM
 from .fedfomo import FedFomo
+from .fedgen import FedGen
 from .fedlc import FedLC
 from .fednova import FedNova
 from .fedpac import FedPAC
@@ -32,6 +34,7 @@ from .fedrod import FedRoD
 from .fedsa_lora import FedSALoRA
 from .fenda_fl import FendaFL
 from .ffa_lora import FFALoRA
+from .floco import Floco
 from .gpfl import GPFL
 from .ifca import IFCA
 from .knnper import KNNPer
@@ -42,6 +45,7 @@ from .moon import Moon
 from .mrmtl import MRMTL
 from .omnifedge import OmniFedge
 from .perfedavg import PerFedAvg
+from .pfedfda import PFedFDA
 from .pfedhn import PFedHN
 from .pfedme import PFedMe
 from .qffl import QFFL
@@ -50,7 +54,7 @@ from .scaffold import Scaffold
 for _cls in (Local, FedAvg, FedProx, FedAvgFT, FedEM, DFedEM, DSGD, PerFedAvg, PFedMe, ClusteredFL, Ditto, APFL,
              OmniFedge, Mocha, FedPer, FedRep, LGFedAvg, FedBABU, Scaffold, FedDyn, IFCA, KNNPer, Moon, FedRoD, FedALA,
              PFedHN, FedBN, FedNova, QFFL, FedLC, FedAMP, FedProto, FedFomo, GPFL, FedPAC, FedCP, FFALoRA, FedSALoRA,
-             MRMTL, FendaFL, FedDBE, FedCAC):
+             MRMTL, FendaFL, FedDBE, FedCAC, FedAS, PFedFDA, Floco, FedGen):
     register_algorithm(_cls, replace=True)
 
 
@@ -65,5 +69,5 @@ __all__ = [
     "FedAMP", "FedAvg", "FedAvgFT", "FedBABU", "FedBN", "FedCP", "FedDyn", "FedEM", "FedFomo", "FedLC", "FedNova",
     "FedPAC", "FedPer", "FedProto", "FedProx", "FedRep", "FedRoD", "FedSALoRA", "GPFL", "IFCA", "KNNPer", "LGFedAvg",
     "Local", "Mocha", "Moon", "OmniFedge", "PFedHN", "PFedMe", "PerFedAvg", "QFFL", "Scaffold", "get_algorithm",
-    "MRMTL", "FendaFL", "FedDBE", "FedCAC",
+    "MRMTL", "FendaFL", "FedDBE", "FedCAC", "FedAS", "PFedFDA", "Floco", "FedGen",
 ]
