@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "distributed": "one simulation on 1 and 2 torchrun ranks: the models CNN and a 10^5-client Ditto population",
     "adapters": "LoRA adapters: upload and state per client vs the full model; 100 clients' adapters vectorized vs a "
                 "per-client loop and the central floor",
+    "batchnorm": "cnn_bn round (FedAvg, FedBN): the stacked executor (per-client batch statistics) vs vmap vs loop",
 }
 
 

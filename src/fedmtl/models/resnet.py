@@ -20,8 +20,9 @@ Normalization", ECCV 2018) is 32, which needs ``width`` to be a multiple of 32.
 
 Weights start from PyTorch's layer initializers (as the CIFAR ResNet code that pFL libraries copy does), not the
 paper's He-normal draw.  The head (``Model.head``) is the linear layer, so the body/head methods split the model
-there; the representation is the last stage's pooled features (8 * ``width`` for four stages).  On a CPU the ``auto`` runner loops over clients
-(compute-bound convolutions); on a GPU it takes the clients form (grouped convolutions, stacked norms).
+there; the representation is the last stage's pooled features (8 * ``width`` for four stages).  On a CPU the
+``auto`` runner loops over clients (compute-bound convolutions); on a GPU it takes the clients form (grouped
+convolutions, stacked norms).
 """
 
 from __future__ import annotations
