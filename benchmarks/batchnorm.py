@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
         "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "torch": torch.__version__, "device": device_name(args.device), "rounds_timed": args.rounds,
         "clients": args.clients, "train_examples": int(data.seen.train.counts.sum()), "batch_size": args.batch_size,
-        "cnn_bn_hidden": args.hidden,
+        "cnn_bn_hidden": args.hidden, "load_average_1min_at_start": os.getloadavg()[0],
     }
     secs: dict[str, float] = {}
     for name, model in models.items():
