@@ -267,3 +267,16 @@ def test_cnn_bn_on_the_stacked_executor_equals_the_loop_and_vmap(alg):
     stats = [k for k in m.batch_norm if k.endswith("running_var")]
     moved = out["stacked"][1].bn if isinstance(alg, FedBN) else out["stacked"][0].params
     assert all(float((moved[k] - 1).abs().max()) > 1e-3 for k in stats)  # the statistics were trained
+
+
+def test_auto_runs_batchnorm_models_stacked_where_their_other_layers_would():
+    from fedmtl.engine.executors import make_executor
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # the rule only (nothing runs on the device)
+    mlp = build_model("mlp", 10, 3, hidden=(8,), batch_norm=True)
+    mlp.check_features(torch.randn(6, 10))
+    cnn = build_model("cnn_bn", (1, 16, 16), 3, hidden=8)
+    cnn.check_features(torch.randn(6, 1, 16, 16))
+    assert make_executor("auto", mlp, cpu).name == "stacked"
+    assert make_executor("auto", cnn, cpu).name == "loop"  # convolutions loop on a CPU (fedmtl bench batchnorm)
+    assert make_executor("auto", cnn, gpu).name == "stacked"
