@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "tune": "`fedmtl tune --batch-trials 4` vs trials one after the other: a study over optim.lr, whole seconds",
     "adapters": "LoRA adapters: upload and state per client vs the full model; 100 clients' adapters vectorized vs a "
                 "per-client loop and the central floor",
+    "batchnorm": "cnn_bn round (FedAvg, FedBN): the stacked executor (per-client batch statistics) vs vmap vs loop",
 }
 
 

@@ -77,7 +77,7 @@ EXPECTED_TOML = {
         'device = "cpu"\n'
         'eval_every = 10\n'
         'checkpoint_every = 10\n'
-        'eval_chunk_elems = 16777216\n'
+        'eval_chunk_elems = 67108864\n'
         'eval_clients = 0\n'
         'client_store = "memory"\n'
         'threads = 0\n'
@@ -137,7 +137,7 @@ EXPECTED_TOML = {
         'data_on_device = true\n'
         'eval_every = 10\n'
         'checkpoint_every = 10\n'
-        'eval_chunk_elems = 16777216\n'
+        'eval_chunk_elems = 67108864\n'
         'eval_clients = 0\n'
         'client_store = "memory"\n'
         'threads = 0\n'
@@ -222,7 +222,7 @@ EXPECTED_TOML = {
         'device = "cpu"\n'
         'eval_every = 10\n'
         'checkpoint_every = 10\n'
-        'eval_chunk_elems = 16777216\n'
+        'eval_chunk_elems = 67108864\n'
         'eval_clients = 0\n'
         'client_store = "memory"\n'
         'threads = 0\n'
@@ -300,7 +300,7 @@ EXPECTED_TOML = {
         'data_on_device = false\n'
         'eval_every = 10\n'
         'checkpoint_every = 10\n'
-        'eval_chunk_elems = 16777216\n'
+        'eval_chunk_elems = 67108864\n'
         'eval_clients = 0\n'
         'client_store = "memory"\n'
         'threads = 0\n'
@@ -334,7 +334,7 @@ EXPECTED_RAW = {
                       'device': 'cpu',
                       'eval_every': 10,
                       'checkpoint_every': 10,
-                      'eval_chunk_elems': 16777216,
+                      'eval_chunk_elems': 67108864,
                       'eval_clients': 0,
                       'client_store': 'memory',
                       'threads': 0},
@@ -377,7 +377,7 @@ EXPECTED_RAW = {
                          'data_on_device': True,
                          'eval_every': 10,
                          'checkpoint_every': 10,
-                         'eval_chunk_elems': 16777216,
+                         'eval_chunk_elems': 67108864,
                          'eval_clients': 0,
                          'client_store': 'memory',
                          'threads': 0,
@@ -431,7 +431,7 @@ EXPECTED_RAW = {
                      'device': 'cpu',
                      'eval_every': 10,
                      'checkpoint_every': 10,
-                     'eval_chunk_elems': 16777216,
+                     'eval_chunk_elems': 67108864,
                      'eval_clients': 0,
                      'client_store': 'memory',
                      'threads': 0},
@@ -483,7 +483,7 @@ EXPECTED_RAW = {
                      'data_on_device': False,
                      'eval_every': 10,
                      'checkpoint_every': 10,
-                     'eval_chunk_elems': 16777216,
+                     'eval_chunk_elems': 67108864,
                      'eval_clients': 0,
                      'client_store': 'memory',
                      'threads': 0},

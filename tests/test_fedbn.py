@@ -231,3 +231,52 @@ def test_mlp_batch_norm_option_builds_the_bn_network_on_the_generic_path():
     assert plain.stacks and not plain.batch_norm
     with pytest.raises(ValueError, match="batch_norm"):
         build_model("mlp", 10, 3, hidden=(8,), batch_norm="yes")
+
+
+def _bn_images(seed: int = 0):
+    """4 clients of unequal sizes (ragged batches: padding and clients that stop early), 1 x 16 x 16 images whose
+    brightness differs per client."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(256, 3))
+    pairs = []
+    for k, n in enumerate((11, 5, 8, 3)):
+        x = torch.tensor(rng.normal(size=(n, 1, 16, 16)), dtype=torch.float32)
+        pairs.append((x * (1 + k) + k, torch.tensor(np.argmax(x.reshape(n, -1).numpy() @ w, 1))))
+    return from_clients(pairs, pairs, 3)
+
+
+@pytest.mark.correctness(
+    ("fedavg", "fedbn"), "cnn_bn on the stacked executor: the loop's and vmap's model, running statistics included",
+    guards="padding or other clients' samples in a client's batch statistics; statistics stepped, not assigned",
+)
+@pytest.mark.slow
+@pytest.mark.parametrize("alg", [FedAvg(), FedBN()], ids=["fedavg", "fedbn"])
+def test_cnn_bn_on_the_stacked_executor_equals_the_loop_and_vmap(alg):
+    data, m = _bn_images(), build_model("cnn_bn", (1, 16, 16), 3, hidden=8)
+    out = {}
+    for runner in ("stacked", "loop", "vmap"):
+        sim = make_sim(alg, data, model=m, runner=runner, batch_size=4, local_epochs=2, sampling_rate=1.0)
+        assert sim.clients.executor.name == runner
+        st, rows = run_rounds(sim, 2)
+        out[runner] = (st.server, all_client_states(sim), [r["train_loss"] for r in rows])
+    assert m.clients_form is not None and m.clients_form.layers["0.1"] == "stacked"  # the norms are stacked too
+    for runner in ("loop", "vmap"):
+        for a, b in zip(T.leaves(out["stacked"][:2]), T.leaves(out[runner][:2]), strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (runner, float((a - b).abs().max()))
+        assert np.allclose(out["stacked"][2], out[runner][2], atol=1e-5)
+    stats = [k for k in m.batch_norm if k.endswith("running_var")]
+    moved = out["stacked"][1].bn if isinstance(alg, FedBN) else out["stacked"][0].params
+    assert all(float((moved[k] - 1).abs().max()) > 1e-3 for k in stats)  # the statistics were trained
+
+
+def test_auto_runs_batchnorm_models_stacked_where_their_other_layers_would():
+    from fedmtl.engine.executors import make_executor
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # the rule only (nothing runs on the device)
+    mlp = build_model("mlp", 10, 3, hidden=(8,), batch_norm=True)
+    mlp.check_features(torch.randn(6, 10))
+    cnn = build_model("cnn_bn", (1, 16, 16), 3, hidden=8)
+    cnn.check_features(torch.randn(6, 1, 16, 16))
+    assert make_executor("auto", mlp, cpu).name == "stacked"
+    assert make_executor("auto", cnn, cpu).name == "loop"  # convolutions loop on a CPU (fedmtl bench batchnorm)
+    assert make_executor("auto", cnn, gpu).name == "stacked"

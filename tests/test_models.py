@@ -279,3 +279,18 @@ def test_k_clients_m_components_gradient_and_fused_step(name, kw, classes):
             model.components_step(got, x, y, mask, w, Step(0.3, mom, wd, fused_buf if mom else None))  # type: ignore
         for p in want:
             assert torch.allclose(got[p], want[p], atol=1e-6), (mom, wd, p)
+
+
+def test_activation_estimate_is_the_largest_operation_per_example():
+    """``Model.activation_elems``: per example, the most elements one operation reads and writes, the parameters
+    left out (closed forms from the layer shapes)."""
+    from torch import nn
+
+    from fedmtl.models.base import Model
+
+    mlp = build_model("mlp", 30, 5, hidden=(200,))
+    # the first layer reads 30 and writes 200 elements an example; its ReLU reads and writes 200: the largest
+    assert mlp.activation_elems(torch.randn(4, 30)) == max(30 + 200, 2 * 200)
+    conv = Model.from_module(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)), 3,
+                             channels_last=False)
+    assert conv.activation_elems(torch.randn(3, 1, 8, 8)) == max(64 + 144, 2 * 144)  # the conv; the ReLU

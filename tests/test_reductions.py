@@ -7,6 +7,7 @@ from torch import nn
 from fedmtl import tree as T
 from fedmtl.algorithms import FedAvg, FedEM, FedProx, Local
 from fedmtl.data.federated import epoch_orders
+from fedmtl.engine.clients import eval_elems
 from fedmtl.engine.evaluation import summarize
 from fedmtl.engine.sampling import round_generator, sample_clients
 from fedmtl.optim import SGD
@@ -155,11 +156,13 @@ def test_evaluation_in_small_chunks_equals_one_pass(small_data, alg):
     few clients a chunk scores every client as one chunk of all does, for a global model, personal models and a
     mixture."""
     out = {}
-    for budget in (10**9, 1):  # all clients in one chunk; one client a chunk (the budget is below any client)
+    per_ex, per_client = eval_elems(make_sim(alg, small_data).model, small_data)
+    few = 3 * (int(small_data.seen.test.counts.max()) * per_ex + per_client)  # about three clients a chunk
+    for budget in (10**9, few, 1):  # all clients in one chunk; a few; one client a chunk (below any client)
         sim = make_sim(alg, small_data, eval_chunk_elems=budget)
         st, _ = run_rounds(sim, 2)
         out[budget] = sim.evaluate(st)
-    for group, splits in out[1].items():
+    for group, splits in (*out[1].items(), *out[few].items()):
         for split, r in splits.items():
             ref = out[10**9][group][split]
             assert (r["client"] == ref["client"]).all()

@@ -14,7 +14,9 @@ batches to one shape).  ``BatchNorm`` keeps the same mathematics with both probl
 * everywhere else (prediction, FedEM's E-step, IFCA's cluster choice) it normalizes with the running statistics, as
   ``nn.BatchNorm*`` in ``eval()`` mode.
 
-Equal to ``nn.BatchNorm1d/2d`` in train and eval mode, running statistics included (tested).
+Equal to ``nn.BatchNorm1d/2d`` in train and eval mode, running statistics included (tested).  ``normalize`` is the
+mathematics, for one layer and for K clients' layers side by side (the stacked executor's
+``models.clientstack.StackedBatchNorm``: each client's statistics of its own real samples, its own running buffers).
 """
 
 from __future__ import annotations
@@ -88,25 +90,44 @@ class BatchNorm(nn.Module):
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f"BatchNorm({self.num_features}) needs inputs (n, {self.num_features}, ...), "
                              f"got {tuple(x.shape)}")
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        state = _TRAINING.get()
-        if state is None:
-            mean, var = self.running_mean.reshape(shape), self.running_var.reshape(shape)
-        else:
-            m = state.mask.to(x.dtype).reshape((-1,) + (1,) * (x.dim() - 1))
-            dims = [0, *range(2, x.dim())]
-            count = m.sum() * math.prod(x.shape[2:])
-            denom = count.clamp_min(1.0)
-            mean = (x * m).sum(dims, keepdim=True) / denom
-            var = ((x - mean) ** 2 * m).sum(dims, keepdim=True) / denom
-            unbiased = var * (denom / (count - 1).clamp_min(1.0))
-            mo = self.momentum
-            state.updates[self.prefix + "running_mean"] = (
-                (1 - mo) * self.running_mean + mo * mean.reshape(-1).detach())
-            state.updates[self.prefix + "running_var"] = (
-                (1 - mo) * self.running_var + mo * unbiased.reshape(-1).detach())
-        y = (x - mean) * torch.rsqrt(var + self.eps)
-        return y * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return normalize(x, self.weight, self.bias, self.running_mean, self.running_var, self.momentum, self.eps,
+                         self.prefix)
+
+
+def _along(t: Tensor, lead: int, nd: int) -> Tensor:
+    """A per-channel tensor (*L, C) (``lead`` = len(L) leading client axes) viewed to broadcast over inputs
+    (*L, n, C, *spatial) of ``nd`` axes."""
+    return t.reshape(*t.shape[:lead], 1, t.shape[-1], *([1] * (nd - lead - 2)))
+
+
+def normalize(x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
+              eps: float, prefix: str) -> Tensor:
+    """Batch normalization of ``x`` (*L, n, C, *spatial) with per-channel tensors (*L, C): one layer (no leading
+    axis: ``BatchNorm``) or K clients' layers side by side (L = (K,): the stacked executor's clients form, each
+    client normalized with the statistics of its own batch).  In a ``training`` context, whose mask is then (*L, n),
+    the statistics are those of the real samples (Ioffe & Szegedy, Alg. 1: mean and biased variance over the batch
+    and the spatial positions) and the updated running statistics ``(1 - momentum) * running + momentum * batch``
+    (unbiased variance, as PyTorch) are recorded under ``prefix``; elsewhere the running statistics normalize."""
+    lead, nd = running_mean.dim() - 1, x.dim()
+    state = _TRAINING.get()
+    if state is None:
+        mean, var = _along(running_mean, lead, nd), _along(running_var, lead, nd)
+    else:
+        if state.mask.dim() != lead + 1:
+            raise ValueError(f"a batch-norm layer with {lead} client axes got a training mask shaped "
+                             f"{tuple(state.mask.shape)}")
+        m = state.mask.to(x.dtype).reshape(*state.mask.shape, *([1] * (nd - lead - 1)))  # (*L, n, 1, ...)
+        dims = [lead, *range(lead + 2, nd)]  # the batch axis and the spatial ones
+        count = m.sum(dims, keepdim=True) * math.prod(x.shape[lead + 2:])  # real samples x positions, per client
+        denom = count.clamp_min(1.0)
+        mean = (x * m).sum(dims, keepdim=True) / denom
+        var = ((x - mean) ** 2 * m).sum(dims, keepdim=True) / denom
+        unbiased = var * (denom / (count - 1).clamp_min(1.0))
+        mo, shape = momentum, running_mean.shape
+        state.updates[prefix + "running_mean"] = (1 - mo) * running_mean + mo * mean.reshape(shape).detach()
+        state.updates[prefix + "running_var"] = (1 - mo) * running_var + mo * unbiased.reshape(shape).detach()
+    y = (x - mean) * torch.rsqrt(var + eps)
+    return y * _along(weight, lead, nd) + _along(bias, lead, nd)
 
 
 def name_batchnorms(module: nn.Module) -> tuple[str, ...]:

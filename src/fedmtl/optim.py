@@ -418,6 +418,9 @@ def _update(view: Params, g: Params, buf: Params, n: int, k: int, lr: float | Te
     the proximal pull toward ``center``, the constant ``shift``, momentum in ``buf``; ``g`` is this step's own."""
     rate = float(lr) if isinstance(lr, float | int) else lr
     for name, v in view.items():
+        if is_statistic(name):  # a batch-norm running statistic: its new value, assigned (``local_sgd``)
+            v.copy_(g[name])
+            continue
         d = g[name]
         if wd:
             d = d.add_(v, alpha=wd)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..models.base import Model, ModelError
 from ..models.parts import split_names
-from ..optim import Batches, local_sgd
+from ..optim import Batches, ClientBatches, local_sgd, local_sgd_clients
 from ..schema import Annotated, Range
 from ..tree import Params
 from .base import Algorithm, Context, Toy
@@ -75,6 +75,15 @@ class FedBN(Algorithm[SplitModel, LocalNorm]):
         self, ctx: Context, payload: Params, state: LocalNorm, batches: Batches, lr: float
     ) -> tuple[Params, LocalNorm, Tensor]:
         new, loss = local_sgd(ctx.model.value_and_grad, {**payload, **state.bn}, batches, lr, ctx.opt)
+        shared, bn = split_names(new, ctx.model.batch_norm)
+        return shared, LocalNorm(bn), loss
+
+    def client_update_clients(
+        self, ctx: Context, payload: Params, states: LocalNorm, batches: ClientBatches, lr: float
+    ) -> tuple[Params, LocalNorm, Tensor]:
+        """``client_update`` of K clients at once (the stacked executor): the shared weights broadcast, each client's
+        own batch-norm layers (K, ...), each normalized with its own batches' statistics."""
+        new, loss = local_sgd_clients(ctx.model, {**payload, **states.bn}, batches, lr, ctx.opt)
         shared, bn = split_names(new, ctx.model.batch_norm)
         return shared, LocalNorm(bn), loss
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import tree as T
 from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, padded, round_batches
+from ..models.base import Model
 from ..tree import Tree
 from .evaluation import chunks, per_client, scores
 from .executors import Executor, TrainBatches
@@ -86,7 +87,7 @@ class LocalClients:
     """
 
     def __init__(self, alg: Algorithm, data: FederatedData, executor: Executor, device: torch.device,
-                 batch_size: int, eval_chunk_elems: int = 2**24, store: StoreKind = "memory",
+                 batch_size: int, eval_chunk_elems: int = 2**26, store: StoreKind = "memory",
                  store_dir: str | Path | None = None, journal: bool = False, global_ids: Tensor | None = None,
                  drop_last: bool = False):
         # the stacked executor serves the algorithms that have a clients form; the others its fallback (vmap)
@@ -274,6 +275,19 @@ def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[
     return outs
 
 
+def eval_elems(model: Model, data: FederatedData) -> tuple[int, int]:
+    """(elements per example, per client) that evaluation holds, which ``run.eval_chunk_elems`` bounds for each chunk
+    of clients: an example's peak activations (``Model.activation_elems``, measured once on two of the data's
+    examples; at least its features), and a client's own model (the model's parameters)."""
+    per_ex = int(np.prod(data.feature_shape)) or 1
+    x = data.seen.train.x
+    if len(x) < 2 and data.unseen is not None:
+        x = data.unseen.train.x
+    if len(x) >= 2:
+        per_ex = max(per_ex, model.activation_elems(x[:2]))
+    return per_ex, sum(p.numel() for p in model.module.parameters())
+
+
 def evaluate_together(members: list[LocalClients], group: str, payloads: list[Tree], servers: list[Tree], ids: Tensor,
                       adapts: list[Orders | None], lr: float) -> list[dict[str, Any]]:
     """``LocalClients.evaluate`` of the same clients ``ids`` for several replicas of a run (their own stores,
@@ -288,7 +302,7 @@ def evaluate_together(members: list[LocalClients], group: str, payloads: list[Tr
     rows = first.rows_of(ids) if seen else ids.to(torch.long).cpu()
     splits = grp.splits()
     cmax = torch.stack([s.counts[rows] for s in splits.values()]).max(0).values
-    per_ex = int(np.prod(first.data.feature_shape)) or 1
+    per_ex, per_model = eval_elems(ctx.model, first.data)
     res = [{k: (torch.zeros(len(rows), dtype=torch.float64), torch.zeros(len(rows), dtype=torch.float64))
             for k in splits} for _ in members]
     executor = first.executor
@@ -306,7 +320,7 @@ def evaluate_together(members: list[LocalClients], group: str, payloads: list[Tr
     def predict(_: Any, es: Tree, x: Tensor) -> Tensor:
         return alg.predict_log_proba(ctx, es, x)
 
-    for pos in chunks(cmax, per_ex, first.eval_chunk_elems):
+    for pos in chunks(cmax, per_ex, first.eval_chunk_elems, per_model):
         r = rows[pos]
         eval_states = []
         for m, payload, server, adapt in zip(members, payloads, servers, adapts, strict=True):

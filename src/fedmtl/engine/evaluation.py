@@ -52,11 +52,12 @@ PARTICIPATION_GAP = "participation_gap"
 HEADLINE = (SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10, SEEN_TEST_ACC_BOTTOM10_MEAN, UNSEEN_TEST_ACC_MEAN, PARTICIPATION_GAP)
 
 
-def chunks(counts_max: Tensor, elems_per_example: int, budget: int) -> list[Tensor]:
-    """Positions grouped so that each group's padded evaluation tensor (clients x largest client x feature
-    elements) stays within ``budget`` elements (always at least one client a group).  The positions go in order of
-    their clients' sizes, so that a group pads its clients to a size close to their own: where client sizes vary
-    widely (the Shakespeare roles), much less padding than in the clients' own order."""
+def chunks(counts_max: Tensor, elems_per_example: int, budget: int, elems_per_client: int = 0) -> list[Tensor]:
+    """Positions grouped so that each group's evaluation (clients x (largest client x ``elems_per_example`` +
+    ``elems_per_client``) elements: the activations of its padded examples and the clients' own models) stays within
+    ``budget`` elements (always at least one client a group).  The positions go in order of their clients' sizes, so
+    that a group pads its clients to a size close to their own: where client sizes vary widely (the Shakespeare
+    roles), much less padding than in the clients' own order.  Which clients share a group never changes a metric."""
     out, start, n = [], 0, counts_max.numel()
     order = torch.argsort(counts_max, stable=True)
     counts_max = counts_max[order]
@@ -64,7 +65,7 @@ def chunks(counts_max: Tensor, elems_per_example: int, budget: int) -> list[Tens
         nmax, end = 1, start
         while end < n:
             cand = max(nmax, int(counts_max[end]))
-            if end > start and (end - start + 1) * cand * elems_per_example > budget:
+            if end > start and (end - start + 1) * (cand * elems_per_example + elems_per_client) > budget:
                 break
             nmax, end = cand, end + 1
         out.append(order[start:end])

@@ -62,8 +62,9 @@ class RunConfig:
     eval_every: Annotated[int, Range(1, 10**7)] = 10
     #: checkpoint every this many rounds (0 = never)
     checkpoint_every: Annotated[int, Range(0, 10**7)] = 10
-    #: bound on the elements of a padded evaluation tensor
-    eval_chunk_elems: Annotated[int, Range(1, 2**40)] = 2**24
+    #: bound on the elements one chunk of evaluated clients holds: its padded examples times an example's peak
+    #: activations (estimated once from the model), plus each client's own model (2**26: 256 MiB in float32)
+    eval_chunk_elems: Annotated[int, Range(1, 2**40)] = 2**26
     #: > 0: evaluate a fixed uniform sample of this many clients per group
     eval_clients: Annotated[int, Range(0, 10**9)] = 0
     #: memory, or mmap: client states in files of the run directory

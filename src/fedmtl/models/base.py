@@ -28,7 +28,15 @@ from torch.func import functional_call, grad_and_value
 from ..transforms import eager
 from ..tree import Params
 from . import wrap
-from .parts import ModelError, check_module, head_input, split_names, value_and_grad_bn, value_and_grad_of
+from .parts import (
+    ModelError,
+    activation_elems,
+    check_module,
+    head_input,
+    split_names,
+    value_and_grad_bn,
+    value_and_grad_of,
+)
 
 if TYPE_CHECKING:
     from .clientstack import ClientsForm
@@ -186,6 +194,17 @@ class Model:
         if self.clients_form is not None and x.shape[0] >= 3:  # the clients form checked on the same examples
             self.clients_form.check(self.input_transform(x) if self.input_transform is not None else x, self.module,
                                     params, self.num_classes, self.output == "binary", self.nll)
+
+    def activation_elems(self, x: Tensor) -> int:
+        """Elements one example's prediction holds at its peak (``models.parts.activation_elems``: the largest
+        operation's inputs and outputs per example), measured once per feature shape and dtype on two examples ``x``
+        (n >= 2, as the data holds them) with the module's own weights, and kept in ``cache``.  Evaluation chunks its
+        clients by it (``run.eval_chunk_elems``)."""
+        key = f"activation_elems {tuple(x.shape[1:])} {x.dtype}"
+        if key not in self.cache:
+            params: Params = dict(self.module.named_parameters())
+            self.cache[key] = activation_elems(lambda xb: self.apply(params, xb), x[:2].to(self.device))
+        return int(self.cache[key])
 
     def init(self, seed: int) -> Params:
         """Fresh parameters from the module's own initializer, seeded without touching global RNG, on the module's

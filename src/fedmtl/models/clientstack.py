@@ -14,6 +14,9 @@ layer                                  client-stacked form
 ``Conv1d``, ``Conv2d``                 one grouped convolution, the clients as groups
 ``Embedding``                          one lookup in the clients' tables laid end to end
 ``LayerNorm``, ``GroupNorm``           the normalization unchanged, the affine step per client
+``fedmtl.BatchNorm``                   each client normalized with the statistics of its own real samples (padding
+                                       left out) in training, with its own running statistics elsewhere; each
+                                       client's updated running statistics recorded for the step to assign
 ``LSTM``, ``GRU``, ``RNN``             the recurrence with stacked gates: the input products of every step as one
                                        batched product, one per step for the hidden state (the manual recurrence of
                                        ``nn.LSTM``'s equations; PyTorch's gate order)
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from .. import batchnorm
 from .lora import LoRALinear
 from .parts import ModelError, value_and_grad_of
 
@@ -189,6 +193,29 @@ class StackedGroupNorm(nn.Module):
         ys = _clients(y, k)
         ys = ys * _per_client(w, k, ys.dim()) + (0 if b is None else _per_client(b, k, ys.dim()))
         return ys.reshape(x.shape)
+
+
+class StackedBatchNorm(nn.Module):
+    """``fedmtl.BatchNorm`` on K clients: weights, biases and running statistics (K, C); inputs (K x B, C, *spatial).
+    In training (``fedmtl.batchnorm.training`` with the clients' (K, B) mask) client k's channels are normalized
+    with the mean and variance of k's own real samples, and k's running statistics move with them (recorded under
+    the layer's parameter names, (K, C) each), exactly what ``BatchNorm`` does for k alone
+    (``fedmtl.batchnorm.normalize``); elsewhere with k's running statistics."""
+
+    def __init__(self, layer: batchnorm.BatchNorm):
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+        self.running_mean, self.running_var = layer.running_mean, layer.running_var
+        self.momentum, self.eps, self.num_features = layer.momentum, layer.eps, layer.num_features
+        self.prefix = ""  # the layer's name in the module ("features.1."): set where the form is made
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"BatchNorm({self.num_features}) needs inputs (n, {self.num_features}, ...), "
+                             f"got {tuple(x.shape)}")
+        xs = _clients(x, self.weight.shape[0])  # (K, B, C, *sp)
+        return batchnorm.normalize(xs, self.weight, self.bias, self.running_mean, self.running_var, self.momentum,
+                                   self.eps, self.prefix).reshape(x.shape)
 
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
@@ -360,6 +387,8 @@ def _stacked_form(m: nn.Module) -> nn.Module | None:
         return StackedLayerNorm(m)
     if type(m) is nn.GroupNorm:
         return StackedGroupNorm(m)
+    if type(m) is batchnorm.BatchNorm:
+        return StackedBatchNorm(m)
     if type(m) in (nn.LSTM, nn.GRU, nn.RNN) and m.dropout == 0 and getattr(m, "proj_size", 0) == 0:
         return StackedRNN(m)  # type: ignore[arg-type]
     if (type(m) is nn.MultiheadAttention and m._qkv_same_embed_dim and m.bias_k is None and not m.add_zero_attn
@@ -465,6 +494,8 @@ class ClientsForm:
                 continue  # it runs as it is on the K clients' merged rows
             stacked = _stacked_form(child)
             if stacked is not None:
+                if isinstance(stacked, StackedBatchNorm):  # its statistics are recorded under the module's names
+                    stacked.prefix = f"{path}."
                 setattr(mod, name, stacked)
                 self.layers[path] = STACKED
             elif any(True for _ in child.parameters(recurse=False)):
@@ -525,13 +556,15 @@ class ClientsForm:
             raise ModelError("verifying a clients form needs at least 3 examples")
         gen = torch.Generator().manual_seed(0)
 
-        def near(v: Tensor, i: int) -> Tensor:  # client i's weights: far enough apart that mixing them shows
+        def near(name: str, v: Tensor, i: int) -> Tensor:  # client i's weights: far enough apart that mixing them shows
             if i == 0 or not v.is_floating_point():
                 return v
+            if name.rsplit(".", 1)[-1] == "running_var":  # a batch-norm variance stays positive
+                return v * torch.exp(0.5 * torch.randn(v.shape, generator=gen)).to(v)
             scale = max(float(v.detach().float().std()) if v.numel() > 1 else 0.0, float(v.detach().abs().mean()), 0.05)
             return v + 0.5 * scale * torch.randn(v.shape, generator=gen).to(v)
 
-        stacked = {k: torch.stack([near(v, i) for i in range(3)]) for k, v in params.items()}
+        stacked = {k: torch.stack([near(k, v, i) for i in range(3)]) for k, v in params.items()}
         xs = x[:3 * n].reshape(3, n, *x.shape[1:])
         ys = torch.randint(0, num_classes, (3, n), generator=gen).to(x.device)
         mask = torch.ones(3, n, device=x.device)
@@ -543,9 +576,14 @@ class ClientsForm:
         def losses(p: dict[str, Tensor], x: Tensor, y: Tensor, mask: Tensor) -> Tensor:  # each client's mean loss
             return (nll(self.logits(p, x, binary), y) * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
 
+        batch_norm = any(isinstance(m, StackedBatchNorm) for m in self.twin.modules())
+
         def compare() -> str | None:
             with torch.no_grad():
                 got = self.logits(stacked, xs, binary)
+                if batch_norm:
+                    with batchnorm.training(mask):
+                        got_train = self.logits(stacked, xs, binary)
             grads, _ = clients_value_and_grad(losses, stacked, xs, ys, mask)
             for i in range(3):
                 p = {k: v[i] for k, v in stacked.items()}
@@ -556,6 +594,12 @@ class ClientsForm:
                 if not _close(got[i], want):
                     return (f"outputs differ from the module's by {float((got[i] - want).abs().max()):.3g} (its code "
                             "mixes examples, or its batch axis is not the first)")
+                if batch_norm:  # and in training: each client normalized with its own batch's statistics
+                    with torch.no_grad(), batchnorm.training(mask[i]):
+                        want = module_out(p, xs[i])
+                    if not _close(got_train[i], want):
+                        return ("outputs in training (batch statistics) differ from the module's by "
+                                f"{float((got_train[i] - want).abs().max()):.3g}")
 
                 def loss(q: dict[str, Tensor], i: int = i) -> Tensor:  # ``Model.loss``'s mean over the real samples
                     return (nll(module_out(q, xs[i]), ys[i]) * mask[i]).sum(-1) / mask[i].sum().clamp_min(1.0)
@@ -610,5 +654,5 @@ def _close(a: Tensor, b: Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max().clamp_min(1e-3))))
 
 
-__all__ = ["LOOP", "STACKED", "VMAP", "ClientsForm", "NoClientsForm", "StackedAttention", "StackedConv",
-           "StackedEmbedding", "StackedGroupNorm", "StackedLayerNorm", "StackedLinear", "StackedRNN"]
+__all__ = ["LOOP", "STACKED", "VMAP", "ClientsForm", "NoClientsForm", "StackedAttention", "StackedBatchNorm",
+           "StackedConv", "StackedEmbedding", "StackedGroupNorm", "StackedLayerNorm", "StackedLinear", "StackedRNN"]

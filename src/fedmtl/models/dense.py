@@ -10,6 +10,7 @@ from ..batchnorm import BatchNorm
 from ..machine import check_parameters
 from ..schema import Annotated, Range, shown
 from .base import Model
+from .clientstack import ClientsForm
 from .inputs import input_transform_for
 from .parts import default_head
 from .stacked import mlp_functions
@@ -31,8 +32,8 @@ def linear(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, objec
 def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
         hidden: tuple[Width, ...] | list[Width] = (64,), batch_norm: bool = False) -> Model:
     """Fully connected ReLU network with the given hidden widths; ``batch_norm`` puts a ``fedmtl.BatchNorm`` after
-    each hidden dense layer, before its ReLU (for FedBN; that variant runs the generic autograd path, not the
-    stacked one)."""
+    each hidden dense layer, before its ReLU (for FedBN; that variant runs autograd through the module or, on the
+    stacked executor, through its clients form, not the closed form)."""
     if not isinstance(batch_norm, bool):
         raise ValueError(f"mlp batch_norm must be true or false, got {batch_norm!r}")
     layers: list[nn.Module] = []
@@ -50,7 +51,8 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] 
     transform = input_transform_for(input_shape, meta, True)
     head = default_head(net) if hidden else None
     if batch_norm and hidden:
-        return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head)
+        return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head,
+                     clients_form=ClientsForm.of(net))
     dense = [(f"{i}.weight", f"{i}.bias") for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
     return Model(net, output, num_classes, name="mlp", input_transform=transform, head=head, stacks=True,
                  **mlp_functions(dense, output == "binary")._asdict())

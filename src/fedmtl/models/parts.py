@@ -9,10 +9,13 @@ none of them (no import cycle).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .. import batchnorm
 from ..transforms import eager
@@ -175,3 +178,34 @@ def dense_layers(module: nn.Module, binary: bool) -> tuple[list[tuple[str, str |
     if binary and module.get_submodule(layers[-1][0].rsplit(".", 1)[0]).out_features != 1:
         return None
     return layers, flatten
+
+
+class _OpSizes(TorchDispatchMode):
+    """Records, for every tensor operation run inside, the elements of its tensor inputs and outputs together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.sizes.append(sum(t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor)))
+        return out
+
+
+def activation_elems(forward: Callable[[Tensor], Any], x: Tensor) -> int:
+    """An estimate of the elements one example's forward pass holds at its peak: the largest number of elements that
+    one tensor operation reads and writes (activations in and out: a layer's output, an attention score matrix), per
+    example.  Measured once without gradients on one and on two of the examples ``x`` (n >= 2): the operations'
+    sizes differ by one example's share, in which the parameters (the same for both) cancel.  Where the two passes
+    run different operations, the two-example pass's largest operation counts whole (parameters included: a larger,
+    still safe estimate).  Evaluation sizes its chunks of clients and examples with it (``engine.clients``)."""
+    runs = []
+    for n in (1, 2):
+        with torch.no_grad(), _OpSizes() as rec:
+            forward(x[:n])
+        runs.append(rec.sizes)
+    one, two = runs
+    if len(one) != len(two) or not one:
+        return max(two, default=1)
+    return max(1, max(b - a for a, b in zip(one, two, strict=True)))

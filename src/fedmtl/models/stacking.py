@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
+from .. import batchnorm
 from ..transforms import eager
 from ..tree import Params
 from .base import Model
@@ -91,9 +92,8 @@ def closed_form_clients(model: Model) -> bool:
 
 def supports_clients(model: Model) -> bool:
     """Whether ``value_and_grad_clients`` exists: the stacked closed form, or a clients form not refused by its
-    check on the data (``verify_clients``); models without batch norm."""
-    if model.batch_norm:
-        return False
+    check on the data (``verify_clients``).  Batch norm (``fedmtl.BatchNorm``) has a clients form
+    (``models.clientstack.StackedBatchNorm``), never a closed form."""
     return closed_form_clients(model) or (model.clients_form is not None and model.clients_form.usable is not False)
 
 
@@ -156,8 +156,30 @@ def value_and_grad_clients(model: Model, params: Params, x: Tensor, y: Tensor, m
     if closed_form_clients(model):
         assert model.analytic_grad is not None
         return compiled_step(model, "closed_form", model.analytic_grad, x.device)(params, x, y, mask, weight)
+    if model.batch_norm:
+        return _value_and_grad_clients_bn(model, params, x, y, mask, weight)
     return clients_value_and_grad(compiled_step(model, "clients_form", partial(_clients_losses, model), x.device),
                                   params, x, y, mask, weight)
+
+
+def _value_and_grad_clients_bn(model: Model, params: Params, x: Tensor, y: Tensor, mask: Tensor,
+                               weight: Tensor | None) -> tuple[Params, Tensor]:
+    """``value_and_grad_clients`` of a model with batch norm, as ``Model.value_and_grad`` (``models.parts.
+    value_and_grad_bn``) for each client: the losses in training mode (each client's batch statistics of its real
+    samples, ``models.clientstack.StackedBatchNorm``), and the entries of the running statistics holding each
+    client's updated values instead of a gradient (a layer that did not run keeps them).  Not compiled
+    (``run.compile``): the statistics leave the step as a side output."""
+    stats: dict[str, Tensor] = {}
+
+    def losses(p: Params, *args: Any) -> Tensor:
+        with batchnorm.training(mask) as updates:
+            out = _clients_losses(model, p, *args)
+        stats.update(updates)
+        return out
+
+    g, loss = clients_value_and_grad(losses, params, x, y, mask, weight)
+    return {k: stats[k].detach() if k in stats else params[k] if batchnorm.is_statistic(k) else v
+            for k, v in g.items()}, loss
 
 
 def value_and_grad_clients_stacked(model: Model, params: Params, x: Tensor, y: Tensor, mask: Tensor,
