@@ -31,10 +31,13 @@ replacement (its ``random`` user sampler) and iterates a user's examples in orde
 is a multiple of 10 it also evaluates each trained user on its own data before and after training (its
 ``NNAlgorithmParams.evaluation_frequency``); fedmtl samples 50 distinct clients and shuffles their batches.
 
-Timing: ``--rounds`` rounds after one untimed warm-up round (round 0), each round from the end of the previous one
-(pfl: a callback's ``after_central_iteration``; its central evaluation callback runs before it, so an evaluation
-belongs to its round on both sides), CUDA work waited for.  Both frameworks evaluate centrally before round 0 and
-after rounds 10, 20, ...; the accuracies reported are a final central evaluation after the last timed round.
+Timing: ``--rounds`` rounds after one untimed warm-up round (round 0).  The two frameworks alternate round by round
+in one process (pfl's round r, then fedmtl's round r, run from pfl's callback), so that both see the same load on a
+shared machine.  pfl's round is timed from the end of its previous one to its ``after_central_iteration`` callback
+(its central evaluation callback runs before that, so an evaluation belongs to its round on both sides), fedmtl's
+round around ``Engine.round`` and its evaluation, CUDA work waited for on both.  Both frameworks evaluate centrally
+before round 0 and after rounds 10, 20, ...; the accuracies reported are a final central evaluation after the last
+timed round.
 Figures, never assertions.
 """
 
@@ -50,7 +53,7 @@ import statistics
 import sys
 import time
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -62,7 +65,6 @@ from fedmtl.data.federated import ClientGroup, FederatedData, Split
 from fedmtl.engine.executors import make_executor
 from fedmtl.engine.spec import RunConfig, RunSpec
 from fedmtl.models import build_model
-from fedmtl.models.base import Model
 from fedmtl.optim import SGD
 from fedmtl.runs.driver import make_engine
 from fedmtl.runs.report import write_json
@@ -70,7 +72,8 @@ from fedmtl.runs.report import write_json
 from .common import add_device, add_out, add_rounds, add_threads, device_name, out_path, sync
 
 #: pfl-research's CIFAR-10 benchmark (``baseline.yaml``, ``cifar10_iid``)
-CLIENTS, PER_CLIENT, COHORT, BATCH, LOCAL_LR, CENTRAL_LR, EVAL_EVERY, EVAL_BATCH = 1000, 50, 50, 10, 0.1, 1.0, 10, 10_000
+CLIENTS, PER_CLIENT, COHORT, BATCH, LOCAL_LR, CENTRAL_LR = 1000, 50, 50, 10, 0.1, 1.0
+EVAL_EVERY, EVAL_BATCH = 10, 10_000
 SHAPE, CLASSES = (3, 32, 32), 10
 #: the class templates' amplitude against unit noise (the synthetic task's difficulty)
 SIGNAL = 0.1
@@ -149,61 +152,62 @@ def summary(rounds: list[float]) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------- fedmtl
-def fedmtl_side(args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Tensor], start: list[Tensor]
-                ) -> dict[str, Any]:
-    """FedAvg on fedmtl's engine, the executor picked by ``auto``; a central evaluation of the global model on the
-    held-out set before round 0 and after rounds 10, 20, ..."""
-    x, y, xe, ye = arrays
-    device = torch.device(args.device)
-    offsets = torch.arange(args.clients + 1, dtype=torch.long) * args.examples
-    empty = Split(torch.empty(0, *SHAPE), torch.empty(0, dtype=torch.long), torch.zeros(args.clients + 1,
-                                                                                        dtype=torch.long))
-    data = FederatedData(ClientGroup(Split(x, y, offsets), empty), CLASSES, name="pfl-cifar10-synthetic")
-    model = build_model("cnn_pfl", SHAPE, CLASSES)
-    names = [k for k, _ in model.module.named_parameters()]
-    model = dataclasses.replace(model, initial_params=dict(zip(names, start, strict=True)))
-    spec = RunSpec(RunConfig(rounds=args.rounds + 1, seed=args.seed, batch_size=BATCH, local_epochs=1,
-                             clients_per_round=args.cohort, runner="auto", device=args.device,
-                             eval_every=EVAL_EVERY, checkpoint_every=0), SGD(lr=LOCAL_LR))
-    sim = make_engine(FedAvg(), model, data, spec)
-    xe_d, ye_d = xe.to(device), ye.to(device)
+class FedmtlRounds:
+    """FedAvg on fedmtl's engine, the executor picked by ``auto``, one round a call of ``step``; a central evaluation
+    of the global model on the held-out set before round 0 (here) and after rounds 10, 20, ... (in ``step``)."""
 
-    def evaluate(params: dict[str, Tensor]) -> float:
+    def __init__(self, args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Tensor], start: list[Tensor]):
+        x, y, xe, ye = arrays
+        self.device = args.device
+        offsets = torch.arange(args.clients + 1, dtype=torch.long) * args.examples
+        empty = Split(torch.empty(0, *SHAPE), torch.empty(0, dtype=torch.long),
+                      torch.zeros(args.clients + 1, dtype=torch.long))
+        data = FederatedData(ClientGroup(Split(x, y, offsets), empty), CLASSES, name="pfl-cifar10-synthetic")
+        model = build_model("cnn_pfl", SHAPE, CLASSES)
+        names = [k for k, _ in model.module.named_parameters()]
+        self.model = model = dataclasses.replace(model, initial_params=dict(zip(names, start, strict=True)))
+        spec = RunSpec(RunConfig(rounds=args.rounds + 1, seed=args.seed, batch_size=BATCH, local_epochs=1,
+                                 clients_per_round=args.cohort, runner="auto", device=args.device,
+                                 eval_every=EVAL_EVERY, checkpoint_every=0), SGD(lr=LOCAL_LR))
+        self.sim = make_engine(FedAvg(), model, data, spec)
+        self.executor = make_executor("auto", model, torch.device(args.device)).name
+        self.sha = sha256([data.seen.train.client(k) for k in range(args.clients)] + [(xe, ye)])
+        self.xe, self.ye = xe.to(args.device), ye.to(args.device)
+        self.state = self.sim.init_state()
+        self.accuracy_before = self.evaluate()
+        self.times: list[float] = []
+
+    def evaluate(self) -> float:
+        params, xe, ye = self.state.server.params, self.xe, self.ye
         with torch.no_grad():
-            correct = sum(int((model.apply(params, xe_d[i:i + EVAL_BATCH]).argmax(-1) == ye_d[i:i + EVAL_BATCH])
-                              .sum()) for i in range(0, len(ye_d), EVAL_BATCH))
-        return correct / len(ye_d)
+            correct = sum(int((self.model.apply(params, xe[i:i + EVAL_BATCH]).argmax(-1) == ye[i:i + EVAL_BATCH])
+                              .sum()) for i in range(0, len(ye), EVAL_BATCH))
+        return correct / len(ye)
 
-    st = sim.init_state()
-    acc0 = evaluate(st.server.params)
-    times = []
-    t = time.perf_counter()
-    for r in range(args.rounds + 1):
-        sim.round(st)
+    def step(self, r: int) -> None:
+        """Round ``r`` (0: the warm-up), timed."""
+        t = time.perf_counter()
+        self.sim.round(self.state)
         if r and r % EVAL_EVERY == 0:
-            evaluate(st.server.params)
-        sync(args.device)
-        now = time.perf_counter()
-        times.append(now - t)
-        t = now
-    return {"rounds_s": times[1:], "accuracy": evaluate(st.server.params), "accuracy_before": acc0,
-            "executor": make_executor("auto", model, device).name, "threads": torch.get_num_threads(),
-            "examples_sha256": sha256([data.seen.train.client(k) for k in range(args.clients)] + [(xe, ye)])}
+            self.evaluate()
+        sync(self.device)
+        self.times.append(time.perf_counter() - t)
 
 
 # ---------------------------------------------------------------------------------------------- pfl
-def pfl_side(args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Tensor], start: list[Tensor]
-             ) -> dict[str, Any]:
+def pfl_side(args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Tensor], start: list[Tensor],
+             between: Callable[[int], None] = lambda r: None) -> dict[str, Any]:
     """pfl's own set-up (its ``benchmarks/image_classification/pytorch/train.py`` with ``cifar10_iid``): a
     ``PyTorchModel`` with a local ``torch.optim.SGD`` and a central SGD of rate 1.0, users from
     ``FederatedDataset.from_slices`` with the ``random`` user sampler, ``SimulatedBackend``, ``FederatedAveraging``,
-    ``NNTrainHyperParams`` / ``NNEvalHyperParams``, a ``CentralEvaluationCallback`` every 10 rounds."""
+    ``NNTrainHyperParams`` / ``NNEvalHyperParams``, a ``CentralEvaluationCallback`` every 10 rounds.  ``between(r)``
+    runs after pfl's round r, outside its timing (``run``: fedmtl's round r)."""
     os.environ["PFL_PYTORCH_DEVICE"] = args.device  # pfl places its model and tensors on its default device
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByDatapoints
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
-    from pfl.callback.central_evaluation import CentralEvaluationCallback
     from pfl.callback.base import TrainingProcessCallback
+    from pfl.callback.central_evaluation import CentralEvaluationCallback
     from pfl.data.dataset import Dataset
     from pfl.data.federated_dataset import FederatedDataset
     from pfl.data.sampling import get_user_sampler
@@ -250,7 +254,8 @@ def pfl_side(args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Ten
     eval_params = NNEvalHyperParams(local_batch_size=EVAL_BATCH)
 
     class Clock(TrainingProcessCallback):
-        """Each round's seconds, from the end of the previous one (after the central evaluation callback)."""
+        """Each round's seconds, from the end of the previous one (after the central evaluation callback; what
+        ``between`` does in between is not counted)."""
 
         def __init__(self) -> None:
             self.times: list[float] = []
@@ -263,9 +268,9 @@ def pfl_side(args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Ten
         def after_central_iteration(self, aggregate_metrics: Metrics, model: Any, *, central_iteration: int
                                     ) -> tuple[bool, Metrics]:
             sync(args.device)
-            now = time.perf_counter()
-            self.times.append(now - self.t)
-            self.t = now
+            self.times.append(time.perf_counter() - self.t)
+            between(central_iteration)
+            self.t = time.perf_counter()
             return False, Metrics()
 
     clock = Clock()
@@ -298,12 +303,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     arrays = make_arrays(args.clients, args.examples, args.eval_examples, args.seed)
     start = initial_weights(args.seed)
-    fed = fedmtl_side(args, arrays, start)
-    print(f"fedmtl: {statistics.median(fed['rounds_s']):.3f} s/round (median), accuracy {fed['accuracy']:.3f}",
-          flush=True)
-    peer = pfl_side(args, arrays, start)
-    print(f"pfl: {statistics.median(peer['rounds_s']):.3f} s/round (median), accuracy {peer['accuracy']:.3f}",
-          flush=True)
+    rounds = FedmtlRounds(args, arrays, start)
+    peer = pfl_side(args, arrays, start, rounds.step)  # the two alternate round by round (module docstring)
+    fed = {"rounds_s": rounds.times[1:], "accuracy": rounds.evaluate(), "accuracy_before": rounds.accuracy_before,
+           "executor": rounds.executor, "threads": torch.get_num_threads(), "examples_sha256": rounds.sha}
+    for name, side in (("fedmtl", fed), ("pfl", peer)):
+        print(f"{name}: {statistics.median(side['rounds_s']):.3f} s/round (median), accuracy {side['accuracy']:.3f}",
+              flush=True)
     f_med, f_mean = summary(fed["rounds_s"])
     p_med, p_mean = summary(peer["rounds_s"])
     return {
@@ -319,7 +325,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "data": f"synthetic: class templates x {SIGNAL} + N(0, 1) noise, seed {args.seed}",
                      "model": "cnn_pfl: conv3x3(32)-relu-conv3x3(64)-relu-maxpool2-dense128-relu-dense10",
                      "pfl_dropout": args.pfl_dropout},
-        "rounds_timed": args.rounds, "warmup_rounds": 1, "fedmtl_executor": fed["executor"],
+        "rounds_timed": args.rounds, "warmup_rounds": 1, "order": "alternating rounds (pfl, fedmtl)",
+        "fedmtl_executor": fed["executor"],
         "fedmtl_round_s": f_med, "pfl_round_s": p_med, "speedup_vs_pfl": p_med / f_med,
         "fedmtl_round_mean_s": f_mean, "pfl_round_mean_s": p_mean, "speedup_vs_pfl_mean": p_mean / f_mean,
         "fedmtl_rounds_s": fed["rounds_s"], "pfl_rounds_s": peer["rounds_s"],
@@ -345,4 +352,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "initial_weights", "main", "make_arrays", "pfl_module", "run", "sha256"]
+__all__ = ["FedmtlRounds", "add_arguments", "initial_weights", "main", "make_arrays", "pfl_module", "run", "sha256"]

@@ -1,7 +1,7 @@
 """The built-in models, registered under their config names (``[model] name``).
 
-``linear`` and ``mlp`` (``dense``), ``cnn_femnist``, ``cnn_bn``, ``cnn_cifar`` and ``cnn_pfl`` (``cnn``), ``lstm`` (``lstm``),
-``char_transformer`` (``transformer``).
+``linear`` and ``mlp`` (``dense``), ``cnn_femnist``, ``cnn_bn``, ``cnn_cifar`` and ``cnn_pfl`` (``cnn``),
+``lstm`` (``lstm``), ``char_transformer`` (``transformer``).
 A model builder is ``(input_shape, num_classes, meta=None, **kwargs) -> Model``; its keyword arguments are the
 ``[model]`` table's keys.  ``fedmtl.register_model`` adds more.
 """
