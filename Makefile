@@ -8,7 +8,7 @@ VPY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 THREADS ?= 2
 
-.PHONY: run test test-fast lint docs bench venv clean datasets
+.PHONY: run test test-fast lint docs bench bench-pfl venv clean datasets
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -51,6 +51,16 @@ docs: venv
 
 bench: venv
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl bench engine --out results/bench_engine.json
+
+# `fedmtl bench pfl` (fedmtl beside pfl-research on its CIFAR-10 benchmark); make test does not need pfl.  pfl 0.6.0
+# is installed without its pins (they would downgrade dp-accounting to 0.5 and absl-py to 1.x; pfl runs on the
+# versions already here), with the packages its simulation imports; torch stays as it is.
+PFL_SPEC ?= pfl==0.6.0 multiprocess==0.70.19 dill==0.4.1 prv-accountant==0.2.0
+PFL_THREADS ?= 1
+bench-pfl: venv
+	$(VPY) -m pip install --quiet --no-deps $(PFL_SPEC)
+	OMP_NUM_THREADS=$(PFL_THREADS) $(VENV)/bin/fedmtl bench pfl --device cpu --threads $(PFL_THREADS) \
+	  --out results/bench_pfl.json
 
 clean:
 	rm -rf $(VENV) results runs site

@@ -80,6 +80,7 @@ def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path):
     ("scale", ("--populations", "--rounds"), ("--device", "--sizes")),
     ("flower", ("--clients", "--rounds"), ("--device", "--threads")),
     ("networked", ("--sizes", "--cvxpy-max"), ("--rounds", "--device", "--threads")),
+    ("pfl", ("--rounds", "--threads", "--device", "--cohort", "--pfl-dropout"), ("--sizes", "--populations")),
 ])
 def test_each_benchmark_has_its_own_flags(capsys, name, has, lacks):
     from fedmtl.cli import main

@@ -65,6 +65,22 @@ def test_femnist_cnn_has_the_paper_architecture():
     assert shapes["1.weight"] == (2048, 1024) and shapes["3.weight"] == (62, 2048)
 
 
+def test_pfl_cnn_is_pfl_researchs_simple_cnn():
+    """cnn_pfl = pfl-research's simple_cnn without dropout, written out as a plain module: the same parameter shapes
+    (12,544 features into the hidden layer on 32 x 32 x 3) and the same logits under the same weights."""
+    m = build_model("cnn_pfl", (3, 32, 32), 10)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(14 * 14 * 64, 128),
+                              torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    p = m.init(0)
+    assert [tuple(v.shape) for v in p.values()] == [tuple(v.shape) for v in ref.parameters()]
+    with torch.no_grad():
+        for w, v in zip(ref.parameters(), p.values(), strict=True):
+            w.copy_(v)
+        x = torch.randn(4, 3, 32, 32)
+        assert torch.allclose(m.apply(p, x), ref(x), atol=1e-5)
+
+
 @pytest.mark.parametrize("name,shape", [("cnn_femnist", (28, 28)), ("cnn_bn", (28, 28)), ("cnn_cifar", (3, 32, 32))])
 def test_channels_last_cnn_step_equals_the_default_layout(name, shape):
     """The loop runner runs CNNs channels-last on CPU: loss, gradients (and batch-norm statistics) equal the default

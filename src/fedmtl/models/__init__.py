@@ -1,7 +1,7 @@
 """The built-in models, registered under their config names (``[model] name``).
 
-``linear`` and ``mlp`` (``dense``), ``cnn_femnist``, ``cnn_bn`` and ``cnn_cifar`` (``cnn``), ``lstm`` (``lstm``),
-``char_transformer`` (``transformer``), ``resnet`` (``resnet``: the CIFAR ResNet-18).
+``linear`` and ``mlp`` (``dense``), ``cnn_femnist``, ``cnn_bn``, ``cnn_cifar`` and ``cnn_pfl`` (``cnn``),
+``lstm`` (``lstm``), ``char_transformer`` (``transformer``), ``resnet`` (``resnet``: the CIFAR ResNet-18).
 A model builder is ``(input_shape, num_classes, meta=None, **kwargs) -> Model``; its keyword arguments are the
 ``[model]`` table's keys.  ``fedmtl.register_model`` adds more.
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from ..registry import MODELS, register_model
 from .base import Model, ModelError
-from .cnn import bn_cnn, cifar_cnn, femnist_cnn
+from .cnn import bn_cnn, cifar_cnn, femnist_cnn, pfl_cnn
 from .dense import linear, mlp
 from .lstm import CharLSTM, char_lstm, lstm_forward
 from .resnet import resnet
 from .transformer import CharTransformer, char_transformer
 
 for _name, _fn in (("linear", linear), ("mlp", mlp), ("cnn_femnist", femnist_cnn), ("cnn_bn", bn_cnn),
-                   ("cnn_cifar", cifar_cnn),
+                   ("cnn_cifar", cifar_cnn), ("cnn_pfl", pfl_cnn),
                    ("lstm", char_lstm), ("char_transformer", char_transformer), ("resnet", resnet)):
     register_model(_name, replace=True)(_fn)
 
@@ -35,4 +35,4 @@ def build_model(name: str, input_shape: int | tuple[int, ...], num_classes: int,
 
 
 __all__ = ["CharLSTM", "CharTransformer", "build_model", "char_lstm", "char_transformer", "cifar_cnn", "femnist_cnn",
-           "linear", "lstm_forward", "mlp", "resnet"]
+           "linear", "lstm_forward", "mlp", "pfl_cnn", "resnet"]

@@ -7,6 +7,13 @@
 * ``cnn_cifar``: a small CIFAR CNN (conv 32 - conv 64 - dense 512).  The FedEM paper uses an
   ImageNet-pretrained MobileNetV2 on CIFAR; pretrained weights cannot be fetched offline here, so that
   option is left out.
+* ``cnn_pfl``: the ``simple_cnn`` of pfl-research's image-classification benchmarks (Granqvist et al., "pfl-research:
+  simulation framework for accelerating research in Private Federated Learning", 2024; its CIFAR-10 benchmark):
+  conv(C->32, 3x3) - ReLU - conv(32->64, 3x3) - ReLU - maxpool 2 - dense(flat -> 128) - ReLU - dense(128 -> classes),
+  no padding (14 x 14 x 64 = 12,544 features on 32 x 32).  Deviations, stated here: its two dropout layers (0.25
+  after the pooling, 0.5 after the hidden dense layer) are left out, since the engine trains and evaluates one
+  module with no train/eval mode (and the clients form refuses dropout); its Glorot-uniform weights are drawn by
+  PyTorch's default initializers here (``Model.from_module(..., init="module")`` starts from given weights).
 
 Both run under the vmap runner (torch.func batches conv2d); on CPU they are compute-bound and the
 ``auto`` runner loops over clients, which is faster there (``prefer_loop_on_cpu``).
@@ -65,6 +72,24 @@ def femnist_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, 
 def bn_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
            hidden: Annotated[int, Range(1, 10**5)] = 2048) -> Model:
     return _cnn(input_shape, num_classes, meta, (32, 64), hidden, "cnn_bn", batch_norm=True)
+
+
+def pfl_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
+            hidden: Annotated[int, Range(1, 10**5)] = 128) -> Model:
+    """pfl-research's ``simple_cnn`` (module docstring): two unpadded 3x3 convolutions, one pooling, one hidden dense
+    layer."""
+    if len(input_shape) not in (2, 3):
+        raise ValueError(f"cnn_pfl needs image inputs (H, W) or (C, H, W), got shape {input_shape}")
+    c = 1 if len(input_shape) == 2 else input_shape[0]
+    features = nn.Sequential(nn.Conv2d(c, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten())
+    out = 1 if num_classes == 2 else num_classes
+    flat = _flat_dim(features, input_shape)
+    check_parameters((flat + 1) * hidden + (hidden + 1) * out, f"[model] cnn_pfl with hidden = {hidden}")
+    net = nn.Sequential(features, nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, out))
+    return Model(net, "binary" if num_classes == 2 else "multiclass", num_classes, name="cnn_pfl",
+                 input_transform=input_transform_for(input_shape, meta, flatten=False), prefer_loop_on_cpu=True,
+                 channels_last=True, head=default_head(net), clients_form=ClientsForm.of(net))
 
 
 def cifar_cnn(input_shape: tuple[int, ...], num_classes: int, meta: dict[str, object] | None = None,
