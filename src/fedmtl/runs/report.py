@@ -173,7 +173,8 @@ def plot_bands(path: Path, bands: Mapping[str, tuple[Sequence[float], Sequence[f
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=columns, frameon=False)
     else:
         ax.legend(fontsize=8)
-    fig.tight_layout()
+    # no tight_layout: on one axes it only repeats what save_figure's bbox_inches="tight" does (every artist kept,
+    # the margins trimmed), and its extra draw was a third of each run's figure
     save_figure(fig, path, vector=vector)
 
 
