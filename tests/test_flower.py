@@ -194,8 +194,9 @@ def test_robust_aggregation_attacks_and_privacy_over_flower_equal_the_simulator(
     seed with reproducible_noise: the secure default differs between any two runs).  A robust aggregator and
     [privacy] exclude each other (the noised mean is the mechanism)."""
     raw = CONFIG.format(alg="fedem", extra="num_components = 2", k=0) + "\n" + tables
-    # [robust] through Flower's simulation engine; [privacy] (the same server-side pipeline) over WireGrid
-    res = _flower_equals_in_process(raw, tmp_path, wire="[privacy]" in tables, nodes=2)
+    # both over WireGrid, on 2 SuperNodes: [robust], [attack] and [privacy] act in the ServerApp, whatever carries
+    # the messages (the simulation engine's own path: the FedEM, crash, resume and Ray-cluster tests)
+    res = _flower_equals_in_process(raw, tmp_path, wire=True, nodes=2)
     assert len(res.summary["attackers"]) == 1
     if "[privacy]" in tables:
         assert 0 < res.summary["epsilon"] < float("inf")
