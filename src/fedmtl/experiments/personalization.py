@@ -86,7 +86,7 @@ def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
     from ..data.federated import DataError
 
     out.mkdir(parents=True, exist_ok=True)
-    ov = ["run.rounds=4", "run.eval_every=2", "run.checkpoint_every=2"] if quick else []
+    ov = ["run.rounds=2", "run.eval_every=2", "run.checkpoint_every=2"] if quick else []
     seeds = COMPARISON_SEEDS[:1] if quick else COMPARISON_SEEDS  # --quick: a smoke run of every method, one seed
     table: dict[str, Any] = {}
     for fed in COMPARISON_FEDERATIONS:
