@@ -217,8 +217,15 @@ def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypa
     assert abs(res.final["seen_test_acc"] - final["seen_test_acc"]) < 0.15
     assert max(float((a - b).abs().max()) for a, b in zip(T.leaves(res.server), T.leaves(st.server),
                                                           strict=True)) > 1e-4  # the drops changed the model
-    # a restarted server finds the checkpoint of round 3 and only evaluates
-    again = simulate(text, out=tmp_path / "run", round_timeout=120)
+    # a restarted server finds the checkpoint of round 3 and only evaluates: the ServerApp's own resume, here with
+    # its nodes over WireGrid (a resume over the simulation engine is the interrupted-run test's)
+    from fedmtl.flower.apps import ServerOptions, server_main
+    from fedmtl.flower.loopback import WireGrid, server_identity
+
+    n = validate(tomllib.loads(text)).build_data().seen.num_clients
+    with server_identity():
+        again = server_main(WireGrid.spread(text, n, n), text,
+                            ServerOptions(out=str(tmp_path / "run"), num_nodes=n, round_timeout=120))
     assert len(again.history) == 3
     for a, b in zip(T.leaves(again.server), T.leaves(res.server), strict=True):
         assert torch.equal(a, b)
