@@ -173,8 +173,9 @@ def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
     global model, FedEM's mixture, Clustered FL's split clusters, MOCHA with stragglers, and D-FedEM / D-SGD
     as server-relayed gossip (their personalized models live on the nodes: the metrics are the check)."""
     raw = MOCHA_CONFIG if alg == "mocha" else CONFIG.format(alg=alg, extra=extra, k=k)
-    # FedEM and FedAvg through Flower's simulation engine (Ray actors); the others' messages over WireGrid
-    res = _flower_equals_in_process(raw, tmp_path, wire=alg not in ("fedem", "fedavg"))
+    # FedEM through Flower's simulation engine (Ray actors; the engine's path is the same for every method, and the
+    # crash, resume, [robust] and Ray-cluster tests take it too); the others' messages over WireGrid
+    res = _flower_equals_in_process(raw, tmp_path, wire=alg != "fedem")
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
     if alg == "clustered":
         assert int(res.server.assign.max()) >= 1  # the split happened, and reached the clients over Flower
@@ -193,8 +194,9 @@ def test_robust_aggregation_attacks_and_privacy_over_flower_equal_the_simulator(
     seed with reproducible_noise: the secure default differs between any two runs).  A robust aggregator and
     [privacy] exclude each other (the noised mean is the mechanism)."""
     raw = CONFIG.format(alg="fedem", extra="num_components = 2", k=0) + "\n" + tables
-    # [robust] through Flower's simulation engine; [privacy] (the same server-side pipeline) over WireGrid
-    res = _flower_equals_in_process(raw, tmp_path, wire="[privacy]" in tables, nodes=2)
+    # both over WireGrid, on 2 SuperNodes: [robust], [attack] and [privacy] act in the ServerApp, whatever carries
+    # the messages (the simulation engine's own path: the FedEM, crash, resume and Ray-cluster tests)
+    res = _flower_equals_in_process(raw, tmp_path, wire=True, nodes=2)
     assert len(res.summary["attackers"]) == 1
     if "[privacy]" in tables:
         assert 0 < res.summary["epsilon"] < float("inf")
@@ -215,8 +217,15 @@ def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypa
     assert abs(res.final["seen_test_acc"] - final["seen_test_acc"]) < 0.15
     assert max(float((a - b).abs().max()) for a, b in zip(T.leaves(res.server), T.leaves(st.server),
                                                           strict=True)) > 1e-4  # the drops changed the model
-    # a restarted server finds the checkpoint of round 3 and only evaluates
-    again = simulate(text, out=tmp_path / "run", round_timeout=120)
+    # a restarted server finds the checkpoint of round 3 and only evaluates: the ServerApp's own resume, here with
+    # its nodes over WireGrid (a resume over the simulation engine is the interrupted-run test's)
+    from fedmtl.flower.apps import ServerOptions, server_main
+    from fedmtl.flower.loopback import WireGrid, server_identity
+
+    n = validate(tomllib.loads(text)).build_data().seen.num_clients
+    with server_identity():
+        again = server_main(WireGrid.spread(text, n, n), text,
+                            ServerOptions(out=str(tmp_path / "run"), num_nodes=n, round_timeout=120))
     assert len(again.history) == 3
     for a, b in zip(T.leaves(again.server), T.leaves(res.server), strict=True):
         assert torch.equal(a, b)

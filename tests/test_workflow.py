@@ -386,11 +386,11 @@ def test_seeds_memory_check_counts_every_replica(monkeypatch):
 def test_main_job_quick_reports_every_method_with_seed_spread(tmp_path):
     """``fedmtl main --quick``: the paper's Table 1 rows and the added linear-model methods, mean ± std over the
     quick run's 2 seeds (the full job's first two), marked quick; one summary figure, no per-run figures."""
-    from fedmtl.experiments.fedem import MAIN_EXTRA, MAIN_METHODS, MAIN_SEEDS
+    from fedmtl.experiments.fedem import MAIN_EXTRA, MAIN_METHODS, MAIN_QUICK_ROUNDS, MAIN_SEEDS
 
     assert main(["-q", "main", "--quick", "--out", str(tmp_path / "res")]) == 0
     table = (tmp_path / "res" / "table.md").read_text()
-    assert "QUICK" in table.splitlines()[0]
+    assert "QUICK" in table.splitlines()[0] and f", {MAIN_QUICK_ROUNDS} rounds," in table.splitlines()[0]
     summary = json.loads((tmp_path / "res" / "summary.json").read_text())
     assert list(summary) == [*MAIN_METHODS, *MAIN_EXTRA]
     for name, row in summary.items():

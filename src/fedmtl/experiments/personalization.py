@@ -49,8 +49,8 @@ def personalization(out: Path, quick: bool = False) -> dict[str, Any]:
 def permuted(out: Path, quick: bool = False) -> dict[str, Any]:
     """The label-permuted groups table of ``personalization``."""
     out.mkdir(parents=True, exist_ok=True)
-    ov = ["run.rounds=10", "run.eval_every=5"] if quick else []
-    seeds = PERSONALIZATION_SEEDS[:2] if quick else PERSONALIZATION_SEEDS  # --quick: a smoke run, two seeds
+    ov = ["run.rounds=5", "run.eval_every=5"] if quick else []  # --quick: a smoke run of every method, two seeds
+    seeds = PERSONALIZATION_SEEDS[:2] if quick else PERSONALIZATION_SEEDS
     res = run_methods(out, config_path("personalization/permuted"), PERSONALIZATION_METHODS, ov, seeds=seeds)
     baseline = {"linear": "fedavg", "mlp": "fedavg (mlp)", "mlp-bn": "fedavg (mlp-bn)"}
     fedavg = {m: 100 * res[n]["final"][SEEN_TEST_ACC_MEAN] for m, n in baseline.items() if n in res}
@@ -86,7 +86,7 @@ def comparison(out: Path, quick: bool = False) -> dict[str, Any]:
     from ..data.federated import DataError
 
     out.mkdir(parents=True, exist_ok=True)
-    ov = ["run.rounds=4", "run.eval_every=2", "run.checkpoint_every=2"] if quick else []
+    ov = ["run.rounds=2", "run.eval_every=2", "run.checkpoint_every=2"] if quick else []
     seeds = COMPARISON_SEEDS[:1] if quick else COMPARISON_SEEDS  # --quick: a smoke run of every method, one seed
     table: dict[str, Any] = {}
     for fed in COMPARISON_FEDERATIONS:

@@ -171,9 +171,10 @@ def plot_bands(path: Path, bands: Mapping[str, tuple[Sequence[float], Sequence[f
     ax.grid(alpha=0.3)
     if outside:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=columns, frameon=False)
-    else:
+        fig.tight_layout()  # the axes shrink to make room for the legend: the width stays within the cap
+    else:  # no tight_layout: with the legend inside the axes it only repeats what save_figure's bbox_inches="tight"
+        # does (every artist kept, the margins trimmed), and its extra draw was a third of each run's figure
         ax.legend(fontsize=8)
-    fig.tight_layout()
     save_figure(fig, path, vector=vector)
 
 
