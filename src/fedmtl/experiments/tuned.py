@@ -44,7 +44,7 @@ QUICK_MARK = "QUICK"
 
 def registered() -> list[str]:
     """The registered algorithms' names, read at run time (plugins and newly added methods included)."""
-    import fedmtl.algorithms  # noqa: F401  (registers the built-ins)
+    from .. import algorithms  # noqa: F401  (registers the built-ins)
     from ..registry import ALGORITHMS
 
     return sorted(ALGORITHMS)
@@ -195,16 +195,17 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
     ``DIR/configs/<federation>/<method>.toml``.  Continues whatever ``out`` holds of an earlier call."""
     from ..data.federated import DataError
 
+    p = plan(methods, federations)  # unknown names refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    p = plan(methods, federations)
     n_trials = trials or int(QUICK["trials"] if quick else BUDGET["trials"])
     seeds = list(QUICK["seeds"] if quick else BUDGET["seeds"])
     table: dict[str, Any] = {}
     old = out / "summary.json"
     if old.exists():  # what an earlier call of a subset measured stays in the table
         try:
-            table = json.loads(old.read_text()).get("federations", {})
-        except ValueError:
+            stored = json.loads(old.read_text())
+            table = stored.get("federations", {}) if stored.get("quick") == quick else {}
+        except (ValueError, AttributeError):
             table = {}
     for fed in p["federations"]:
         probe = load(config_path(FEDERATIONS[fed]["config"]), _base_sets(fed, quick))
@@ -213,11 +214,14 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
         except DataError as e:
             print(f"{fed} skipped: {e}", flush=True)
             continue
+        cfg = probe
         rows: dict[str, Any] = table.get(fed, {}).get("methods", {})
+        table[fed] = {"config": FEDERATIONS[fed]["config"], "sets": _base_sets(fed, quick),
+                      "title": FEDERATIONS[fed]["title"], "rounds": cfg.run.rounds,
+                      "clients": int(cfg.data.get("num_clients", 0)), "methods": rows}
         fed_sets = FEDERATIONS[fed]["sets"]
         for k, m in enumerate(p["methods"]):
             print(f"[{fed} {k + 1}/{len(p['methods'])}] {m}", flush=True)
-            t0 = time.perf_counter()
             try:
                 study = tune_one(out / "studies" / fed / m, fed, m, n_trials, quick)
             except (ValueError, TrainingDiverged) as e:  # a method that cannot run here: its row says why
@@ -225,7 +229,8 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
                 print(f"  {m}: {rows[m]['error']}", flush=True)
                 continue
             if study["best_value"] is None:
-                rows[m] = {"error": "no trial completed", "tune_seconds": study["total_seconds"]}
+                rows[m] = {"error": "no trial completed", "tune_seconds": study["trial_seconds"],
+                           "seconds": study["trial_seconds"]}
                 continue
             text = tuned_config(fed, m, study["best_params"])
             header = config_header(fed, m, n_trials, quick, study)
@@ -241,20 +246,22 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             rows[m] = {"avg": res["avg"], "avg_se": res["avg_se"], "p10": res["p10"], "p10_se": res["p10_se"],
                        "avg_values": res["avg_values"], "p10_values": res["p10_values"],
                        "best_params": study["best_params"], "best_value": study["best_value"],
-                       "trials": study["n_trials"], "tune_seconds": study["total_seconds"],
+                       "trials": study["n_trials"], "tune_seconds": study["trial_seconds"],
                        "rerun_seconds": res["seconds"], "quick": quick, "n_trials": n_trials, "seeds": seeds,
-                       "seconds": time.perf_counter() - t0}
+                       # the trials' and the rerun's own measured times (stable when a resumed call reads them back)
+                       "seconds": study["trial_seconds"] + res["seconds"]}
             print(f"  {m}: avg {res['avg']:.1f}  p10 {res['p10']:.1f}  best {study['best_params']}", flush=True)
-        cfg = load(config_path(FEDERATIONS[fed]["config"]), _base_sets(fed, quick))
-        table[fed] = {"config": FEDERATIONS[fed]["config"], "sets": _base_sets(fed, quick),
-                      "title": FEDERATIONS[fed]["title"], "rounds": cfg.run.rounds,
-                      "clients": int(cfg.data.get("num_clients", 0)), "methods": rows}
-    summary = {"quick": quick, "trials": n_trials, "seeds": seeds, "objective": BUDGET["objective"],
-               "tune_seeds": BUDGET["tune_seeds"], "federations": table, "unfit": p["unfit"],
-               "not_registered": p["not_registered"],
-               "command": "fedmtl reproduce tuned --out DIR" + (" --quick" if quick else "")}
+            write_json(out / "summary.json", _summary(quick, n_trials, seeds, table, p))  # an interruption keeps it
+    summary = _summary(quick, n_trials, seeds, table, p)
     publish(out, "tuned.md", summary, tuned_markdown)
     return summary
+
+
+def _summary(quick: bool, trials: int, seeds: list[int], table: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
+    return {"quick": quick, "trials": trials, "seeds": seeds, "objective": BUDGET["objective"],
+            "tune_seeds": BUDGET["tune_seeds"], "federations": table, "unfit": p["unfit"],
+            "not_registered": p["not_registered"],
+            "command": "fedmtl reproduce tuned --out DIR" + (" --quick" if quick else "")}
 
 
 def _cell(r: dict[str, Any], key: str) -> str:
