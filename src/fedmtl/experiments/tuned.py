@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from ..config import ConfigError, apply_overrides, dumps, load, read_toml, valid
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..engine.round import TrainingDiverged
 from ..resources import config_path
-from ..runs.report import markdown_table, write_json
-from .common import overrides, publish, read_tables
+from ..runs.report import markdown_table, quick_mode, write_json
+from .common import is_starting_over, overrides, publish, read_tables
 
 _TABLES = read_tables("tuned.toml")
 BUDGET: dict[str, Any] = _TABLES["budget"]
@@ -148,8 +149,9 @@ def tuned_config(federation: str, method: str, best: dict[str, Any]) -> str:
 
 def config_header(federation: str, method: str, trials: int, quick: bool, summary: dict[str, Any]) -> str:
     """The comment that heads a tuned config: the study that produced it and the command that rebuilds it."""
-    budget = (f"{QUICK_MARK}: a {trials}-trial smoke study of {QUICK['sets'][0].split('=')[1]} rounds, not a tuned "
-              "config" if quick else f"{trials} trials")
+    rounds = next((x.split("=", 1)[1] for x in QUICK["sets"] if x.startswith("run.rounds=")), "?")
+    budget = f"{QUICK_MARK}: a {trials}-trial smoke study of {rounds} rounds, not a tuned config" if quick else (
+        f"{trials} trials")
     lines = [f"# {method} on {federation} ({FEDERATIONS[federation]['title']}), tuned by fedmtl reproduce tuned:",
              f"# {budget} (TPE, median pruning, sampler seed {BUDGET['seed']}), objective {BUDGET['objective']} "
              f"on a validation split of the training examples,",
@@ -222,6 +224,9 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
         fed_sets = FEDERATIONS[fed]["sets"]
         for k, m in enumerate(p["methods"]):
             print(f"[{fed} {k + 1}/{len(p['methods'])}] {m}", flush=True)
+            if is_starting_over():  # --overwrite: this method's study and rerun start over
+                for d in (out / "studies" / fed / m, out / "reruns" / fed / m):
+                    shutil.rmtree(d, ignore_errors=True)
             try:
                 study = tune_one(out / "studies" / fed / m, fed, m, n_trials, quick)
             except (ValueError, TrainingDiverged) as e:  # a method that cannot run here: its row says why
@@ -253,7 +258,8 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             print(f"  {m}: avg {res['avg']:.1f}  p10 {res['p10']:.1f}  best {study['best_params']}", flush=True)
             write_json(out / "summary.json", _summary(quick, n_trials, seeds, table, p))  # an interruption keeps it
     summary = _summary(quick, n_trials, seeds, table, p)
-    publish(out, "tuned.md", summary, tuned_markdown)
+    with quick_mode(False):  # the table marks a --quick run itself, from its JSON (so `fedmtl tables` agrees)
+        publish(out, "tuned.md", summary, tuned_markdown)
     return summary
 
 
