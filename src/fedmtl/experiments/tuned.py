@@ -286,8 +286,8 @@ def tuned_markdown(results: Path) -> str:
     for f in feds.values():
         methods += [m for m in f["methods"] if m not in methods]
     header = ["method"]
-    for f in feds.values():
-        header += [f"{f['title']}: avg", "p10"]
+    for name in feds:
+        header += [f"{name}: avg", f"{name}: p10"]
     rows = []
     for m in methods:
         row = [m]
@@ -295,13 +295,17 @@ def tuned_markdown(results: Path) -> str:
             r = f["methods"].get(m)
             row += ["—", "—"] if r is None else [_cell(r, "avg"), _cell(r, "p10")]
         rows.append(row)
-    hours = sum(r.get("seconds", 0.0) for f in feds.values() for r in f["methods"].values()) / 3600
-    detail = "; ".join(f"{f['title']}: {f['clients']} clients, {f['rounds']} rounds" for f in feds.values())
+    def hours(f: dict[str, Any]) -> float:
+        return sum(r.get("seconds", 0.0) for r in f["methods"].values()) / 3600
+
+    detail = "; ".join(f"{name} ({f['title']}): {f['clients']} clients, {f['rounds']} rounds, {hours(f):.2f} h"
+                       for name, f in feds.items())
     text = (f"# {mark}Every method tuned: test accuracy (%) of the final round, mean over clients (avg) and 10th "
             f"percentile (p10), mean ± standard error over seeds {s['seeds']}\n\n"
             f"{s['trials']} trials per method and federation ({s['objective']} on a validation split, seeds "
-            f"{s['tune_seeds']}), then the best config rerun on the test split. {detail}. Measured time, tuning and "
-            f"reruns together: {hours:.2f} h. Rebuilt by `{s['command']}`.\n\n" + markdown_table(header, rows))
+            f"{s['tune_seeds']}), then the best config rerun on the test split. {detail} (the measured time: "
+            f"every trial's and rerun's own seconds, summed). Rebuilt by `{s['command']}`.\n\n"
+            + markdown_table(header, rows))
     if s.get("unfit"):
         text += "\n\nNot run (the method does not fit these federations):\n\n" + "\n".join(
             f"- {m}: {why}" for m, why in s["unfit"].items())
