@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -134,7 +133,7 @@ def test_tuned_config_runs_and_a_second_call_reads_back(quick, tmp_path):
 
 
 def test_bundled_tuned_configs_name_their_study():
-    root = Path(str(config_path("tuned/x"))).parent.parent
+    root = config_path("tuned/x").parent
     files = sorted(root.glob("*/*.toml"))
     assert files, "no bundled tuned configs"
     for f in files:

@@ -198,6 +198,10 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
     from ..data.federated import DataError
 
     p = plan(methods, federations)  # unknown names refused before anything is written
+    p["command"] = " ".join(["fedmtl reproduce tuned --out DIR", *(["--quick"] if quick else []),
+                             *([f"--trials {trials}"] if trials else []),
+                             *([f"--methods {','.join(methods)}"] if methods else []),
+                             *([f"--federations {','.join(federations)}"] if federations else [])])
     out.mkdir(parents=True, exist_ok=True)
     n_trials = trials or int(QUICK["trials"] if quick else BUDGET["trials"])
     seeds = list(QUICK["seeds"] if quick else BUDGET["seeds"])
@@ -267,7 +271,7 @@ def _summary(quick: bool, trials: int, seeds: list[int], table: dict[str, Any], 
     return {"quick": quick, "trials": trials, "seeds": seeds, "objective": BUDGET["objective"],
             "tune_seeds": BUDGET["tune_seeds"], "federations": table, "unfit": p["unfit"],
             "not_registered": p["not_registered"],
-            "command": "fedmtl reproduce tuned --out DIR" + (" --quick" if quick else "")}
+            "command": p["command"]}
 
 
 def _cell(r: dict[str, Any], key: str) -> str:
