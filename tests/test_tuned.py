@@ -140,3 +140,4 @@ def test_bundled_tuned_configs_name_their_study():
         head = f.read_text().splitlines()[:4]
         assert any("fedmtl reproduce tuned" in ln for ln in head), f"{f}: no study named in its header"
         assert f.parent.name in tuned.FEDERATIONS
+        assert load(f"tuned/{f.parent.name}/{f.stem}").algorithm["name"] == f.stem  # fedmtl run tuned/FED/METHOD
