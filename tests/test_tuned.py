@@ -141,3 +141,15 @@ def test_bundled_tuned_configs_name_their_study():
         assert any("fedmtl reproduce tuned" in ln for ln in head), f"{f}: no study named in its header"
         assert f.parent.name in tuned.FEDERATIONS
         assert load(f"tuned/{f.parent.name}/{f.stem}").algorithm["name"] == f.stem  # fedmtl run tuned/FED/METHOD
+
+
+def test_per_federation_entries_replace_the_methods(monkeypatch):
+    entry = {"source": "x", "space": {"algorithm": {"head_epochs": {"low": 1, "high": 10, "int": True}}},
+             "federations": {"fmnist_cnn": {"space": {"algorithm": {"head_epochs": {"low": 1, "high": 3, "int": True}}},
+                                            "settings": {"run": {"local_epochs": 2}}}}}
+    monkeypatch.setitem(tuned.METHODS, "fedrep", entry)
+    assert tuned.method_space("fedrep", "fmnist_cnn")["algorithm"]["head_epochs"]["high"] == 3
+    assert tuned.method_space("fedrep", "fmnist_mlp")["algorithm"]["head_epochs"]["high"] == 10
+    assert tuned.method_space("fedrep", "fmnist_mlp")["optim"]["lr"] == tuned.FEDERATIONS["fmnist_mlp"]["lr"]
+    assert tuned.method_settings("fedrep", "fmnist_cnn") == ["algorithm.name=fedrep", "run.local_epochs=2"]
+    assert tuned.method_settings("fedrep", "fmnist_mlp") == ["algorithm.name=fedrep"]
