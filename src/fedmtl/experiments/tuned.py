@@ -38,7 +38,10 @@ FEDERATIONS: dict[str, dict[str, Any]] = _TABLES["federations"]
 #: method name -> {source, settings, space, federations}
 METHODS: dict[str, dict[str, Any]] = _TABLES["methods"]
 #: method name -> why it does not fit these federations
-UNFIT: dict[str, str] = {n: t["reason"] for n, t in _TABLES["unfit"].items()}
+UNFIT: dict[str, str] = {n: t["reason"] for n, t in _TABLES["unfit"].items() if "federations" not in t}
+#: federation -> {method: why it does not fit that federation} (the method runs on the others)
+UNFIT_IN: dict[str, dict[str, str]] = {f: {n: t["reason"] for n, t in _TABLES["unfit"].items()
+                                          if f in t.get("federations", [])} for f in _TABLES["federations"]}
 #: the marker of a --quick run in its outputs
 QUICK_MARK = "QUICK"
 
@@ -227,6 +230,9 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
                       "clients": int(cfg.data.get("num_clients", 0)), "methods": rows}
         fed_sets = FEDERATIONS[fed]["sets"]
         for k, m in enumerate(p["methods"]):
+            if m in UNFIT_IN[fed]:
+                rows.pop(m, None)
+                continue
             print(f"[{fed} {k + 1}/{len(p['methods'])}] {m}", flush=True)
             if is_starting_over():  # --overwrite: this method's study and rerun start over
                 for d in (out / "studies" / fed / m, out / "reruns" / fed / m):
@@ -270,6 +276,7 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
 def _summary(quick: bool, trials: int, seeds: list[int], table: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
     return {"quick": quick, "trials": trials, "seeds": seeds, "objective": BUDGET["objective"],
             "tune_seeds": BUDGET["tune_seeds"], "federations": table, "unfit": p["unfit"],
+            "unfit_in": {f: {m: why for m, why in UNFIT_IN[f].items() if m in p["methods"]} for f in table},
             "not_registered": p["not_registered"],
             "command": p["command"]}
 
@@ -313,6 +320,9 @@ def tuned_markdown(results: Path) -> str:
     if s.get("unfit"):
         text += "\n\nNot run (the method does not fit these federations):\n\n" + "\n".join(
             f"- {m}: {why}" for m, why in s["unfit"].items())
+    for fed, why_not in s.get("unfit_in", {}).items():
+        if why_not:
+            text += f"\n\nNot run on {fed}:\n\n" + "\n".join(f"- {m}: {why}" for m, why in why_not.items())
     if s.get("not_registered"):
         text += ("\n\nWith a space entry but not registered in this version (skipped): "
                  + ", ".join(s["not_registered"]))
@@ -322,5 +332,5 @@ def tuned_markdown(results: Path) -> str:
     return text
 
 
-__all__ = ["FEDERATIONS", "METHODS", "UNFIT", "method_settings", "method_space", "plan", "registered", "run", "se",
-           "tuned_config", "tuned_markdown"]
+__all__ = ["FEDERATIONS", "METHODS", "UNFIT", "UNFIT_IN", "method_settings", "method_space", "plan", "registered",
+           "run", "se", "tuned_config", "tuned_markdown"]
