@@ -321,17 +321,32 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     from .experiments.common import starting_over, summary_figure
     from .runs.report import quick_mode, run_figures
 
+    extra: dict[str, object] = {}
+    if args.name == "tuned":
+        extra = {"trials": args.trials, "methods": _names(args.methods), "federations": _names(args.federations)}
+    else:
+        given = [f for f, v in (("--trials", args.trials), ("--methods", args.methods),
+                                ("--federations", args.federations)) if v is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: options of fedmtl reproduce tuned only")
+    if args.trials is not None and not 1 <= args.trials <= 100_000:
+        raise ConfigError(f"--trials {args.trials}: a whole number of trials in [1, 100000]")
     _check_reproduction_out(args)
     t0 = time.perf_counter()
     # the runs draw no figure of their own: the reproduction's tables and figures, and one summary figure (every
     # dataset's methods, average and bottom-decile accuracy, mean +- std over seeds)
     with quick_mode(args.quick), run_figures(False), starting_over(args.overwrite):
-        reproduction(args.name)(Path(args.out), quick=args.quick)
+        reproduction(args.name)(Path(args.out), quick=args.quick, **extra)
         summary_figure(Path(args.out), f"{args.name}: {SUMMARIES.get(args.name, '')}".rstrip(": "))
     written = sorted(p.name for p in Path(args.out).iterdir() if p.suffix in (".md", ".json", ".png", ".csv"))
     print(f"fedmtl reproduce {args.name}: {time.perf_counter() - t0:.0f} s; results in {args.out}"
           + (f" ({', '.join(written)})" if written else ""), flush=True)
     return 0
+
+
+def _names(text: str | None) -> list[str] | None:
+    """``a,b`` -> ``["a", "b"]``; None where the option was not given."""
+    return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
 
 
 def _cmd_flower(args: argparse.Namespace) -> int:
@@ -618,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("name", choices=sorted(REPRODUCTIONS), metavar="NAME", help="one of the experiments above")
     rp.add_argument("--out", required=True)
     rp.add_argument("--quick", action="store_true", help="a short smoke version")
+    rp.add_argument("--trials", type=int, help="tuned: trials per method and federation (default: the budget's)")
+    rp.add_argument("--methods", help="tuned: these registered methods only (comma-separated)")
+    rp.add_argument("--federations", help="tuned: these federations only (fmnist_mlp, fmnist_cnn, synthetic_mixture)")
     _again_args(rp, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(rp)
     rp.set_defaults(fn=_cmd_reproduce)

@@ -29,6 +29,7 @@ REPRODUCTIONS: dict[str, str] = {
     "omnifedge-fmnist": "omnifedge:omnifedge_fmnist",
     "fmnist": "fedem:fmnist",
     "fmnist-cnn": "personalization:fmnist_cnn",
+    "tuned": "tuned:run",
 }
 
 
@@ -49,6 +50,7 @@ SUMMARIES: dict[str, str] = {
     "perfedavg": "Per-FedAvg (FO, HF) against FedAvg with local adaptation, an offline analogue of its paper's",
     "personalization": "every method on label-permuted groups, then personalization-comparison",
     "personalization-comparison": "every personalized method on Fashion-MNIST Dirichlet(0.1) and the synthetic mixture",
+    "tuned": "every registered method tuned (lr and its main hyperparameter), then rerun with 5 seeds",
     "robustness": "every robust aggregator against every attack, and a privacy-utility curve",
 }
 

@@ -86,6 +86,11 @@ def starting_over(on: bool = True) -> Iterator[None]:
         _START_OVER.reset(token)
 
 
+def is_starting_over() -> bool:
+    """Whether the calling reproduction runs within ``starting_over`` (``--overwrite``)."""
+    return _START_OVER.get()
+
+
 def run_one(cfg: Any, run_dir: Path, data: Any) -> dict[str, Any]:
     """One run (continued if its directory holds a checkpoint of the same config, unless ``starting_over``): its
     summary, history and per-client metrics."""

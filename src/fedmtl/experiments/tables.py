@@ -19,6 +19,7 @@ from .peer_fedper import peer_fedper_markdown
 from .perfedavg import perfedavg_markdown
 from .personalization import comparison_markdown, fmnist_cnn_markdown, personalization_markdown
 from .robustness import robustness_markdown
+from .tuned import tuned_markdown
 
 #: stored table (relative to the results directory) -> the function that makes it from its directory's JSON
 TABLES: dict[str, Callable[[Path], str]] = {
@@ -32,6 +33,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "fmnist_cnn/fmnist_cnn.md": fmnist_cnn_markdown,
     "perfedavg/perfedavg.md": perfedavg_markdown,
     "robustness/robustness.md": robustness_markdown,
+    "tuned/quick/tuned.md": tuned_markdown,
+    "tuned/synthetic_mixture/tuned.md": tuned_markdown,
 }
 
 

@@ -1,0 +1,155 @@
+"""``fedmtl reproduce tuned``: every registered method has a search space, the tuning never reads the test split,
+the reruns' standard errors are std/sqrt(n) of their seeds, the tuned configs run, an interrupted call continues."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("optuna")
+
+from fedmtl.cli import EXIT_INPUT, main  # noqa: E402
+from fedmtl.config import load  # noqa: E402
+from fedmtl.experiments import tuned  # noqa: E402
+from fedmtl.resources import config_path  # noqa: E402
+from fedmtl.runs.tune import read_space  # noqa: E402
+
+METHODS = ["fedavg", "ditto"]
+FED = "synthetic_mixture"
+
+
+def test_every_registered_method_has_a_space_or_a_reason():
+    """A method added to the registry without an entry in tuned.toml (or an [unfit] reason) fails here."""
+    reg = tuned.registered()
+    missing = [m for m in reg if m not in tuned.METHODS and m not in tuned.UNFIT]
+    assert not missing, f"registered methods with no space in experiments/tuned.toml: {missing}"
+    assert all(tuned.METHODS[m].get("source") for m in tuned.METHODS), "every range cites where it comes from"
+
+
+def test_every_space_applies_to_every_federation(tmp_path):
+    """Every bound and choice of every space builds a valid config of every federation, as fedmtl tune checks."""
+    for m in tuned.plan()["methods"]:
+        for fed, spec in tuned.FEDERATIONS.items():
+            path = tmp_path / f"{m}.toml"
+            path.write_text(tuned.space_toml(tuned.method_space(m, fed)))
+            params = read_space(path)
+            assert params[0].key == "optim.lr" and params[0].log
+            sets = [*spec["sets"], *tuned.method_settings(m, fed)]
+            for p in params:
+                for v in p.candidates():
+                    cfg = load(config_path(spec["config"]), [*sets, f"{p.key}={v}"])
+                    assert cfg.algorithm.get("name", m) == m
+
+
+def test_options_of_tuned_only_and_unknown_names_refused(tmp_path, capsys):
+    assert main(["reproduce", "perfedavg", "--out", str(tmp_path / "a"), "--trials", "3"]) == EXIT_INPUT
+    assert "fedmtl reproduce tuned only" in capsys.readouterr().err
+    assert main(["reproduce", "tuned", "--out", str(tmp_path / "b"), "--methods", "nope"]) == EXIT_INPUT
+    assert "--methods nope" in capsys.readouterr().err
+    assert main(["reproduce", "tuned", "--out", str(tmp_path / "c"), "--federations", "mars"]) == EXIT_INPUT
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_standard_error_is_std_over_sqrt_n():
+    v = [61.0, 64.5, 63.0, 59.5, 66.0]
+    assert tuned.se(v) == pytest.approx(np.std(v, ddof=1) / math.sqrt(5), rel=1e-12)
+    assert tuned.se([1.0]) is None
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tuned") / "q"
+    argv = ["reproduce", "tuned", "--out", str(out), "--quick", "--trials", "2", "--methods", ",".join(METHODS),
+            "--federations", FED]
+    assert main(argv) == 0
+    return out, argv
+
+
+@pytest.mark.slow
+def test_quick_writes_table_json_and_configs(quick):
+    out, _ = quick
+    s = json.loads((out / "summary.json").read_text())
+    assert s["quick"] and s["trials"] == 2 and s["seeds"] == tuned.QUICK["seeds"]
+    rows = s["federations"][FED]["methods"]
+    assert list(rows) == METHODS and s["federations"][FED]["rounds"] == 2
+    md = (out / "tuned.md").read_text()
+    assert md.startswith("# QUICK") and "| ditto |" in md
+    assert md == tuned.tuned_markdown(out)
+    for m in METHODS:
+        assert set(rows[m]["best_params"]) == {k for t, ks in tuned.method_space(m, FED).items()
+                                               for k in (f"{t}.{x}" for x in ks)}
+        text = (out / "configs" / FED / f"{m}.toml").read_text()
+        assert "QUICK" in text and "fedmtl reproduce tuned" in text and f'name = "{m}"' in text
+        cfg = load(out / "configs" / FED / f"{m}.toml")
+        assert cfg.run.rounds == 50 and cfg.optim.lr == pytest.approx(rows[m]["best_params"]["optim.lr"])
+
+
+@pytest.mark.slow
+def test_standard_errors_from_the_reruns_per_seed_values(quick):
+    """avg/p10 and their standard errors are those of the rerun seeds' own final summaries."""
+    out, _ = quick
+    rows = json.loads((out / "summary.json").read_text())["federations"][FED]["methods"]
+    for m in METHODS:
+        per_seed = [json.loads((out / "reruns" / FED / m / "runs" / f"seed-{s}" / "summary.json").read_text())
+                    for s in tuned.QUICK["seeds"]]
+        avg = [100 * r["final"]["seen_test_acc_mean"] for r in per_seed]
+        p10 = [100 * r["final"]["seen_test_acc_p10"] for r in per_seed]
+        n = len(avg)
+        assert rows[m]["avg"] == pytest.approx(np.mean(avg), abs=1e-9)
+        assert rows[m]["avg_se"] == pytest.approx(np.std(avg, ddof=1) / math.sqrt(n), abs=1e-9)
+        assert rows[m]["p10_se"] == pytest.approx(np.std(p10, ddof=1) / math.sqrt(n), abs=1e-9)
+
+
+@pytest.mark.slow
+def test_test_split_read_in_the_reruns_only(quick):
+    out, _ = quick
+    for m in METHODS:
+        trials = sorted((out / "studies" / FED / m / "trials").glob("*/seed-1/metrics.csv"))
+        assert trials
+        for f in trials:
+            header = f.read_text().splitlines()[0]
+            assert "seen_val_acc_mean" in header and "test" not in header
+        rerun = (out / "reruns" / FED / m / "runs" / "seed-1" / "metrics.csv").read_text().splitlines()[0]
+        assert "seen_test_acc_mean" in rerun
+
+
+@pytest.mark.slow
+def test_tuned_config_runs_and_a_second_call_reads_back(quick, tmp_path):
+    out, argv = quick
+    cfg = out / "configs" / FED / "ditto.toml"
+    assert main(["run", str(cfg), "--out", str(tmp_path / "run"), "--set", "run.rounds=1",
+                 "--set", "data.num_clients=5", "--quiet"]) == 0
+    assert (tmp_path / "run" / "summary.json").exists()
+    done = out / "reruns" / FED / "ditto" / "result.json"
+    before = (done.stat().st_mtime_ns, json.loads((out / "summary.json").read_text()))
+    assert main([*argv, "--resume"]) == 0  # every study complete, every rerun finished: nothing runs again
+    assert done.stat().st_mtime_ns == before[0]
+    assert json.loads((out / "summary.json").read_text()) == before[1]
+    db = out / "studies" / FED / "ditto" / "tune.json"
+    assert json.loads(db.read_text())["n_trials"]["complete"] + json.loads(db.read_text())["n_trials"]["pruned"] == 2
+
+
+def test_bundled_tuned_configs_name_their_study():
+    root = config_path("tuned/x").parent
+    files = sorted(root.glob("*/*.toml"))
+    assert files, "no bundled tuned configs"
+    for f in files:
+        head = f.read_text().splitlines()[:4]
+        assert any("fedmtl reproduce tuned" in ln for ln in head), f"{f}: no study named in its header"
+        assert f.parent.name in tuned.FEDERATIONS
+        assert load(f"tuned/{f.parent.name}/{f.stem}").algorithm["name"] == f.stem  # fedmtl run tuned/FED/METHOD
+
+
+def test_per_federation_entries_replace_the_methods(monkeypatch):
+    entry = {"source": "x", "space": {"algorithm": {"head_epochs": {"low": 1, "high": 10, "int": True}}},
+             "federations": {"fmnist_cnn": {"space": {"algorithm": {"head_epochs": {"low": 1, "high": 3, "int": True}}},
+                                            "settings": {"run": {"local_epochs": 2}}}}}
+    monkeypatch.setitem(tuned.METHODS, "fedrep", entry)
+    assert tuned.method_space("fedrep", "fmnist_cnn")["algorithm"]["head_epochs"]["high"] == 3
+    assert tuned.method_space("fedrep", "fmnist_mlp")["algorithm"]["head_epochs"]["high"] == 10
+    assert tuned.method_space("fedrep", "fmnist_mlp")["optim"]["lr"] == tuned.FEDERATIONS["fmnist_mlp"]["lr"]
+    assert tuned.method_settings("fedrep", "fmnist_cnn") == ["algorithm.name=fedrep", "run.local_epochs=2"]
+    assert tuned.method_settings("fedrep", "fmnist_mlp") == ["algorithm.name=fedrep"]
