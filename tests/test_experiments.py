@@ -14,7 +14,7 @@ def test_every_reproduction_resolves_to_a_function():
                                      "mocha", "mocha-skewed", "networked", "networked-flow", "omnifedge-fmnist",
                                      "peer-fedper",
                                      "perfedavg", "personalization", "personalization-comparison",
-                                     "robustness"]
+                                     "robustness", "tuned"]
     for name in REPRODUCTIONS:
         assert callable(reproduction(name)), name
 
