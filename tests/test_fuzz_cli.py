@@ -312,8 +312,9 @@ def _argv(cmd: str, dest: str, flag: str, value: str, cfg: Path, out: Path, run:
         return ["tables", "--check", *opt]
     if cmd == "main":
         return ["main", "--quick", *(["--out", str(out)] if dest != "out" else []), *opt]
-    if cmd == "reproduce":
-        return ["reproduce", pos["name"], "--quick", *(["--out", str(out)] if dest != "out" else []), *opt]
+    if cmd == "reproduce":  # the options of one reproduction fuzzed on it (the others refuse them by name)
+        name = "tuned" if dest in ("trials", "methods", "federations") else pos["name"]
+        return ["reproduce", name, "--quick", *(["--out", str(out)] if dest != "out" else []), *opt]
     if cmd == "flower":
         action = FLOWER_ONLY.get(dest, pos["action"] if dest == "action" else "simulate")
         if dest == "action":
