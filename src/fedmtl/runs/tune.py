@@ -62,6 +62,7 @@ from ..engine.round import TrainingDiverged
 from ..files import atomic
 from ..schema import shown
 from .report import run_figures, save_figure, write_json
+from .rundir import alive
 
 if TYPE_CHECKING:
     import optuna
@@ -440,16 +441,6 @@ def _index(study: optuna.Study) -> int:
     return sum(_counted(t) for t in study.get_trials(deepcopy=False))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _recover_stale(study: optuna.Study, optuna: Any) -> None:
     """Trials left RUNNING by a process of this machine that is gone (kill -9, a power cut): marked FAIL with
     ``interrupted`` and their values enqueued, so the next trial runs them again (and the sampler's sequence is the
@@ -457,7 +448,7 @@ def _recover_stale(study: optuna.Study, optuna: Any) -> None:
     host = socket.gethostname()
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         pid, where = t.user_attrs.get("pid"), t.user_attrs.get("host")
-        if where != host or not isinstance(pid, int) or _alive(pid):
+        if where != host or not isinstance(pid, int) or alive(pid):
             continue
         study._storage.set_trial_user_attr(t._trial_id, "interrupted", f"process {pid} ended mid-trial; re-run")
         study._storage.set_trial_user_attr(t._trial_id, "fail_reason", "interrupted (its process ended)")
