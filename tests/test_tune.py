@@ -108,6 +108,7 @@ def test_resume_after_kill_9_gives_the_uninterrupted_study(files, study):
         tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=out)
 
 
+@pytest.mark.slow  # runs a study
 def test_reports_every_evaluated_round_and_prunes_the_worse(study):
     whole, out = study
     import optuna
@@ -139,6 +140,7 @@ def test_objective_on_validation_only(study, files):
     assert "seen_val_acc_mean" in header and "test" not in header and "unseen" not in header
 
 
+@pytest.mark.slow  # runs a study
 def test_test_split_poisoned_objective_unchanged(tmp_path):
     """The same study over data whose test labels are all flipped gives the same objective values."""
 
@@ -202,6 +204,7 @@ def test_bad_space_refused_before_anything_runs(files, tmp_path, capsys, entry, 
     assert not out.exists()
 
 
+@pytest.mark.slow  # runs a study
 def test_other_study_and_existing_folder_refused(study, files, tmp_path, capsys):
     _, out = study
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
@@ -238,6 +241,7 @@ def test_bundled_space_reads():
     assert [p.key for p in read_space("fedavg_lr")] == ["optim.lr", "optim.momentum"]
 
 
+@pytest.mark.slow  # runs a study
 def test_batched_trials_match_trials_run_alone(files, tmp_path, capsys):
     """--batch-trials: trials differing in optim.lr trained together give each the value it gets alone (vmap
     executor, a rate per replica); a space over other keys is refused."""
