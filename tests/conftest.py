@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from fedmtl import tree as T
 from fedmtl.models import build_model
 from fedmtl.testing import all_client_states, run_rounds, simulator, toy_data
 
@@ -41,3 +42,9 @@ def pytest_collection_modifyitems(items):
                 item.callspec.params["check"] not in QUICK_CHECKS:
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept within a tier
+
+
+def same_trees(a, b, atol=1e-6):
+    """Every leaf of ``a`` within ``atol`` of ``b``'s (the same structure)."""
+    for x, y in zip(T.leaves(a), T.leaves(b), strict=True):
+        assert torch.allclose(x, y, atol=atol), (x - y).abs().max()

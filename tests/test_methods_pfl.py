@@ -25,11 +25,7 @@ from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD, Batches
 
 from .conftest import all_client_states, make_sim, run_rounds
-
-
-def _same(a, b, atol=1e-6):
-    for x, y in zip(T.leaves(a), T.leaves(b), strict=True):
-        assert torch.allclose(x, y, atol=atol), (x - y).abs().max()
+from .conftest import same_trees as _same
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,8 @@ from fedmtl.models.base import ModelError
 from fedmtl.optim import SGD, local_sgd
 
 from .conftest import all_client_states, make_sim, run_rounds
+from .conftest import same_trees as _same
 from .test_personalization import _batches
-
-
-def _same(a, b, atol=1e-6):
-    for x, y in zip(T.leaves(a), T.leaves(b), strict=True):
-        assert torch.allclose(x, y, atol=atol), (x - y).abs().max()
 
 
 def _spread(models):

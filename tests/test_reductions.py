@@ -13,11 +13,7 @@ from fedmtl.engine.sampling import round_generator, sample_clients
 from fedmtl.optim import SGD
 
 from .conftest import all_client_states, make_sim, run_rounds
-
-
-def _same(a, b, atol=1e-6):
-    for x, y in zip(T.leaves(a), T.leaves(b), strict=True):
-        assert torch.allclose(x, y, atol=atol), (x - y).abs().max()
+from .conftest import same_trees as _same
 
 
 @pytest.mark.correctness(
