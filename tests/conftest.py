@@ -26,6 +26,19 @@ def small_model():
     return build_model("linear", 10, 2)
 
 
+@pytest.fixture(autouse=True)
+def _no_run_figures(request):
+    """A run inside a test draws no accuracy.png (a quarter of a second each, most of a small run's time), unless the
+    test is marked ``figures``: the tests of the figures themselves, and those that check a run's files."""
+    from fedmtl.runs.report import run_figures
+
+    if request.node.get_closest_marker("figures") is not None:
+        yield
+        return
+    with run_figures(False):
+        yield
+
+
 def make_sim(alg, data, model=None, opt=None, **run):
     """An in-process engine (``fedmtl.testing.simulator``): linear model, momentum SGD, 6 rounds of batch 32."""
     return simulator(alg, data, model, opt, **run)

@@ -90,6 +90,7 @@ def test_list(capsys):
         assert name in out
 
 
+@pytest.mark.figures
 def test_run_writes_run_directory(tmp_path):
     p = write(tmp_path, TINY.format(alg="fedem", rounds=4))
     out = tmp_path / "run"

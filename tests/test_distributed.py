@@ -4,7 +4,9 @@ and DP; checkpoints, resume, a killed rank."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import os
 import re
 import shutil
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedmtl.cli import main
 from fedmtl.engine.distributed import owned
 from fedmtl.runs import checkpoint
 
@@ -70,8 +73,12 @@ def env() -> dict[str, str]:
 
 
 def one_process(cfg: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedmtl", "run", str(cfg), "--out", str(out), "-q", *extra],
-                          env=env(), capture_output=True, text=True, timeout=300)
+    """``fedmtl run`` in this process: the reference the ranks (separate processes) are held to."""
+    args = ["run", str(cfg), "--out", str(out), "-q", *extra]
+    out_text, err_text = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out_text), contextlib.redirect_stderr(err_text):
+        code = main(args)
+    return subprocess.CompletedProcess(args, code, out_text.getvalue(), err_text.getvalue())
 
 
 def torchrun_cmd(cfg: Path, out: Path, ranks: int, *extra: str) -> list[str]:

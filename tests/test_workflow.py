@@ -78,6 +78,7 @@ def test_stats_of_one_and_of_none():
 
 
 @pytest.mark.slow
+@pytest.mark.figures
 def test_run_seeds_cli_writes_per_seed_folders_and_resumes(tmp_path, capsys):
     out = tmp_path / "fedem"
     sets = [a for s in SMALL for a in ("--set", s)]

@@ -76,6 +76,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 logging.getLogger("fedmtl").setLevel(logging.ERROR)
             result = run_experiment(cfg, out, resume=args.resume, overwrite=args.overwrite, group=group,
                                     progress=group.is_writer)
+            # the ranks leave together: a rank that tore its process group down while rank 0 still wrote the run's
+            # files could abort in gloo's teardown and have torchrun stop rank 0 mid-write
+            group.barrier("finish the run together")
         finally:
             group.close()
         if not group.is_writer:
@@ -737,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RANK_LOST
     except KeyboardInterrupt:
         term.settle()
+        if argv is None:  # the program itself, about to exit: a late Ctrl-C must not turn exit 130 into a traceback
+            _ignore_sigint()
         print(f"fedmtl: interrupted{_resume_hint(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _Terminated:
@@ -884,6 +889,11 @@ class _Sigterm:
         if self.armed:
             self.armed = False
             raise _Terminated()
+
+
+def _ignore_sigint() -> None:
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _resume_hint(args: argparse.Namespace) -> str:

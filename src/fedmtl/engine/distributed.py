@@ -41,6 +41,7 @@ with the last checkpoint intact: resume with the same command and ``--resume``.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,8 +120,11 @@ class Group:
         return cls(dist.get_rank(), dist.get_world_size(), backend, dev, timeout_s)
 
     def close(self) -> None:
+        """Tear the process group down while the interpreter is fully alive: the backend's worker threads may hold
+        tensors, and freeing them during interpreter shutdown can abort the process (SIGABRT)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+            gc.collect()
 
     # ------------------------------------------------------------------------------------------ collectives
     def _run(self, what: str, fn: Callable[[], Any]) -> Any:

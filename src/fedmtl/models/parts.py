@@ -187,6 +187,12 @@ class _OpSizes(TorchDispatchMode):
         super().__init__()
         self.sizes: list[int] = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's ``__torch_dispatch__`` in ``torch._dynamo.disable`` unless told otherwise, which imports
+        # the whole compiler stack (1.5 s) at the first measurement of every process; this mode is never traced
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.sizes.append(sum(t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor)))
