@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import logging
 import math
@@ -508,6 +509,13 @@ def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {message[:600]} (--help shows the usage)\n")
 
 
+@functools.lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    """``build_parser()``, built once per process (parsing leaves a parser as it was; ``main`` may run many times in
+    one process: a sweep, a tuning study, the tests)."""
+    return build_parser()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fedmtl", description="Personalized and federated multi-task learning")
     _output_args(p, False)
@@ -704,7 +712,7 @@ def _plugins_arg(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     load_plugins()
-    args = build_parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
                         format="%(levelname)s %(message)s")
     from .runs.progress import default

@@ -314,15 +314,20 @@ class LocalDeployment:
             f'root-certificates = "{certs / "ca.crt"}"\n')
         self._spawn("superlink", [str(self.bin / "flower-superlink"), *superlink_args(
             certs, self.port, self.dir / "superlink.db", self.host)])
-        self._wait("the SuperLink", self._link_ready)
-        for i, node_config in enumerate(self.node_configs):
-            if self.workers:
-                sock = _private_dir(self.dir / f"worker{i}") / "worker.sock"
+        # the workers start together, while the SuperLink comes up: each one's start (torch's import) overlaps the rest
+        socks = [self.dir / f"worker{i}" / "worker.sock" for i in range(len(self.node_configs))]
+        if self.workers:
+            for i, sock in enumerate(socks):
+                _private_dir(sock.parent)
                 self._spawn(f"worker{i}", [sys.executable, "-m", "fedmtl", "flower", "worker", "--socket", str(sock)])
-                self._wait(f"worker {i}", _exists(sock))
-                node_config = f'{node_config} fedmtl-worker="{sock}"'
+        self._wait("the SuperLink", self._link_ready)
+        for i in range(len(self.node_configs)):
             self._cli("supernode", "register", str(self.keys[i][1]), "deployment",
                       timeout=max(self.ready_timeout, 120))
+        for i, (node_config, sock) in enumerate(zip(self.node_configs, socks, strict=True)):
+            if self.workers:
+                self._wait(f"worker {i}", _exists(sock))
+                node_config = f'{node_config} fedmtl-worker="{sock}"'
             self._spawn(f"supernode{i}", [str(self.bin / "flower-supernode"), *supernode_args(
                 f"127.0.0.1:{self.port}", certs / "ca.crt", self.keys[i][0], node_config, free_port())])
 
