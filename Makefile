@@ -30,16 +30,19 @@ venv: $(VENV)/.installed datasets
 run: venv
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/fedmtl main --out results --resume
 
-# one pytest-xdist worker per core (JOBS), one torch thread each
-JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+# pytest-xdist workers, one torch thread each: one more than the cores (JOBS), since the Flower and torchrun tests
+# spend much of their time waiting on their processes; tests handed out one at a time, the longest first
+# (tests/conftest.py)
+JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
+XDIST = -n $(JOBS) --dist load --maxschedchunk 1
 
 test: venv
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n $(JOBS) --dist worksteal tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(XDIST) tests
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy src/fedmtl
 
 test-fast: venv
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n $(JOBS) --dist worksteal -m "not slow" tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(XDIST) -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -9,7 +9,7 @@ from fedmtl import tree as T
 from fedmtl.models import build_model
 from fedmtl.testing import all_client_states, run_rounds, simulator, toy_data
 
-# one torch thread per xdist worker (make test runs one worker per core), else the run's THREADS
+# one torch thread per xdist worker (make test: tests/conftest.py and the Makefile), else the run's THREADS
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 __all__ = ["all_client_states", "make_sim", "run_rounds"]
@@ -44,17 +44,54 @@ def make_sim(alg, data, model=None, opt=None, **run):
     return simulator(alg, data, model, opt, **run)
 
 
+# the longest tests (a quarter of a minute or more on 2 busy cores), longest first: ``make test`` hands tests to its
+# workers one at a time in collection order (pytest-xdist ``--dist load``), so these start first and the short ones
+# fill the gaps, instead of one long test holding the end of the run.  Only the order depends on this list.
+LONGEST = (
+    "test_flower_secagg.py::test_secure_aggregation_over_a_deployment_with_tls_and_node_authentication",
+    "test_flower.py::test_deployment_with_node_local_data_tls_and_node_authentication",
+    "test_flower.py::test_simulation_joins_a_running_ray_cluster",
+    "test_flower.py::test_flower_crashing_client_is_dropped_and_server_resumes",
+    "test_workflow.py::test_bundled_config_and_quick_reproduction_from_any_folder",
+    "test_workflow.py::test_main_job_quick_reports_every_method_with_seed_spread",
+    "test_distributed.py::test_resume_from_a_killed_rank_equals_the_uninterrupted_run",
+    "test_api.py::test_cli_loads_plugins_with_import_and_entry_points",
+    "test_bench.py::test_peers_workload_and_its_baselines_are_what_the_benchmark_says",
+    "test_mocha_engine.py::test_engine_mocha_with_learned_omega_matches_the_reference",
+    "test_flower.py::test_interrupted_flower_run_resumes_exactly_from_node_state_files",
+    "test_flower.py::test_flower_simulation_equals_simulator",
+    "test_mocha.py::test_table1_mtl_beats_local_and_global_on_related_tasks",
+    "test_cli.py::test_resume_after_real_interruption_matches_uninterrupted",
+    "test_api.py::test_python_api_docs_page_runs_as_written",
+    "test_distributed.py::test_several_seeds_are_refused_on_every_rank_before_anything_is_written",
+    "test_docs.py::test_handbook_builds_strict_with_its_key_pages",
+    "test_fuzz.py::test_schema_fuzz_runs_the_cheap_end_and_default_of_every_range",
+    "test_fuzz.py::test_schema_fuzz_refuses_every_value_outside_a_declared_range",
+    "test_distributed.py::test_two_ranks_equal_one_process",
+    "test_mocha_engine.py::test_engine_mocha_reaches_the_reference_objective_fixed_omega",
+    "test_flower_trust.py::test_local_deployment_stops_every_process_it_started_when_interrupted",
+    "test_workflow.py::test_logging_without_a_terminal_prints_plain_lines",
+    "test_bench_pfl.py::test_bench_pfl_writes_both_frameworks_side_by_side",
+    "test_experiments.py::test_perfedavg_reproduction_quick",
+)
+
+
 def pytest_collection_modifyitems(items):
-    """The contract items (one per algorithm and check) beyond the quick checks belong to the slow tier.  The slow
-    tier runs first: with several workers (``make test``: pytest-xdist) the long tests start at once and the short
-    ones fill the gaps, instead of one long test holding the end of the run."""
+    """The contract items (one per algorithm and check) beyond the quick checks belong to the slow tier.  Order: the
+    ``LONGEST`` tests, then the rest of the slow tier, then the others (file order kept within each)."""
     from .test_contract import QUICK_CHECKS
 
+    rank = {name: i for i, name in enumerate(LONGEST)}
     for item in items:
         if getattr(item, "originalname", "") == "test_every_registered_algorithm_keeps_the_contract" and \
                 item.callspec.params["check"] not in QUICK_CHECKS:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept within a tier
+
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        return rank.get(name, len(LONGEST)), item.get_closest_marker("slow") is None
+
+    items.sort(key=order)  # stable
 
 
 def same_trees(a, b, atol=1e-6):

@@ -543,8 +543,6 @@ def test_worker_refuses_a_bad_socket_path_in_one_line_before_serving(tmp_path, c
     import os
     import socket as socketlib
     import subprocess
-    import sys
-    from pathlib import Path
 
     home = tmp_path / "w"
     home.mkdir(mode=0o700)
@@ -570,13 +568,27 @@ def test_worker_refuses_a_bad_socket_path_in_one_line_before_serving(tmp_path, c
     else:
         (home / "plain").write_text("a file")
         path = home / "plain" / "worker.sock"
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # the command in this process (a worker that served instead of refusing is stopped by the alarm)
+    import contextlib
+    import io
+    import signal
+
+    from fedmtl.cli import main
+
+    def served(signum, frame):
+        raise AssertionError(f"{case}: the worker served instead of refusing")
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = signal.signal(signal.SIGALRM, served)
+    signal.alarm(60)
     try:
-        p = subprocess.run([sys.executable, "-m", "fedmtl", "flower", "worker", "--socket", str(path)],
-                           capture_output=True, text=True, env=env, timeout=120)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["flower", "worker", "--socket", str(path)])
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
         live.close()
+    p = subprocess.CompletedProcess([], code, out.getvalue(), err.getvalue())
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "serving" not in p.stdout and "Traceback" not in p.stderr
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("fedmtl: error: "), p.stderr

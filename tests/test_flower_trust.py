@@ -323,6 +323,7 @@ def test_local_deployment_stops_its_processes_when_readiness_fails(tmp_path, mon
 
     monkeypatch.setattr(dep, "_spawn", spawn)
     monkeypatch.setattr(dep, "_cli", slow_cli)
+    monkeypatch.setattr(dep, "_port_open", lambda: True)  # the port answers, the flwr call does not
     try:
         with pytest.raises(TimeoutError, match=r"^the SuperLink not ready after 0.5 s \(logs in .*\); last error: "
                                                r"flwr supernode ls deployment did not finish within 1 s$"):

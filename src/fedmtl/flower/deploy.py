@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -107,8 +109,6 @@ def make_node_keys(out: str | Path, n: int, prefix: str = "node") -> list[tuple[
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (the OS's pick)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -332,8 +332,18 @@ class LocalDeployment:
                 f"127.0.0.1:{self.port}", certs / "ca.crt", self.keys[i][0], node_config, free_port())])
 
     def _link_ready(self, left: float) -> bool:
-        """The SuperLink answers ``flwr supernode ls`` (TLS up, its database open) within ``left`` seconds."""
+        """The SuperLink answers ``flwr supernode ls`` (TLS up, its database open) within ``left`` seconds.  Each
+        ``flwr`` call is a Python process (a second of CPU): it is made once the link's port accepts connections."""
+        if not self._port_open():
+            raise RuntimeError(f"nothing accepts connections on the SuperLink's port 127.0.0.1:{self.port} yet")
         self._cli("supernode", "ls", "deployment", timeout=left)
+        return True
+
+    def _port_open(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+        except OSError:
+            return False
         return True
 
     def start_unregistered_node(self) -> subprocess.Popen[bytes]:
@@ -351,7 +361,26 @@ class LocalDeployment:
         """Poll until ``n`` (default: every started) SuperNodes are online, for at most ``timeout``
         (``ready_timeout``) seconds; a ``TimeoutError`` after that."""
         want = len(self.node_configs) if n is None else n
-        self._wait(f"{want} SuperNode(s) online", lambda left: self.online_nodes(left) >= want, timeout)
+        polls = itertools.count()
+
+        def ready(left: float) -> bool:
+            # the authoritative count (``flwr supernode ls``, a process of its own) once as many nodes' logs show the
+            # id the SuperLink gave them, and every tenth poll whatever the logs say
+            if self._nodes_logged() < want and next(polls) % 10:
+                return False
+            return self.online_nodes(left) >= want
+
+        self._wait(f"{want} SuperNode(s) online", ready, timeout)
+
+    def _nodes_logged(self) -> int:
+        """How many started SuperNodes' logs show the node id the SuperLink gave them (Flower's "SuperNode ID")."""
+        n = 0
+        for i in range(len(self.node_configs)):
+            try:
+                n += "SuperNode ID" in (self.dir / f"supernode{i}.log").read_text(errors="replace")
+            except OSError:
+                pass
+        return n
 
     def run(self, app_dir: str | Path, out_dir: str | Path, timeout: float = 900) -> str:
         """``flwr run`` the app (streaming its log) and wait for it; returns the log."""
