@@ -48,12 +48,14 @@ sampling is not hardened against attacks on the noise's low-order bits (Mironov,
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from .schema import Annotated, Range, check_fields
@@ -96,11 +98,11 @@ class PrivacyConfig:
         return self.clip_norm > 0
 
 
-def _event(cfg: PrivacyConfig, sigma: float, num_clients: int, per_round: int, q: float) -> Any:
+def _event(sampling: str, sigma: float, num_clients: int, per_round: int, q: float) -> Any:
     import dp_accounting as dpa
 
     gauss = dpa.GaussianDpEvent(sigma)
-    if cfg.sampling == "poisson":
+    if sampling == "poisson":
         return dpa.PoissonSampledDpEvent(q, gauss)
     return dpa.SampledWithoutReplacementDpEvent(num_clients, per_round, gauss)
 
@@ -115,16 +117,16 @@ class _QuietFractionalOrders(logging.Filter):
         return "failed to converge" not in record.getMessage()
 
 
-def _accountant(cfg: PrivacyConfig) -> Any:
+def _accountant(accountant: str, sampling: str) -> Any:
     from dp_accounting import NeighboringRelation, pld, rdp
 
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _QuietFractionalOrders) for f in absl.filters):
         absl.addFilter(_QuietFractionalOrders())
 
-    if cfg.accountant == "pld":
+    if accountant == "pld":
         return pld.PLDAccountant()
-    relation = NeighboringRelation.ADD_OR_REMOVE_ONE if cfg.sampling == "poisson" else NeighboringRelation.REPLACE_ONE
+    relation = NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson" else NeighboringRelation.REPLACE_ONE
     return rdp.RdpAccountant(neighboring_relation=relation)
 
 
@@ -136,8 +138,8 @@ def epsilon(cfg: PrivacyConfig, sigma: float, rounds: int, num_clients: int, per
         return math.inf  # clipping without noise: no privacy
     import dp_accounting as dpa
 
-    acc = _accountant(cfg)
-    acc.compose(dpa.SelfComposedDpEvent(_event(cfg, sigma, num_clients, per_round, q), rounds))
+    acc = _accountant(cfg.accountant, cfg.sampling)
+    acc.compose(dpa.SelfComposedDpEvent(_event(cfg.sampling, sigma, num_clients, per_round, q), rounds))
     return float(acc.get_epsilon(cfg.delta))
 
 
@@ -146,11 +148,21 @@ def calibrate(cfg: PrivacyConfig, rounds: int, num_clients: int, per_round: int,
     import dp_accounting as dpa
 
     def make_event(sigma: float) -> Any:
-        return dpa.SelfComposedDpEvent(_event(cfg, sigma, num_clients, per_round, q), rounds)
+        return dpa.SelfComposedDpEvent(_event(cfg.sampling, sigma, num_clients, per_round, q), rounds)
 
     return float(dpa.calibrate_dp_mechanism(
-        lambda: _accountant(cfg), make_event, cfg.target_epsilon, cfg.delta,
+        lambda: _accountant(cfg.accountant, cfg.sampling), make_event, cfg.target_epsilon, cfg.delta,
         dpa.LowerEndpointAndGuess(1e-3, 1.0), tol=1e-4))
+
+
+@functools.lru_cache(maxsize=256)
+def _one_round_rdp(sampling: str, sigma: float, num_clients: int, per_round: int,
+                   q: float) -> tuple[tuple[Any, ...], tuple[float, ...]]:
+    """One round's RDP curve (the library's orders, its values) for these settings: the same for every run that
+    uses them (the seeds of a study, the trials of a sweep), so computed once per process."""
+    acc = _accountant("rdp", sampling)
+    acc.compose(_event(sampling, sigma, num_clients, per_round, q))
+    return tuple(acc.orders), tuple(float(v) for v in acc.rdp)
 
 
 class Accountant:
@@ -162,8 +174,8 @@ class Accountant:
 
     def __init__(self, cfg: PrivacyConfig, sigma: float, num_clients: int, per_round: int, q: float):
         self.cfg, self.sigma = cfg, sigma
-        self.event = _event(cfg, sigma, num_clients, per_round, q)
-        self._rdp: Any = None  # (orders, one round's RDP)
+        self.event = _event(cfg.sampling, sigma, num_clients, per_round, q)
+        self._key = (cfg.sampling, float(sigma), int(num_clients), int(per_round), float(q))
 
     def epsilon_after(self, rounds: int) -> float:
         if rounds == 0:
@@ -173,17 +185,13 @@ class Accountant:
         import dp_accounting as dpa
 
         if self.cfg.accountant == "pld":
-            acc = _accountant(self.cfg)
+            acc = _accountant(self.cfg.accountant, self.cfg.sampling)
             acc.compose(dpa.SelfComposedDpEvent(self.event, rounds))
             return float(acc.get_epsilon(self.cfg.delta))
         from dp_accounting.rdp import rdp_privacy_accountant as rdpa
 
-        if self._rdp is None:
-            acc = _accountant(self.cfg)
-            acc.compose(self.event)
-            self._rdp = (acc.orders, acc.rdp)
-        orders, one = self._rdp
-        return float(rdpa.compute_epsilon(orders, rounds * one, self.cfg.delta)[0])
+        orders, one = _one_round_rdp(*self._key)
+        return float(rdpa.compute_epsilon(orders, rounds * np.asarray(one), self.cfg.delta)[0])
 
     def record(self, rounds: int) -> dict[str, Any]:
         """What ``privacy.json`` holds: the accountant, the neighbouring relation, delta and the events composed
