@@ -194,7 +194,10 @@ class LocalDeployment:
     Readiness (the SuperLink answering ``flwr supernode ls``, nodes online) is polled every ``poll`` seconds up
     to ``ready_timeout`` seconds overall (default ``FEDMTL_DEPLOY_TIMEOUT`` or 300), each ``flwr`` call allowed
     what is left of that time; a SuperLink or SuperNode that exits meanwhile ends the wait at once, naming its
-    log.  The deployment owns its processes: each starts in a session (process group) of its own, and
+    log.  A ``flwr`` call is a Python process of its own (about a second of CPU), so it is made only once the
+    cheap signs hold: the SuperLink's port accepts connections, the nodes' logs show the id the SuperLink gave
+    them (and every tenth poll regardless).  The workers start together, while the SuperLink comes up.  The
+    deployment owns its processes: each starts in a session (process group) of its own, and
     ``stop()`` (run by ``__exit__``, and by ``__enter__`` when starting fails) sends SIGTERM to those groups and
     to every descendant (found through ``/proc``, even in a session of its own, e.g. the SuperLink's SuperExec,
     and recognized by its start time so that a reused pid is never signalled), then SIGKILL to what is left
