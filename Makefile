@@ -36,12 +36,10 @@ run: venv
 JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
 XDIST = -n $(JOBS) --dist load --maxschedchunk 1
 
-# mypy runs beside the tests (it fills the time their processes spend waiting) and reports after them
 test: venv
-	@rm -f $(VENV)/mypy.rc; ($(VENV)/bin/mypy src/fedmtl > $(VENV)/mypy.log 2>&1; echo $$? > $(VENV)/mypy.rc) & \
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(XDIST) tests; rc=$$?; wait; \
-	echo "mypy src/fedmtl"; cat $(VENV)/mypy.log; [ $$rc = 0 ] && [ "$$(cat $(VENV)/mypy.rc)" = 0 ]
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(XDIST) tests
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src/fedmtl
 
 # the quick tier: short tests only, so one worker per core and each worker's share sent at once
 test-fast: venv
