@@ -27,20 +27,32 @@ from typing import Any
 import torch
 
 
-def _engine(device: str, data_on_device: str) -> Any:
-    from fedmtl.algorithms import FedAvg
+def _engine(device: str, data_on_device: str, model_name: str = "mlp", alg_name: str = "fedavg",
+            compile_step: str = "") -> Any:
+    from fedmtl.algorithms import FedAvg, FedEM
     from fedmtl.data.vision import fashion_mnist
     from fedmtl.engine.spec import RunConfig, RunSpec
     from fedmtl.models import build_model
     from fedmtl.optim import SGD
-    from fedmtl.runs.driver import make_engine
+    try:
+        from fedmtl.runs.driver import make_engine
+    except ImportError:  # an older checkout, before the runs wing
+        from fedmtl.engine.driver import make_engine  # type: ignore[no-redef]
 
     fm = fashion_mnist(num_clients=100, partition="label_groups", download=False)
-    model = build_model("mlp", fm.feature_shape, fm.num_classes, fm.meta, hidden=(200,))
+    if model_name == "cnn":  # bench models' CNN workload
+        model = build_model("cnn_femnist", fm.feature_shape, 10, fm.meta)
+        opt = SGD(0.01)
+    else:
+        model = build_model("mlp", fm.feature_shape, fm.num_classes, fm.meta, hidden=(200,))
+        opt = SGD(0.05, 0.9, 5e-4)
+    alg = FedEM(num_components=3) if alg_name == "fedem" else FedAvg()
     run: dict[str, Any] = {"rounds": 10, "batch_size": 128, "device": device}
+    if compile_step:  # run.compile (absent from the options of an older checkout: left at its default)
+        run["compile"] = {"true": True, "false": False}.get(compile_step, compile_step)
     if "data_on_device" in {f.name for f in dataclasses.fields(RunConfig)}:  # absent before the key existed
         run["data_on_device"] = {"true": True, "false": False}.get(data_on_device, data_on_device)
-    return make_engine(FedAvg(), model, fm, RunSpec(RunConfig(**run), SGD(0.05, 0.9, 5e-4)))
+    return make_engine(alg, model, fm, RunSpec(RunConfig(**run), opt))
 
 
 def _sync(device: str) -> None:
@@ -89,18 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds timed after two untimed ones (median reported)")
     p.add_argument("--data-on-device", default="auto", choices=("auto", "true", "false"))
     p.add_argument("--tag", default="round")
+    p.add_argument("--model", default="mlp", choices=("mlp", "cnn"), help="bench models' MLP or CNN workload")
+    p.add_argument("--alg", default="fedavg", choices=("fedavg", "fedem"))
+    p.add_argument("--compile", default="", choices=("", "true", "false", "auto"), help="run.compile (default: "
+                   "the key's default)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    sim = _engine(args.device, args.data_on_device)
+    sim = _engine(args.device, args.data_on_device, args.model, args.alg, args.compile)
     st = sim.init_state()
-    _round_times(sim, st, args.device, 2)  # warm-up
+    warm = _round_times(sim, st, args.device, 3 if args.compile in ("true", "auto") else 2)  # compiles, records
     times = _round_times(sim, st, args.device, args.rounds)
-    lines = [f"MLP FedAvg round (bench models), device {args.device}"
+    lines = [f"{args.model.upper()} {args.alg} round (bench models), device {args.device}"
              + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
              + f", torch {torch.__version__}, {args.threads} threads, data_on_device "
              f"{args.data_on_device if hasattr(sim.cfg, 'data_on_device') else '(no such key: an older checkout)'}, "
-             f"executor {sim.clients.executor.name}, data held on {sim.clients.data.seen.train.x.device}",
-             f"round seconds: median {statistics.median(times):.4f} of {[round(t, 4) for t in times]}", ""]
+             f"executor {sim.clients.executor.name}, data held on {sim.clients.data.seen.train.x.device}, "
+             f"compile {getattr(sim.cfg, 'compile', None)}",
+             f"round seconds: median {statistics.median(times):.4f} of {[round(t, 4) for t in times]} (untimed first "
+             f"rounds: {[round(t, 3) for t in warm]})", ""]
     acts = [torch.profiler.ProfilerActivity.CPU]
     if args.device.startswith("cuda"):
         acts.append(torch.profiler.ProfilerActivity.CUDA)

@@ -188,3 +188,43 @@ def test_a_federation_resident_on_the_device_equals_one_on_the_host(alg, runner)
     _close(out[False][0], out[True][0], f"{alg} {runner} server state", atol=1e-6)
     np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-6, rtol=1e-6)
     _summaries_close(out[False][2], out[True][2], f"{alg} {runner} evaluation", atol=1e-6)
+
+
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("runner", ["stacked", "vmap", "loop"])
+@pytest.mark.parametrize("alg", ["fedavg", "fedem"])
+def test_a_round_makes_no_undocumented_host_sync(alg, runner, resident):
+    """A round on a GPU never waits for the device except at the waits ``fedmtl.hostsync`` documents (the round's
+    screen, client states to the host store): every executor's round, FedEM's too, under
+    ``torch.cuda.set_sync_debug_mode("warn")``, with the federation on the device and on the host.  All waits found
+    are listed, each at the line of fedmtl that asked for it.  On a CPU there is nothing to wait for."""
+    import traceback
+    import warnings
+
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("host synchronisation is a GPU matter")
+    data = _image_data()
+    m = build_model("mlp", data.feature_shape, data.num_classes, data.meta)
+    eng = simulator(FedAvg() if alg == "fedavg" else FedEM(num_components=2), data, m, runner=runner,
+                    batch_size=4, device=DEVICE, data_on_device=resident)
+    st = eng.init_state()
+    eng.round(st)  # the first round builds what later rounds reuse (compiled steps, the clients form's check)
+    torch.cuda.synchronize()
+    found: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack() if "fedmtl" in f.filename and "test_device" not in f.filename]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else filename
+        if "synchroniz" in str(message).lower() and "prototype" not in str(message):
+            found.append(where)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            row = eng.round(st)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert np.isfinite(row["train_loss"])
+    assert not found, f"{alg} {runner}: undocumented host synchronisations in a round:\n" + "\n".join(found)

@@ -201,6 +201,17 @@ def masked_steps(
     loss_sum = torch.zeros((), dtype=torch.float32)
     count = torch.zeros((), dtype=torch.float32)
     rng = range(len(batches.x)) if steps is None else range(*steps.indices(len(batches.x)))
+    if isinstance(batches.x, list):  # one client's steps, the flags on the host: branch on them, so that a model on a
+        n = 0  # GPU never waits for a flag copied there (fedmtl.hostsync)
+        for s in rng:
+            active = live[s]
+            if masks_itself:
+                carry, loss = step(carry, s, active)
+            elif bool(active):
+                carry, loss = step(carry, s)
+            if bool(active):
+                loss_sum, n = loss_sum + loss, n + 1
+        return carry, loss_sum / max(n, 1)
     for s in rng:
         active = live[s]
         if masks_itself:
@@ -310,7 +321,9 @@ def local_sgd(
         w = None if sample_weight is None else sample_weight[..., batches.pos[s]]
         g, loss = grad_fn(p, batches.x[s], batches.y[s], batches.mask[s], w)
         first = next(iter(p.values()))
-        rate = torch.as_tensor(lr, dtype=first.dtype, device=first.device)  # once per step, not per parameter
+        # once per step, not per parameter; a rate given as a number is filled in on the device, not copied there
+        rate = (lr.to(first.device, first.dtype) if isinstance(lr, Tensor)
+                else torch.full((), lr, dtype=first.dtype, device=first.device))
         new_p, new_buf = {}, {}
         for k, v in p.items():
             if is_statistic(k):

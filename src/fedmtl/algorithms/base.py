@@ -57,6 +57,9 @@ class Context(NamedTuple):
     # returns.  Such a round always releases: aggregate() must call combine even when no update is valid (or none
     # was sent: K = 0 rows), and must compute what it releases from combine's output only
     dp_denominator: float = 0.0
+    #: the weights the engine passed to ``aggregate`` and their sum, read on the host before they were copied to the
+    #: device: ``nobody`` then needs no wait for the device (``fedmtl.hostsync``).  Other weights are summed.
+    weights_total: tuple[Tensor, float] | None = None
 
     @property
     def private(self) -> bool:
@@ -290,7 +293,9 @@ class Algorithm(Generic[ServerT, ClientT]):
 
 def nobody(ctx: Context, weights: Tensor) -> bool:
     """No valid update to aggregate, and no private release due (``Context.dp_denominator``): keep the server."""
-    return float(weights.sum()) <= 0 and not ctx.private
+    known = ctx.weights_total
+    total = known[1] if known is not None and known[0] is weights else float(weights.sum())
+    return total <= 0 and not ctx.private
 
 
 def scalar_mean(values: Tensor, weights: Tensor) -> Tensor:

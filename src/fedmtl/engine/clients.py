@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import tree as T
 from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, padded, round_batches
+from ..hostsync import host_sync, to_device
 from ..models.base import Model
 from ..tree import Tree
 from .evaluation import chunks, per_client, scores
@@ -31,8 +32,8 @@ class TrainOut(NamedTuple):
     """A round's client results, stacked over the K clients in the order they were asked."""
 
     updates: Tree  # (K, ...) what each client sends (zeros where it failed)
-    losses: Tensor  # (K,) training loss (NaN where it failed)
-    ok: Tensor  # (K,) bool: update, new state and loss finite (the new state was kept)
+    losses: Tensor  # (K,) training loss (NaN where it failed), on the host (read in the round's one wait)
+    ok: Tensor  # (K,) bool, on the host: update, new state and loss finite (the new state was kept)
     failed: Tensor  # (K,) bool: no usable reply (raised, timed out, malformed); remote executors only
     #: the distributed executor's summed round: ``updates`` are then a zero-copy view, the weighted mean already
     #: combined across ranks, and ``aggregate`` must read them through this combiner (``engine.distributed``)
@@ -166,9 +167,14 @@ class LocalClients:
             ok &= T.all_finite_rows(updates)
         if T.leaves(new_states):
             ok &= T.all_finite_rows(new_states)
-        keep = torch.nonzero(ok).flatten()
+        with host_sync("the round's screen"):  # one device-to-host copy of the flags and losses (fedmtl.hostsync)
+            screen = torch.stack([ok.to(torch.float64), losses.detach().to(torch.float64)]).cpu()
+        ok, losses = screen[0] > 0, screen[1].to(losses.dtype)
+        keep = torch.nonzero(ok).flatten()  # on the host: no wait
         if T.leaves(new_states) and keep.numel():
-            self.store.write(rows[keep.cpu()], T.take(new_states, keep), round_idx)
+            dev = T.leaves(new_states)[0].device
+            with host_sync("client states to the host store"):
+                self.store.write(rows[keep], T.take(new_states, to_device(keep, dev)), round_idx)
         return TrainOut(updates, losses, ok, torch.zeros_like(ok))
 
     def gossip(self, fn: Callable[[Tree, Tree], tuple[Tree, Tree]], server: Tree, round_idx: int) -> Tree:
@@ -257,14 +263,14 @@ def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[
     rows = [m.rows_of(i) for m, i in zip(members, ids, strict=True)]
     states = [T.to(m.store.read(r), m.device) for m, r in zip(members, rows, strict=True)]  # type: ignore[union-attr]
     sizes = [len(r) for r in rows]
-    replica = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(sizes)).to(first.device)
+    replica = to_device(torch.repeat_interleave(torch.arange(len(members)), torch.tensor(sizes)), first.device)
     payload = T.take(T.stack(payloads), replica)  # each client's own replica's payload
     stacked = T.tmap(lambda *xs: torch.cat(xs), *states) if T.leaves(states[0]) else states[0]
     all_rows = torch.cat(rows)
     batches = TrainBatches(first.data.seen.train, all_rows, concat_orders(orders), first.batch_size, first.device,
                            first.drop_last)
     rate: float | Tensor = lr if not isinstance(lr, list) else lr[0] if len(set(lr)) == 1 else \
-        torch.repeat_interleave(torch.tensor(lr, dtype=torch.float64), torch.tensor(sizes)).to(first.device)
+        to_device(torch.repeat_interleave(torch.tensor(lr, dtype=torch.float64), torch.tensor(sizes)), first.device)
     updates, new_states, losses = first.executor.train(first._update, payload, stacked, batches, rate,
                                                        payload_rows=True)
     outs, at = [], 0

@@ -40,10 +40,10 @@ from ..data.federated import (
     steps_per_epoch,
     usable_counts,
 )
+from ..hostsync import to_device
 from ..models.base import Model
 from ..models.stacking import closed_form_clients, supports_clients, verify_clients
 from ..optim import Batches, ClientBatches, with_all_live
-from .resident import to_device
 
 ExecutorName = Literal["auto", "stacked", "vmap", "loop"]
 
@@ -185,7 +185,7 @@ class VmapExecutor(Executor):
         outs, where = [], []
         for pos in self.buckets(batches.counts, batches.batch_size):
             # the steps live for the whole bucket skip local_sgd's dead-step masking (``Batches.all_live``)
-            p, b = pos.to(batches.device), batches.padded(pos)
+            p, b = to_device(pos, batches.device), batches.padded(pos)
             dims = T.batch_dims(b)  # 0 on the tensors, None on the flags and on fields left None
             rows_lr = isinstance(lr, Tensor)  # a rate per client (replicas with rates of their own, batched)
             key = (fn, payload_rows, dims, rows_lr)
@@ -201,10 +201,10 @@ class VmapExecutor(Executor):
                 raise
             where.append(pos)
         if len(outs) == 1:
-            inverse = torch.argsort(where[0]).to(batches.device)
+            inverse = to_device(torch.argsort(where[0]), batches.device)
             return T.tmap(lambda x: x[inverse], outs[0])
         k = len(batches.counts)
-        dst = [w.to(batches.device) for w in where]
+        dst = [to_device(w, batches.device) for w in where]
 
         def place(*xs: Tensor) -> Tensor:  # each bucket's rows copied once into their clients' positions
             out = xs[0].new_empty((k, *xs[0].shape[1:]))
@@ -283,7 +283,7 @@ class StackedExecutor(Executor):
         order = torch.argsort(-steps, stable=True)  # most steps first: the live clients of every step are a prefix
         outs = []
         for pos in torch.split(order, self.chunk_size or max(len(order), 1)):
-            p = pos.to(batches.device)
+            p = to_device(pos, batches.device)
             b = batches.clients(pos, self.model.input_transform, self.workspace, self.first_epoch)
             if not self._verified(b):  # a clients form that does not reproduce the module: the fallback's path
                 return self.fallback.train(fn, payload, states, batches, lr, payload_rows)
@@ -293,7 +293,7 @@ class StackedExecutor(Executor):
                 failed_at(e, pos.tolist())
                 raise
         out = outs[0] if len(outs) == 1 else T.tmap(lambda *xs: torch.cat(xs), *outs)
-        inverse = torch.argsort(order).to(batches.device)
+        inverse = to_device(torch.argsort(order), batches.device)
         return T.tmap(lambda x: x.index_select(0, inverse), out)
 
     def _verified(self, b: ClientBatches) -> bool:

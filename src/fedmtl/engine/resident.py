@@ -10,8 +10,8 @@ device would stall the host on the device once per call.
 
 Where the federation does not fit (``auto`` measures its bytes against the device's free memory, or
 ``data_on_device = false``), the batches are gathered on the host, still in their stored dtype, staged in pinned
-memory and copied without waiting (``to_device``), and converted on the device.  On a CPU the host is the device:
-both settings hold the data where it is and run the same code.
+memory and copied without waiting (``fedmtl.hostsync.to_device``), and converted on the device.  On a CPU the host
+is the device: both settings hold the data where it is and run the same code.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dataclasses import replace
 from typing import Literal
 
 import torch
-from torch import Tensor
 
 from ..data.federated import ClientGroup, FederatedData, Split
 
@@ -84,9 +83,3 @@ def place(data: FederatedData, device: torch.device, mode: DataOnDevice) -> Fede
     return placed
 
 
-def to_device(x: Tensor, device: torch.device) -> Tensor:
-    """``x`` on ``device``; a host tensor bound for a GPU is staged in pinned memory and copied without the host
-    waiting (the pinned block is not reused before the copy is done: torch's host allocator records the copy)."""
-    if x.device.type != "cpu" or device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)

@@ -32,6 +32,7 @@ from torch import Tensor
 from .. import tree as T
 from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, epoch_orders, usable_counts
+from ..hostsync import to_device
 from ..machine import torch_device
 from ..models.base import Model, ModelError
 from ..registry import ALGORITHMS
@@ -353,7 +354,10 @@ class Engine:
         """The algorithm's aggregate of ``updates`` (stacked rows of clients ``ids``, weighted by ``weights``) into
         ``server``, on the run's device; ``ctx``: how to combine them (default: the run's, the weighted mean)."""
         ctx = self.ctx if ctx is None else ctx
-        return T.to(self.alg.aggregate(ctx, server, updates, weights.to(self.device), ids), self.device)
+        w = to_device(weights, self.device)
+        if weights.device.type == "cpu":  # the sum read here, where it costs no wait for the device
+            ctx = ctx._replace(weights_total=(w, float(weights.sum())))
+        return T.to(self.alg.aggregate(ctx, server, updates, w, ids), self.device)
 
     def estimated_seconds(self, steps: float, nbytes: float) -> float:
         """Estimated wall-clock seconds, on the systems model's device network, of ``steps`` full-speed local steps
