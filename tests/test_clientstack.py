@@ -12,9 +12,13 @@ from torch import nn
 
 import fedmtl
 from fedmtl import tree as T
+from fedmtl.algorithms import FedAvg
+from fedmtl.data.federated import ClientGroup, FederatedData, Split
+from fedmtl.models import build_model, clientstack
 from fedmtl.models.base import Model
-from fedmtl.models.clientstack import LOOP, STACKED, VMAP, ClientsForm
+from fedmtl.models.clientstack import LOOP, STACKED, VMAP, ClientsForm, StackedConv
 from fedmtl.models.stacking import clients_paths, supports_clients, value_and_grad_clients
+from fedmtl.testing import run_rounds, simulator
 
 
 class Seq(nn.Module):
@@ -138,6 +142,71 @@ def test_forms_that_cannot_exist():
     assert ClientsForm.of(nn.Sequential(Scale(3))) is None  # no layer with a stacked form: nothing to gain
     root = Model.from_module(nn.Conv1d(2, 3, 1), num_classes=3).clients_form  # the module is one standard layer
     assert root is not None and root.layers == {"": STACKED}
+
+
+@pytest.fixture
+def im2col(monkeypatch):
+    """Force the im2col path of single-input-channel stacked convolutions (CUDA only by default) on the CPU; the
+    fixture's value counts the convolutions that took it."""
+    taken = [0]
+    original = StackedConv._im2col
+
+    def counted(self, *args):
+        out = original(self, *args)
+        taken[0] += out is not None
+        return out
+
+    monkeypatch.setattr(clientstack, "use_im2col", lambda x: True)
+    monkeypatch.setattr(StackedConv, "_im2col", counted)
+    return taken
+
+
+@pytest.mark.parametrize("kw", [{}, {"padding": 2, "stride": 2, "bias": False},
+                                {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2)},
+                                {"padding": "same", "dilation": 2}])
+def test_im2col_of_a_one_channel_convolution_equals_the_grouped_convolution(kw, im2col, monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Conv2d(1, 5, 3 if kw.get("padding") == "same" else (3, 4), **kw)
+    k, n = 3, 4
+    w = torch.randn(k, *layer.weight.shape, requires_grad=True)
+    b = None if layer.bias is None else torch.randn(k, 5, requires_grad=True)
+    x = torch.randn(k * n, 1, 11, 9, requires_grad=True)
+    leaves = [t for t in (w, b, x) if t is not None]
+    conv = StackedConv(layer)
+    del conv.weight, conv.bias
+    conv.weight, conv.bias = w, b  # the clients' stacked weights, as ``functional_call`` supplies them
+
+    def run(forced: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        monkeypatch.setattr(clientstack, "use_im2col", lambda x: forced)
+        y = conv(x)
+        return y, torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum(), leaves)
+
+    (y0, g0), (y1, g1) = run(False), run(True)
+    assert im2col[0] == 1 and y1.shape == y0.shape
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-5)
+    for name, a, c in zip(("weight", "bias", "input") if b is not None else ("weight", "input"), g1, g0, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=name)
+    unfolded = y0.numel() // 5 * layer.weight[0, 0].numel()  # K x B x L x kh x kw
+    monkeypatch.setattr(clientstack, "IM2COL_MAX_ELEMENTS", unfolded - 1)
+    torch.testing.assert_close(conv(x), y0, rtol=0, atol=0)  # over the bound: the grouped convolution itself
+    assert im2col[0] == 1
+
+
+def test_a_cnn_femnist_round_with_im2col_equals_the_grouped_convolution(im2col, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g) for n in (12, 7, 10)]
+    ys = [torch.randint(0, 10, (len(x),), generator=g) for x in xs]
+    split = Split.from_lists(xs, ys)
+    data = FederatedData(ClientGroup(split, split), 10, meta={"input": "image", "mean": 0.3, "std": 0.3})
+    servers = []
+    for forced in (True, False):
+        monkeypatch.setattr(clientstack, "use_im2col", lambda x, forced=forced: forced)
+        model = build_model("cnn_femnist", data.feature_shape, 10, data.meta, hidden=16)
+        st, _ = run_rounds(simulator(FedAvg(), data, model, runner="stacked", batch_size=4), 1)
+        servers.append(st.server.params)
+    assert im2col[0] > 0
+    for a, b in zip(T.leaves(servers[0]), T.leaves(servers[1]), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
 def _image_data(seed: int = 0) -> fedmtl.FederatedData:
