@@ -228,3 +228,14 @@ def test_a_round_makes_no_undocumented_host_sync(alg, runner, resident):
             torch.cuda.set_sync_debug_mode("default")
     assert np.isfinite(row["train_loss"])
     assert not found, f"{alg} {runner}: undocumented host synchronisations in a round:\n" + "\n".join(found)
+
+
+def test_host_tables_reach_the_device_whatever_their_layout():
+    """``fedmtl.hostsync.to_device``: index tables built on the host (expanded views among them: their entries share
+    memory and cannot be pinned as they are) arrive on the device equal, dense or not."""
+    from fedmtl.hostsync import to_device
+
+    for x in (torch.arange(6), torch.arange(3).view(1, 3).expand(4, 3), torch.arange(12).view(3, 4).T,
+              torch.arange(10)[2:8:2]):
+        y = to_device(x, DEVICE)
+        assert y.device.type == torch.device(DEVICE).type and torch.equal(y.cpu(), x)

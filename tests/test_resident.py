@@ -13,8 +13,8 @@ from fedmtl.algorithms import FedAvg
 from fedmtl.cli import main
 from fedmtl.config import ConfigError, load
 from fedmtl.engine.resident import federation_bytes, fits, place, resident
-from fedmtl.hostsync import to_device
 from fedmtl.engine.spec import RunConfig
+from fedmtl.hostsync import to_device
 from fedmtl.models import build_model
 from fedmtl.testing import run_rounds, simulator
 

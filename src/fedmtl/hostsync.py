@@ -45,12 +45,13 @@ def host_sync(reason: str) -> Iterator[None]:
 
 
 def to_device(x: Tensor, device: torch.device | str) -> Tensor:
-    """``x`` on ``device``; a host tensor bound for a GPU is staged in pinned memory and copied without the host
-    waiting (the pinned block is not reused before the copy is done: torch's host allocator records the copy)."""
+    """``x`` on ``device``; a host tensor bound for a GPU is staged in pinned memory (a dense copy: an expanded view's
+    entries share memory) and copied without the host waiting (the pinned block is not reused before the copy is
+    done: torch's host allocator records the copy)."""
     device = torch.device(device)
     if x.device.type != "cpu" or device.type != "cuda":
         return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
+    return x.contiguous().pin_memory().to(device, non_blocking=True)  # contiguous: an expanded view cannot be pinned
 
 
 __all__ = ["host_sync", "to_device"]

@@ -55,6 +55,7 @@ from typing import ClassVar, Literal, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..hostsync import to_device
 from ..models.base import Model, ModelError
 from ..optim import SGD, Batches, live_steps, masked_steps
 from ..schema import Annotated, Range
@@ -308,7 +309,9 @@ class Floco(Algorithm[FlocoServer, ClientId]):
 
         def step_grad(p: Params, s: int, nth: Tensor) -> tuple[Params, Tensor]:
             # the j-th live step draws the j-th alpha, wherever padding puts it (loop and vmap agree)
-            return grad(p, batches.x[s], batches.y[s], batches.mask[s], alphas.index_select(0, nth).squeeze(0))
+            # (the loop executor's step flags, and so nth, are on the host; the alphas on the model's device)
+            return grad(p, batches.x[s], batches.y[s], batches.mask[s],
+                        alphas.index_select(0, to_device(nth, alphas.device)).squeeze(0))
 
         trained, mean_loss = sgd_by_step(step_grad, {**payload.params, "__simplex__": payload.simplex}, batches, lr,
                                          ctx.opt)
