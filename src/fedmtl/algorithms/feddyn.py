@@ -64,7 +64,7 @@ class FedDyn(Algorithm[DynServer, GradState]):
 
     name: ClassVar[str] = "feddyn"
     keeps_client_state: ClassVar[bool] = True
-    #: alpha, the weight of the dynamic regularizer (0 = FedAvg; the paper tunes it in {0.1, 0.01, 0.001})
+    #: alpha, the weight of the dynamic regularizer (0 = FedAvg; the authors' reference code runs 0.01)
     alpha: Annotated[float, Range(0, 1e3)] = 0.1
     #: weight the server mean by sample counts instead of uniformly (the paper)
     weighted: bool = False

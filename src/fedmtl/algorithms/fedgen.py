@@ -1,38 +1,43 @@
 """FedGen: data-free knowledge distillation for heterogeneous federated learning.
 
 Zhu, Hong, Zhou, "Data-Free Knowledge Distillation for Heterogeneous Federated Learning", ICML 2021 (PMLR 139,
-arXiv 2105.10056).  Sources read: the paper's abstract and public summaries (the stored copies of the text reached
-no further) and the authors' code (zhuangdizhu/FedGen: ``serverpFedGen.py``, ``userpFedGen.py``, ``generator.py``,
-``model_config.py``) for the formulas and numbers below; the paper's equation numbers could not be read, so the
-objectives are cited by their symbols.
+arXiv 2105.10056).  Sources read: the paper's text (Sec. 2-3, Algorithm 1, Sec. 6.1 and 6.3), cited below by
+equation and by line of Algorithm 1, and the authors' code (zhuangdizhu/FedGen: ``serverpFedGen.py``,
+``userpFedGen.py``, ``generator.py``, ``model_config.py``) for the loss terms the paper leaves to its supplementary
+and for the numbers below.
 
-The model is split at the head's input (``Model.features`` -> z in R^d -> ``Model.head``; a model without the
-split is refused).  The server learns a lightweight generator G_w(z | y) that maps a label y and noise eps ~ U[0, 1)^r
-to a representation z, so that the ensemble of the round's clients' heads h_k predicts y from it
-(the server's objective, with the clients' label counts as ensemble weights):
+The model is split at the head's input (``Model.features`` -> z in R^d -> ``Model.head``, the paper's feature
+extractor f and predictor h, Sec. 2; a model without the split is refused).  The server learns a lightweight
+generator G_w(z | y) (Sec. 3.1) that maps a label y and noise eps ~ U[0, 1)^r to a representation z, so that the
+ensemble of the round's clients' heads h_k predicts y from it (the server's objective, Eq. (4), Alg. 1 line 14, in
+the authors' code's form, with the clients' label counts as ensemble weights):
 
     min_w  alpha_e * sum_k E_{y, eps} [ a_{k,y} CE(h_k(G_w(y, eps)), y) ] + eta * L_div(eps, G_w(y, eps)),
     a_{k,y} = (n_{k,y} + 1) / sum_l (n_{l,y} + 1),
 
 y uniform over the labels some client of the round holds, and L_div = exp(-mean_ij ||eps_i -
-eps_j||^2_mean * |g_i - g_j|_mean) the diversity loss; ``generator_steps`` Adam steps a round (rate
-``generator_lr`` x 0.98^round, L2 weight ``generator_weight_decay``), before the models are averaged (FedAvg).
-The generator is an MLP: [eps, onehot(y)] -> Linear(``generator_hidden``) -> BatchNorm -> ReLU -> Linear(d).
+eps_j||^2_mean * |g_i - g_j|_mean) the diversity loss (the paper names it, Sec. 6.1, after Mao et al. 2019);
+``generator_steps`` Adam steps a round (rate ``generator_lr`` x 0.98^round, L2 weight ``generator_weight_decay``),
+before the models are averaged (FedAvg).  Eq. (4) itself is the cross-entropy of the heads' averaged logits,
+sigma((1/K) sum_k g(z; theta_k^p)), with y ~ p^(y) (the label distribution of the clients' counts, Alg. 1 lines 3
+and 13) and no diversity term; the form above is the authors' code's.  The generator is an MLP (Sec. 6.1):
+[eps, onehot(y)] -> Linear(``generator_hidden``) -> BatchNorm -> ReLU -> Linear(d).
 
-Clients distil the generator's knowledge into their models (the clients' objective): from the second round on,
-each local step on a real batch (x, y) adds
+Clients distil the generator's knowledge into their models (the clients' objective, Eq. (5), Alg. 1 lines 6-9):
+from the second round on, each local step on a real batch (x, y) adds
 
-    (B_g / B) alpha_t E_{y^ ~ U(labels), eps} [ CE(h(G_w(y^, eps)), y^) ]                     (generated samples)
-    + beta_t KL( softmax(h(G_w(y, eps'))) || p_theta(. | x) )                                 (latent distillation)
+    (B_g / B) alpha_t E_{y^ ~ U(labels), eps} [ CE(h(G_w(y^, eps)), y^) ]        (generated samples, Eq. (5))
+    + beta_t KL( softmax(h(G_w(y, eps'))) || p_theta(. | x) )                    (latent distillation, authors' code)
 
 to the cross-entropy, the teacher probabilities held constant, alpha_t = max(1e-4, alpha 0.98^t) and likewise
 beta_t (t the 0-based round), B_g = ``gen_batch_size``; the generator runs in evaluation mode (its batch-norm running
-statistics).  Every client predicts with the global model (FedGen trains one global model).  With
-alpha = beta = 0 the clients train as FedAvg's (tested).
+statistics).  Eq. (5) is the local risk plus the generated samples' loss alone, y^ ~ p^(y), unweighted; the weights
+alpha_t, B_g / B and the latent distillation term are the authors' code's.  Every client predicts with the global
+model (FedGen trains one global model).  With alpha = beta = 0 the clients train as FedAvg's (tested).
 
 Defaults: the authors' MNIST settings: alpha = beta = 10, generator rate 3e-4, weight decay 1e-2, alpha_e = 1,
 eta = 1, hidden 256, noise 32, generated batch 32, 50 generator steps a round (their 10 epochs of 5 iterations) of
-batches of 32 (their user batch size).
+batches of 32 (their user batch size; the paper sets B_g = B by default, Sec. 6.3).
 
 Deviations and choices, each stated where it is implemented:
 * the ensemble weights use each client's label counts over its data plus 1 (the authors count the labels of the
@@ -44,6 +49,9 @@ Deviations and choices, each stated where it is implemented:
   few local epochs a round);
 * the generator's Adam is torch.optim.Adam's update written out (coupled L2 weight decay, bias correction), its state
   kept in the server state (checkpointed); the batch-norm running statistics use momentum 0.1 as nn.BatchNorm1d;
+* the noise is eps ~ U[0, 1)^r and the labels are drawn uniformly, as in the authors' code; the paper writes
+  eps ~ N(0, I) (Sec. 3.1) and y ~ p^(y) (Eq. (4), (5));
+* the models are averaged weighted by sample counts, as in the authors' code; Alg. 1 line 13 averages them uniformly;
 * the server uses each client's head: robust aggregators and ``[privacy]`` are refused (``averages_updates``).
 """
 
@@ -108,9 +116,9 @@ STATS = ("bn.running_mean", "bn.running_var")
 
 
 def generate(gen: Params, y_onehot: Tensor, eps: Tensor, train: bool) -> tuple[Tensor, Params]:
-    """G_w(y, eps): [eps, onehot(y)] -> Linear -> BatchNorm -> ReLU -> Linear.  ``train``: normalize by the batch's
-    statistics and return the updated running statistics (nn.BatchNorm1d, momentum 0.1, unbiased running variance);
-    otherwise by the running statistics (returned unchanged)."""
+    """G_w(y, eps) (Sec. 3.1): [eps, onehot(y)] -> Linear -> BatchNorm -> ReLU -> Linear.  ``train``: normalize by the
+    batch's statistics and return the updated running statistics (nn.BatchNorm1d, momentum 0.1, unbiased running
+    variance); otherwise by the running statistics (returned unchanged)."""
     h = torch.cat([eps, y_onehot], -1) @ gen["fc.weight"].T + gen["fc.bias"]
     if train:
         mean, var = h.mean(0), h.var(0, unbiased=False)
@@ -126,7 +134,8 @@ def generate(gen: Params, y_onehot: Tensor, eps: Tensor, train: bool) -> tuple[T
 
 
 def diversity_loss(eps: Tensor, z: Tensor) -> Tensor:
-    """L_div = exp(-mean_ij (mean_r (eps_i - eps_j)^2) (mean_d |z_i - z_j|)) (the authors' DiversityLoss, 'l1')."""
+    """L_div = exp(-mean_ij (mean_r (eps_i - eps_j)^2) (mean_d |z_i - z_j|)) (the authors' DiversityLoss, 'l1'; the
+    paper names a diversity loss, Sec. 6.1, without its formula)."""
     noise = ((eps.unsqueeze(0) - eps.unsqueeze(1)) ** 2).mean(-1)
     layer = (z.unsqueeze(0) - z.unsqueeze(1)).abs().mean(-1)
     return torch.exp(-(noise * layer).mean())
@@ -139,7 +148,8 @@ def ensemble_weights(counts: Tensor) -> Tensor:
 
 
 def teacher_loss(model: Model, heads: list[Params], weights: Tensor, z: Tensor, y: Tensor) -> Tensor:
-    """sum_k mean_j a_{k,y_j} CE(h_k(z_j), y_j) over the K heads (weights (K, C))."""
+    """sum_k mean_j a_{k,y_j} CE(h_k(z_j), y_j) over the K heads (weights (K, C)): the ensemble term of Eq. (4) in the
+    authors' code's form (Eq. (4) takes one cross-entropy of the heads' averaged logits)."""
     total = torch.zeros((), dtype=z.dtype)
     for k, head in enumerate(heads):
         nll = model.nll(model.apply_head(head, z), y)
@@ -213,8 +223,8 @@ class FedGen(Algorithm[GenServer, ClientId]):
 
     def train_generator(self, ctx: Context, server: GenServer, heads: list[Params],
                         counts: Tensor) -> tuple[Params, Params, Params, Tensor]:
-        """``generator_steps`` Adam steps on the generator's objective with the round's heads and label counts
-        (K, C); returns (generator, m, v, Adam's step count)."""
+        """``generator_steps`` Adam steps on the generator's objective (Eq. (4), Alg. 1 line 14) with the round's heads
+        and label counts (K, C); returns (generator, m, v, Adam's step count)."""
         model = ctx.model
         gen, m, v, step = dict(server.gen), dict(server.adam_m), dict(server.adam_v), int(server.adam_t)
         weights = ensemble_weights(counts.to(torch.float64)).to(next(iter(gen.values())).dtype)
@@ -228,6 +238,8 @@ class FedGen(Algorithm[GenServer, ClientId]):
         dev = next(iter(gen.values())).device
         heads = [{k: x.detach() for k, x in h.items()} for h in heads]
         for _ in range(self.generator_steps):
+            # y uniform over the held labels and eps ~ U[0, 1) as the authors' code (Eq. (4): y ~ p^(y); Sec. 3.1:
+            # eps ~ N(0, I))
             y = qualified[torch.randint(len(qualified), (self.generator_batch_size,), generator=g)].to(dev)
             eps = torch.rand(self.generator_batch_size, self.noise_dim, generator=g).to(dev)
             onehot = (y.unsqueeze(-1) == torch.arange(classes, device=dev)).to(eps.dtype)
@@ -255,8 +267,9 @@ class FedGen(Algorithm[GenServer, ClientId]):
         _, head_names = ctx.model.split(server.params, self.name)
         heads = [{k: updates.params[k][int(i)] for k in head_names} for i in ok]
         counts = updates.counts.index_select(0, ok.to(updates.counts.device))
-        gen, m, v, adam_t = self.train_generator(ctx, server, heads, counts)  # before the models are averaged
-        params = ctx.combine(updates.params, weights)  # FedAvg
+        gen, m, v, adam_t = self.train_generator(ctx, server, heads, counts)  # Alg. 1 line 14, on the clients' heads
+        # Alg. 1 line 13: FedAvg, weighted by sample counts as the authors' code (the paper's line 13 mean is uniform)
+        params = ctx.combine(updates.params, weights)
         return GenServer(params, gen, m, v, adam_t, server.t + 1, server.seed)
 
     # -- client ---------------------------------------------------------------------------------
@@ -268,8 +281,9 @@ class FedGen(Algorithm[GenServer, ClientId]):
 
     def local_loss(self, model: Model, gen: Params, p: Params, x: Tensor, y: Tensor, mask: Tensor, y_hat: Tensor,
                    eps_hat: Tensor, eps: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
-        """The client's objective on one real batch (x, y, mask) with generated labels y_hat, noises eps_hat (for the
-        generated samples) and eps (for the latent distillation of the batch's own labels)."""
+        """The client's objective (Eq. (5), Alg. 1 line 9, with the authors' weights and latent distillation term) on
+        one real batch (x, y, mask) with generated labels y_hat, noises eps_hat (for the generated samples) and eps (for
+        the latent distillation of the batch's own labels)."""
         classes = model.num_classes
         m = mask.to(torch.float32)
         n = m.sum().clamp_min(1.0)
@@ -302,6 +316,8 @@ class FedGen(Algorithm[GenServer, ClientId]):
         def step_grad(p: Params, s: int, nth: Tensor) -> tuple[Params, Tensor]:
             x, y, mask = batches.x[s], batches.y[s], batches.mask[s]
             key = torch.remainder(key0 + nth.squeeze(0) * 982451653, _MOD)
+            # Alg. 1 line 7's generated samples: y_hat uniform, eps ~ U[0, 1) (the authors' code; the paper draws
+            # y_hat ~ p^(y) and eps ~ N(0, I))
             y_hat = torch.clamp((counter_uniforms(key, (bg,)) * classes).to(torch.long), max=classes - 1)
             eps_hat = counter_uniforms(torch.remainder(key + 1, _MOD), (bg, r)).to(torch.float32)
             # the batch's own noise row by row (a ragged batch draws the first rows of a padded one's)
@@ -317,7 +333,8 @@ class FedGen(Algorithm[GenServer, ClientId]):
 
         trained, loss = sgd_by_step(step_grad, payload.params, batches, lr, ctx.opt)
         x0, y0, m0 = first_epoch(batches, ctx.local_epochs)
-        counts = (one_hot(model, y0, torch.float32) * m0.to(torch.float32).unsqueeze(-1)).sum(0)  # n_{k,y}
+        # n_{k,y}: the label counter c_k the client sends back (Alg. 1 lines 8 and 11)
+        counts = (one_hot(model, y0, torch.float32) * m0.to(torch.float32).unsqueeze(-1)).sum(0)
         return GenUpdate(trained, counts), state, loss
 
     # -- evaluation -----------------------------------------------------------------------------

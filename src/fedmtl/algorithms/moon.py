@@ -43,7 +43,7 @@ class Moon(Algorithm[GlobalModel, PreviousModel]):
     name: ClassVar[str] = "moon"
     toy: ClassVar[Toy] = Toy(model="mlp")
     keeps_client_state: ClassVar[bool] = True
-    #: mu, the weight of the model-contrastive loss (0 = FedAvg; the paper tunes it in {0.1, 1, 5, 10})
+    #: mu, the weight of the model-contrastive loss (0 = FedAvg; the paper tunes it in {0.1, 1, 5, 10}, Sec. 4.2)
     mu: Annotated[float, Range(0, 1e4)] = 1.0
     #: tau, the temperature of the contrastive loss
     temperature: Annotated[float, Range(0, 1e3, lo_open=True)] = 0.5
