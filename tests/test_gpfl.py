@@ -249,6 +249,7 @@ def test_personalizes_label_permuted_groups_better_than_fedavg():
     assert acc > base + 0.2, (acc, base)
 
 
+@pytest.mark.slow  # about 6 s
 def test_fedbuff_with_a_buffer_of_every_client_is_the_synchronous_method(small_data):
     # updates in the payload's coordinates (runs_async): every client dispatched together, no staleness -- GPFL
     mlp = build_model("mlp", 10, 2, hidden=(16,))
