@@ -298,9 +298,9 @@ def test_fedgen_without_distillation_is_fedavg(small_data, mlp):
 
 
 @pytest.mark.correctness(
-    ("fedgen",), "reference_code: the server's generator objective by hand: ensemble weights (n_ky + 1) / sum_l (n_ly + 1), the "
-    "weighted cross-entropy of every head on the generated representations, the diversity loss; the server's steps "
-    "are torch.optim.Adam's on that objective (same draws), and they lower the ensemble loss",
+    ("fedgen",), "reference_code: the server's generator objective by hand: ensemble weights (n_ky + 1) / "
+    "sum_l (n_ly + 1), the weighted cross-entropy of every head on the generated representations, the diversity loss; "
+    "the server's steps are torch.optim.Adam's on that objective (same draws), and they lower the ensemble loss",
     guards="heads weighted uniformly instead of by label counts, a generator trained on one head, a wrong Adam step",
 )
 def test_fedgen_generator_is_trained_on_the_heads_and_label_counts():
@@ -357,9 +357,9 @@ def test_fedgen_generator_is_trained_on_the_heads_and_label_counts():
 
 
 @pytest.mark.correctness(
-    ("fedgen",), "reference_code: the client's objective by hand: cross-entropy + (B_g / B) alpha_t x the cross-entropy of its head "
-    "on generated representations of sampled labels + beta_t x KL(softmax(head(G(y))) || p(. | x)) (batch mean), "
-    "alpha_t = alpha 0.98^t, no generated terms in the first round",
+    ("fedgen",), "reference_code: the client's objective by hand: cross-entropy + (B_g / B) alpha_t x the "
+    "cross-entropy of its head on generated representations of sampled labels + beta_t x KL(softmax(head(G(y))) || "
+    "p(. | x)) (batch mean), alpha_t = alpha 0.98^t, no generated terms in the first round",
     guards="the distillation's KL reversed or taken on logits, a generator trained by the clients, terms on from "
            "round one",
 )
@@ -398,7 +398,8 @@ def test_fedgen_client_objective_by_hand():
     ("fedgen",), "the paper's generator objective (Eq. (4)) by hand: one cross-entropy of the heads' averaged logits "
     "(below the mean of the heads' own); the server's steps are torch.optim.Adam's on alpha_e x that + eta x the "
     "diversity loss, labels drawn from the round's label distribution p^(y) and noise from N(0, I)",
-    guards="per-head or label-count-weighted cross-entropies in the paper's form, labels drawn uniformly, U[0, 1) noise",
+    guards="per-head or label-count-weighted cross-entropies in the paper's form, labels drawn uniformly, U[0, 1) "
+           "noise",
 )
 def test_fedgen_paper_generator_objective():
     import torch.nn.functional as F
@@ -483,6 +484,11 @@ def test_fedgen_paper_client_objective_by_hand():
     assert torch.equal(update.counts, torch.tensor([2.0, 1.0, 1.0]))  # the live labels 0, 1, 2, 0
 
 
+@pytest.mark.correctness(
+    ("fedgen",), "the paper's labels y ~ p^(y) by inversion of counter-based uniforms: frequencies of 20,000 draws "
+    "within 1.5 points of p^(y), a label of probability 0 never drawn; the counter-based noise is standard normal",
+    guards="uniform labels, a zero-probability label drawn, noise that is not N(0, 1)",
+)
 def test_fedgen_paper_draws_follow_the_label_distribution():
     dist = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
     labels = sample_labels(dist, counter_uniforms(torch.tensor(123), (20000,)))

@@ -207,8 +207,9 @@ class FedGen(Algorithm[GenServer, ClientId]):
     toy: ClassVar[Toy] = Toy({"generator_hidden": 16, "noise_dim": 4, "generator_steps": 5}, model="mlp")
     # the server trains on each client's head and label counts: robust aggregators and [privacy] do not apply
     averages_updates: ClassVar[bool] = False
-    #: run the authors' code's form instead of the paper's: heads' cross-entropies weighted by label counts, uniform
-    #: labels and U[0, 1) noise, the clients' decaying alpha / beta terms and latent distillation, sample-count means
+    #: run the authors' code's form instead of the paper's (the default): heads' cross-entropies weighted by label
+    #: counts, uniform labels and U[0, 1) noise, the clients' decaying alpha / beta terms and latent distillation,
+    #: sample-count means
     reference_code: bool = False
     #: reference_code: alpha, the weight of the generated samples' cross-entropy in local training (decays 0.98 a
     #: round; the paper's Eq. (5) has no weight)
@@ -226,7 +227,8 @@ class FedGen(Algorithm[GenServer, ClientId]):
     generator_steps: Annotated[int, Range(0, 10**5)] = 50
     #: the server's generated batch size
     generator_batch_size: Annotated[int, Range(2, 10**5)] = 32
-    #: alpha_e, the weight of the ensemble (teacher) loss in the generator's objective
+    #: alpha_e, the weight of the ensemble (teacher) loss in the generator's objective (the authors'; the paper gives
+    #: none)
     ensemble_alpha: Annotated[float, Range(0, 1e4)] = 1.0
     #: eta, the weight of the diversity loss in the generator's objective (the authors'; the paper gives none)
     ensemble_eta: Annotated[float, Range(0, 1e4)] = 1.0
