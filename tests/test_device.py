@@ -198,8 +198,7 @@ def test_a_round_makes_no_undocumented_host_sync(alg, runner, resident):
     screen, client states to the host store): every executor's round, FedEM's too, under
     ``torch.cuda.set_sync_debug_mode("warn")``, with the federation on the device and on the host.  All waits found
     are listed, each at the line of fedmtl that asked for it.  On a CPU there is nothing to wait for."""
-    import traceback
-    import warnings
+    from fedmtl.hostsync import host_waits
 
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("host synchronisation is a GPU matter")
@@ -210,22 +209,7 @@ def test_a_round_makes_no_undocumented_host_sync(alg, runner, resident):
     st = eng.init_state()
     eng.round(st)  # the first round builds what later rounds reuse (compiled steps, the clients form's check)
     torch.cuda.synchronize()
-    found: list[str] = []
-
-    def record(message, category, filename, lineno, file=None, line=None) -> None:
-        frames = [f for f in traceback.extract_stack() if "fedmtl" in f.filename and "test_device" not in f.filename]
-        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else filename
-        if "synchroniz" in str(message).lower() and "prototype" not in str(message):
-            found.append(where)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            row = eng.round(st)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    row, found = host_waits(lambda: eng.round(st))
     assert np.isfinite(row["train_loss"])
     assert not found, f"{alg} {runner}: undocumented host synchronisations in a round:\n" + "\n".join(found)
 

@@ -13,16 +13,24 @@ read a result.  A round makes exactly these waits (``tests/test_device.py`` runs
 
 Everything else is queued without waiting: host-built index tables go to the device with non-blocking copies
 (``to_device``), and the aggregation leaves out excluded rows with masks computed on the device rather than with
-``nonzero``.  ``host_sync`` marks the two waits above, so that the debug mode lets them pass.
+``nonzero``.  ``host_sync`` marks the two waits above, so that the debug mode lets them pass; ``host_waits`` lists
+every other wait of a call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+R = TypeVar("R")
+_PACKAGE = Path(__file__).resolve().parent
 
 
 @contextmanager
@@ -54,4 +62,31 @@ def to_device(x: Tensor, device: torch.device | str) -> Tensor:
     return x.contiguous().pin_memory().to(device, non_blocking=True)  # contiguous: an expanded view cannot be pinned
 
 
-__all__ = ["host_sync", "to_device"]
+def host_waits(fn: Callable[[], R]) -> tuple[R, list[str]]:
+    """``fn()`` run under ``torch.cuda.set_sync_debug_mode("warn")``, and every host synchronisation CUDA reported
+    while it ran (those inside ``host_sync`` pass unreported), each as the line of fedmtl that asked for it
+    (``file.py:LINE code``).  The debug mode is a prototype that does not see every synchronisation."""
+    found: list[str] = []
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        text = str(message)
+        if "synchroniz" not in text.lower() or "prototype" in text:
+            return
+        ours = [f for f in traceback.extract_stack() if Path(f.filename).resolve().is_relative_to(_PACKAGE)
+                and Path(f.filename).name != "hostsync.py"]
+        found.append(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else
+                     f"{filename}:{lineno}")
+
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, found
+
+
+__all__ = ["host_sync", "host_waits", "to_device"]
