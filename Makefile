@@ -36,10 +36,18 @@ run: venv
 JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
 XDIST = -n $(JOBS) --dist load --maxschedchunk 1
 
+# ruff and mypy run beside pytest at the lowest priority, in the moments its workers leave a core idle (they wait on
+# the Flower and torchrun processes); their output is shown after pytest's.  Compiled bytecode is cached (some
+# machines set PYTHONDONTWRITEBYTECODE), so that each worker and test subprocess does not compile the test modules
+# and their assertion rewrites again.
 test: venv
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(XDIST) tests
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/mypy src/fedmtl
+	@lint=$$(mktemp); \
+	nice -n 19 sh -c '$(VENV)/bin/ruff check src tests benchmarks && $(VENV)/bin/mypy src/fedmtl' >$$lint 2>&1 & \
+	pid=$$!; trap 'kill $$pid 2>/dev/null; rm -f $$lint' INT TERM; \
+	echo "OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(XDIST) tests   (ruff and mypy beside it)"; \
+	OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(VPY) -m pytest -q $(XDIST) tests; rc=$$?; \
+	wait $$pid; lrc=$$?; echo "ruff check src tests benchmarks; mypy src/fedmtl:"; cat $$lint; rm -f $$lint; \
+	test $$rc -eq 0 && test $$lrc -eq 0
 
 # the quick tier: short tests only, so one worker per core and each worker's share sent at once
 test-fast: venv

@@ -48,8 +48,7 @@ def make_sim(alg, data, model=None, opt=None, **run):
 # workers one at a time in collection order (pytest-xdist ``--dist load``), so these start first and the short ones
 # fill the gaps, instead of one long test holding the end of the run.  Only the order depends on this list.
 LONGEST = (
-    "test_flower_secagg.py::test_secure_aggregation_over_a_deployment_with_tls_and_node_authentication",
-    "test_flower.py::test_deployment_with_node_local_data_tls_and_node_authentication",
+    "test_flower.py::test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggregation",
     "test_flower.py::test_simulation_joins_a_running_ray_cluster",
     "test_flower.py::test_flower_crashing_client_is_dropped_and_server_resumes",
     "test_workflow.py::test_bundled_config_and_quick_reproduction_from_any_folder",

@@ -236,7 +236,9 @@ def _cli(args, cwd, **env):
 
 
 @pytest.mark.slow
-def test_cli_loads_plugins_with_import_and_entry_points(tmp_path):
+def test_cli_loads_plugins_with_import_and_entry_points(tmp_path, monkeypatch, capsys):
+    from fedmtl.cli import main
+
     (tmp_path / "myplug.py").write_text(PLUGIN)
     (tmp_path / "c.toml").write_text(PLUGIN_CONFIG)
     path = {"PYTHONPATH": str(tmp_path)}
@@ -245,18 +247,21 @@ def test_cli_loads_plugins_with_import_and_entry_points(tmp_path):
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["algorithm"] == "serverlr" and s["config"]["model"] == {"name": "tinymlp", "width": 12}
     assert s["final"]["seen_test_acc_mean"] > 0.5
-    r = _cli(["run", "c.toml", "--out", "out2", "--no-progress"], tmp_path, **path)  # without the plugin
-    assert r.returncode == 2 and "'blobs' is not one of" in r.stderr
-    r = _cli(["run", "c.toml", "--import", "no_such_module_xyz"], tmp_path)
-    assert r.returncode == 2 and "cannot import" in r.stderr
+    # the refusals, in this process (nothing gets registered): without the plugin, a missing module, a broken file
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "c.toml", "--out", "out2", "--no-progress"]) == 2
+    assert "'blobs' is not one of" in capsys.readouterr().err
+    assert main(["run", "c.toml", "--import", "no_such_module_xyz"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+    (tmp_path / "broken.py").write_text("raise TypeError('plugin bug')\n")
+    assert main(["run", "c.toml", "--import", "./broken.py"]) == 2
+    err = capsys.readouterr().err
+    assert "raised TypeError: plugin bug" in err and "Traceback" not in err
     # a module in the current folder without PYTHONPATH, and a file by its path
     r = _cli(["run", "c.toml", "--import", "myplug", "--out", "out4", "--no-progress"], tmp_path)
     assert r.returncode == 0, r.stderr
     r = _cli(["run", "c.toml", "--import", "./myplug.py", "--out", "out5", "--no-progress"], tmp_path)
     assert r.returncode == 0, r.stderr
-    (tmp_path / "broken.py").write_text("raise TypeError('plugin bug')\n")
-    r = _cli(["run", "c.toml", "--import", "./broken.py"], tmp_path)
-    assert r.returncode == 2 and "raised TypeError: plugin bug" in r.stderr and "Traceback" not in r.stderr
     # the entry-point group fedmtl.plugins: an installed distribution that declares the module
     dist = tmp_path / "fedmtl_demo_plugin-0.1.dist-info"
     dist.mkdir()

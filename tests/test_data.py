@@ -80,6 +80,18 @@ def test_padded_views():
     assert torch.equal(x[1, :2], sp.client(0)[0])
 
 
+def test_padded_clients_of_one_size_stored_in_order_are_a_view_of_the_split():
+    sp = _split([3, 3, 3, 2])
+    x, y, m = padded(sp, torch.tensor([1, 2]))  # consecutive, one size: the split's own memory
+    assert x.data_ptr() == sp.x[3:].data_ptr() and bool((m == 1).all())
+    for ids in ([1, 2], [2, 1], [0, 2], [0, 1, 2], [3, 0]):  # the view and the gathers agree
+        x, y, m = padded(sp, torch.tensor(ids))
+        for i, k in enumerate(ids):
+            n = int(sp.counts[k])
+            assert torch.equal(x[i, :n], sp.client(k)[0]) and torch.equal(y[i, :n], sp.client(k)[1])
+            assert m[i].sum() == n
+
+
 def test_ragged_batches_equal_padded_ones_without_padding():
     from fedmtl.data.federated import ragged_batches
 

@@ -232,14 +232,19 @@ def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
-    """A real SuperLink (TLS, node authentication) and two SuperNodes on 127.0.0.1 run 3 FedEM rounds
-    through ``flwr run``.  Each node holds only its own clients' .npz files (disjoint folders); the app's
-    config describes another federation (other seed, other size), so no node could rebuild its data from it.
-    The result equals the in-process simulator on the original data; an unregistered node is refused by the
-    SuperLink; private keys are 0600 and the CA key is not among the files a node receives.  Readiness is
-    polled (every second, up to FEDMTL_DEPLOY_TIMEOUT, default 300 s), and at exit no process the deployment
-    started, nor any they spawned, still runs."""
+def test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggregation(tmp_path):
+    """A real SuperLink (TLS, node authentication) and three SuperNodes on 127.0.0.1, each with its warm worker and
+    only its own clients' .npz files (disjoint folders), run two apps through ``flwr run``, one after the other:
+
+    - 3 FedEM rounds, whose app config describes another federation (other seed, other size), so no node could
+      rebuild its data from it.  The result equals the in-process simulator on the original data; an unregistered
+      node is refused by the SuperLink; private keys are 0600 and the CA key is not among the files a node receives.
+    - a FedAvg round with SecAgg+ (the project's ClientApp applies the secure aggregation mod, the worker trains):
+      the result equals the simulator's to the quantization bound.
+
+    Readiness is polled (every second, up to FEDMTL_DEPLOY_TIMEOUT, default 300 s), and at exit no process the
+    deployment started, nor any they spawned, still runs.  (One deployment for both apps: starting one is most of
+    each app's time.)"""
     import json
     import stat
     import tomllib
@@ -248,31 +253,38 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
     from fedmtl.flower.deploy import LocalDeployment, running
     from fedmtl.flower.project import write_project
     from fedmtl.runs import checkpoint
+    from fedmtl.secure_aggregation import mean_error_bound
+
+    from .test_flower_secagg import _text as secure_text
 
     cfg = validate(tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", k=3)))
     data = cfg.build_data()
-    export(data, tmp_path / "site_a", [0, 1, 2])
-    export(data, tmp_path / "site_b", [3, 4])
+    sites = [tmp_path / "site_a", tmp_path / "site_b", tmp_path / "site_c"]
+    for site, ks in zip(sites, ([0, 1], [2, 3], [4]), strict=True):
+        export(data, site, ks)
     other = validate(tomllib.loads(CONFIG.format(alg="fedem", extra="num_components = 2", k=3)
                                    .replace("num_clients = 5", "num_clients = 2").replace("seed = 2", "seed = 77")))
     app = write_project(other, tmp_path / "app", 5)
+    secure = validate(tomllib.loads(secure_text("fedavg")))
+    assert secure.raw["data"] == cfg.raw["data"]  # the same federation: the nodes' files serve both apps
+    secure_app = write_project(secure, tmp_path / "secure_app", 3)
     # every SuperNode with its warm worker (the project's ClientApp relays each message to it over a Unix socket)
-    with LocalDeployment(tmp_path / "dep", data_dirs=[tmp_path / "site_a", tmp_path / "site_b"], workers=True) as dep:
-        dep.wait_for_nodes(2)
+    with LocalDeployment(tmp_path / "dep", data_dirs=sites, workers=True) as dep:
+        dep.wait_for_nodes(3)
         intruder = dep.start_unregistered_node()
         log = dep.run(app, tmp_path / "out")
         intruder.wait(300)
         # the ServerApp's log (here streamed by flwr run --stream) has fedmtl's lines: nodes, rounds, the end
-        assert "flower server: 2 SuperNodes hold 5 clients" in log, log[-3000:]
+        assert "flower server: 3 SuperNodes hold 5 clients" in log, log[-3000:]
         assert "fedem round 3/3  loss" in log and "fedem finished round 3/3" in log, log[-3000:]
         assert f"results in {tmp_path / 'out'}" in log
         # started as DEPLOY.md tells an operator: the SuperLink on every interface with a database, each node on a
         # port of its own
         link_cmd = dep.commands["superlink"]
         assert link_cmd[link_cmd.index("--host") + 1] == "0.0.0.0" and "--database" in link_cmd
-        ports = [dep.commands[f"supernode{i}"][dep.commands[f"supernode{i}"].index("--port") + 1] for i in range(2)]
-        assert len(set(ports)) == 2
-        assert dep.online_nodes() == 2  # the unregistered key never joined
+        ports = [dep.commands[f"supernode{i}"][dep.commands[f"supernode{i}"].index("--port") + 1] for i in range(3)]
+        assert len(set(ports)) == 3
+        assert dep.online_nodes() == 3  # the unregistered key never joined
         # refused by the SuperLink, for its key: the link logs the intruder's public key as unknown, and the
         # node exits with Flower's exit code 305 (SuperNode activation refused)
         from cryptography.hazmat.primitives import serialization
@@ -289,9 +301,14 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
                     *(priv for priv, _ in dep.keys)]:
             assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
         assert not (tmp_path / "dep" / "certs" / "ca.key").exists()
+        # the second app on the same nodes: one FedAvg round with SecAgg+
+        secure_log = dep.run(secure_app, tmp_path / "secure_out")
+        assert "secure aggregation (SecAgg+) over 3 SuperNodes" in secure_log, secure_log[-3000:]
+        assert "fedavg finished round 1/1" in secure_log, secure_log[-3000:]
         pids = dep.pids()
-        assert len(pids) >= 7, pids  # the SuperLink, its SuperExec, two SuperNodes with their SuperExecs, 2 workers
-        for i in range(2):  # the messages went through the workers: they built the nodes' data
+        # the SuperLink, its SuperExec, three SuperNodes with their SuperExecs, 3 workers
+        assert len(pids) >= 10, pids
+        for i in range(3):  # the messages went through the workers: they built the nodes' data
             assert "serving" in (tmp_path / "dep" / f"worker{i}.log").read_text()
             assert stat.S_IMODE((tmp_path / "dep" / f"worker{i}" / "worker.sock").stat().st_mode) == 0o600
     assert not [pid for pid in pids if running(pid)]
@@ -303,6 +320,15 @@ def test_deployment_with_node_local_data_tls_and_node_authentication(tmp_path):
         assert torch.allclose(a, b, atol=1e-5)
     for key, v in final.items():
         assert abs(summary["final"][key] - v) < 1e-5, key
+    # SecAgg+: the simulator's round, to the quantization bound (and not exactly: the sum went through the masks)
+    server = checkpoint.load(tmp_path / "secure_out" / "checkpoint.pt")["server"]
+    sim = build_local(secure)
+    st = sim.init_state()
+    payload = T.to_named(T.tmap(lambda x: x.clone(), st.server))
+    sim.round(st)
+    for (name, a), b in zip(server.items(), T.to_named(st.server).values(), strict=True):
+        m = float((b.double() - payload[name].double()).abs().max())
+        assert 0 < float((a.double() - b.double()).abs().max()) <= mean_error_bound(3, 1.0, 1 << 16, 1.0, m) + 1e-6
     # metrics.csv has the simulator's columns in the simulator's order
     import fedmtl
 

@@ -251,33 +251,6 @@ def test_flower_table_is_validated_with_the_key_named():
     assert FlowerConfig(num_shares=5, reconstruction_threshold=3).protocol(20) == (5, 3)
 
 
-@pytest.mark.slow
-def test_secure_aggregation_over_a_deployment_with_tls_and_node_authentication(tmp_path):
-    """A real SuperLink (TLS, node authentication) and three SuperNodes on 127.0.0.1, each with its own clients'
-    files and its warm worker, run a FedAvg round with SecAgg+ through ``flwr run`` (the project's ClientApp applies
-    the secure aggregation mod, the worker trains): the result equals the simulator's to the quantization bound."""
-    from fedmtl.data.npz import export
-    from fedmtl.flower.deploy import LocalDeployment
-    from fedmtl.flower.project import write_project
-    from fedmtl.runs import checkpoint
-
-    text = _text("fedavg")
-    cfg = validate(tomllib.loads(text))
-    data = cfg.build_data()
-    sites = [tmp_path / "site_a", tmp_path / "site_b", tmp_path / "site_c"]
-    for site, ks in zip(sites, ([0, 1], [2, 3], [4]), strict=True):
-        export(data, site, ks)
-    app = write_project(cfg, tmp_path / "app", 3)
-    with LocalDeployment(tmp_path / "dep", data_dirs=sites, workers=True) as dep:
-        dep.wait_for_nodes(3)
-        log = dep.run(app, tmp_path / "out")
-        assert "secure aggregation (SecAgg+) over 3 SuperNodes" in log, log[-3000:]
-        assert "fedavg finished round 1/1" in log, log[-3000:]
-    server = checkpoint.load(tmp_path / "out" / "checkpoint.pt")["server"]
-    sim = build_local(cfg)
-    st = sim.init_state()
-    payload = T.to_named(T.tmap(lambda x: x.clone(), st.server))
-    sim.round(st)
-    for (name, a), b in zip(server.items(), T.to_named(st.server).values(), strict=True):
-        m = float((b.double() - payload[name].double()).abs().max())
-        assert 0 < float((a.double() - b.double()).abs().max()) <= mean_error_bound(3, 1.0, 1 << 16, 1.0, m) + 1e-6
+# SecAgg+ over a real deployment (TLS, node authentication, three SuperNodes with their workers):
+# test_flower.py::test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggregation, which runs it
+# on the same deployment as its FedEM app

@@ -639,12 +639,18 @@ def padded(split: Split, clients: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     nmax = max(int(counts.max()), 1) if counts.numel() else 1
     j = torch.arange(nmax)
     valid = j.unsqueeze(0) < counts.unsqueeze(1)
-    gidx = split.offsets[clients].cpu().unsqueeze(1) + torch.where(valid, j.unsqueeze(0), torch.zeros_like(j))
-    gidx = to_device(gidx, dev)
+    starts = split.offsets[clients].cpu()
+    k = len(clients)
     if split.x.shape[0] == 0:
         x = torch.zeros(len(clients), nmax, *split.x.shape[1:], dtype=split.x.dtype, device=dev)
         y = torch.zeros(len(clients), nmax, dtype=torch.long, device=dev)
+    elif k and split.x.is_contiguous() and split.y.is_contiguous() and bool((counts == nmax).all()) \
+            and bool((starts == starts[0] + nmax * torch.arange(k)).all()):
+        # clients of one size stored one after the other (a federation's equal test sets): a view, no copy
+        x = split.x.narrow(0, int(starts[0]), k * nmax).view(k, nmax, *split.x.shape[1:])
+        y = split.y.narrow(0, int(starts[0]), k * nmax).view(k, nmax)
     else:
+        gidx = to_device(starts.unsqueeze(1) + torch.where(valid, j.unsqueeze(0), torch.zeros_like(j)), dev)
         flat = gidx.reshape(-1)  # index_select: 2-3x the rate of advanced indexing for these row gathers (measured)
         x = split.x.index_select(0, flat).reshape(len(clients), nmax, *split.x.shape[1:])
         y = split.y.index_select(0, flat).reshape(len(clients), nmax)
