@@ -3,6 +3,7 @@ dropped clients and server resume."""
 
 from __future__ import annotations
 
+import os
 import stat
 import time
 from typing import NamedTuple
@@ -397,7 +398,7 @@ def test_simulation_resources_reach_the_backend(monkeypatch):
     from fedmtl.flower.simulation import backend_config
 
     assert backend_config(4, 2.0) == {"client_resources": {"num_cpus": 2.0, "num_gpus": 0.0},
-                                      "init_args": {"num_cpus": 4}}
+                                      "init_args": {"num_cpus": 4, "address": "local"}}
     joined = backend_config(1, 0.5, 0.0, "127.0.0.1:6379")
     assert joined["init_args"] == {"address": "127.0.0.1:6379"}
     assert joined["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.0}
@@ -411,11 +412,15 @@ def test_simulation_resources_reach_the_backend(monkeypatch):
 @pytest.mark.slow
 def test_simulation_joins_a_running_ray_cluster(tmp_path):
     """A Ray head started with `ray start --head` on loopback; `fedmtl flower simulate --ray-address` runs its virtual
-    SuperNodes there, 2 CPUs each, and gives the in-process result."""
+    SuperNodes there, 2 CPUs each, and gives the in-process result.  The head has a folder of its own and only its
+    processes are stopped at the end (`ray stop` would stop every Ray instance on the machine, other tests' too); a
+    simulation started meanwhile without --ray-address starts its own instance, never joins this one."""
     import shutil
+    import signal
     import socket
     import subprocess
     import sys
+    import tempfile
     import tomllib
     from pathlib import Path
 
@@ -429,17 +434,26 @@ def test_simulation_joins_a_running_ray_cluster(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(text)
     env = {"RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
     start = subprocess.run([str(ray), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                            "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats"],
-                           capture_output=True, text=True, env=env, timeout=180)
-    assert start.returncode == 0, start.stderr[-2000:]
+                            "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats",
+                            "--temp-dir", temp], capture_output=True, text=True, timeout=180,
+                           env={**env, "FEDMTL_TEST_RAY_HEAD": temp})
     try:
+        assert start.returncode == 0, start.stderr[-2000:]
         p = subprocess.run([sys.executable, "-m", "fedmtl", "flower", "simulate", str(cfg), "--out",
                             str(tmp_path / "run"), "--ray-address", f"127.0.0.1:{port}", "--cpus-per-node", "2", "-q"],
                            capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:]
     finally:
-        subprocess.run([str(ray), "stop", "--force"], capture_output=True, env=env, timeout=120)
+        mark = f"FEDMTL_TEST_RAY_HEAD={temp}".encode()
+        for proc in Path("/proc").iterdir():  # this head's processes: they inherit its environment, marked
+            try:
+                if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)
     import json
 
     got = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]

@@ -45,6 +45,9 @@ def backend_config(cpus: int = 1, cpus_per_node: float = 1.0, gpus_per_node: flo
             if gpus_per_node > have:
                 raise ValueError(f"--gpus-per-node {gpus_per_node:g}: this machine has {have} GPU(s)")
         init["num_cpus"] = cpus
+        # a Ray instance of its own: without an address Ray joins the cluster last started on this machine by
+        # `ray start` (/tmp/ray/ray_current_cluster), whose resources it may not set (num_cpus: a crash)
+        init["address"] = "local"
     return {"client_resources": {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node}, "init_args": init}
 
 
