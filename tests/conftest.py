@@ -44,32 +44,35 @@ def make_sim(alg, data, model=None, opt=None, **run):
     return simulator(alg, data, model, opt, **run)
 
 
-# the longest tests (a quarter of a minute or more on 2 busy cores), longest first: ``make test`` hands tests to its
-# workers one at a time in collection order (pytest-xdist ``--dist load``), so these start first and the short ones
-# fill the gaps, instead of one long test holding the end of the run.  Only the order depends on this list.
+# the longest tests (a quarter of a minute or more on 2 busy cores), in the order ``make test`` starts them: it hands
+# tests to its 3 workers one at a time in collection order (pytest-xdist ``--dist load``), so these start first and
+# the short ones fill the gaps, instead of one long test holding the end of the run.  The ones that mostly wait (on
+# Flower's and Ray's processes, timeouts, readiness polls: marked "waits") alternate with ones that compute, so that
+# the two cores stay busy while they wait.  Only the order depends on this list.
 LONGEST = (
-    "test_flower.py::test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggregation",
-    "test_flower.py::test_simulation_joins_a_running_ray_cluster",
-    "test_flower.py::test_flower_crashing_client_is_dropped_and_server_resumes",
-    "test_workflow.py::test_bundled_config_and_quick_reproduction_from_any_folder",
+    "test_flower.py::test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggregation",  # waits
     "test_workflow.py::test_main_job_quick_reports_every_method_with_seed_spread",
+    "test_workflow.py::test_bundled_config_and_quick_reproduction_from_any_folder",
+    "test_flower.py::test_simulation_joins_a_running_ray_cluster",  # waits
     "test_distributed.py::test_resume_from_a_killed_rank_equals_the_uninterrupted_run",
-    "test_api.py::test_cli_loads_plugins_with_import_and_entry_points",
     "test_bench.py::test_peers_workload_and_its_baselines_are_what_the_benchmark_says",
+    "test_flower.py::test_interrupted_flower_run_resumes_exactly_from_node_state_files",  # waits
+    "test_clientstack.py::test_run_compile_equals_the_eager_step",
     "test_mocha_engine.py::test_engine_mocha_with_learned_omega_matches_the_reference",
-    "test_flower.py::test_interrupted_flower_run_resumes_exactly_from_node_state_files",
-    "test_flower.py::test_flower_simulation_equals_simulator",
-    "test_mocha.py::test_table1_mtl_beats_local_and_global_on_related_tasks",
-    "test_cli.py::test_resume_after_real_interruption_matches_uninterrupted",
-    "test_api.py::test_python_api_docs_page_runs_as_written",
+    "test_flower.py::test_flower_crashing_client_is_dropped_and_server_resumes",  # waits
+    "test_api.py::test_cli_loads_plugins_with_import_and_entry_points",
     "test_distributed.py::test_several_seeds_are_refused_on_every_rank_before_anything_is_written",
+    "test_flower.py::test_flower_simulation_equals_simulator",  # waits
+    "test_mocha.py::test_table1_mtl_beats_local_and_global_on_related_tasks",
+    "test_api.py::test_python_api_docs_page_runs_as_written",
+    "test_workflow.py::test_logging_without_a_terminal_prints_plain_lines",  # waits
+    "test_cli.py::test_resume_after_real_interruption_matches_uninterrupted",
     "test_docs.py::test_handbook_builds_strict_with_its_key_pages",
     "test_fuzz.py::test_schema_fuzz_runs_the_cheap_end_and_default_of_every_range",
     "test_fuzz.py::test_schema_fuzz_refuses_every_value_outside_a_declared_range",
     "test_distributed.py::test_two_ranks_equal_one_process",
     "test_mocha_engine.py::test_engine_mocha_reaches_the_reference_objective_fixed_omega",
     "test_flower_trust.py::test_local_deployment_stops_every_process_it_started_when_interrupted",
-    "test_workflow.py::test_logging_without_a_terminal_prints_plain_lines",
     "test_bench_pfl.py::test_bench_pfl_writes_both_frameworks_side_by_side",
     "test_experiments.py::test_perfedavg_reproduction_quick",
 )

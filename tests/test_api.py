@@ -282,7 +282,7 @@ def _run_python_blocks(text, tmp_path, name, min_blocks=1):
     script.write_text("\n".join(blocks))
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="2"))
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r.stdout
 

@@ -110,3 +110,16 @@ def test_the_graph_sees_function_level_and_relative_imports():
 def test_no_import_cycle_in_src():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_every_test_the_suite_starts_first_exists():
+    """``tests/conftest.py`` LONGEST orders the suite's long tests by name: a renamed or removed test would silently
+    lose its place, so each entry must name a test function of its file."""
+    from pathlib import Path
+
+    from .conftest import LONGEST
+
+    here = Path(__file__).parent
+    for entry in LONGEST:
+        file, name = entry.split("::")
+        assert f"def {name}(" in (here / file).read_text(), entry
