@@ -140,21 +140,6 @@ def test_ownership_is_round_robin_and_covers_everyone() -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_bit_for_bit_on_the_loop_runner(tmp_path: Path) -> None:
-    """FedAvg with stragglers, drops and a median (robust): 2 ranks are bit-identical to one process."""
-    cfg = write_config(tmp_path, "fedavg", extra="[systems]\nvariability = \"high\"\ndrop_prob = 0.2\n"
-                                                 "[robust]\naggregator = \"median\"\n")
-    ok(one_process(cfg, tmp_path / "one"))
-    p = ranks_run(cfg, tmp_path / "two")
-    ok(p)
-    assert_same_run(tmp_path / "one", tmp_path / "two", 0.0)
-    summary = (tmp_path / "two" / "summary.json").read_text()
-    assert '"executor": "distributed"' in summary and '"ranks": 2' in summary
-    assert not (tmp_path / "two" / "client_store").exists()
-    assert p.stdout.count("fedavg on fedem_synthetic") == 1  # rank 0 reports, once
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("alg,runner,extra,alg_extra", [
     ("fedavg", "loop", "", ""),  # the updates summed across ranks (all_reduce), not gathered
     ("fedem", "auto", "", "num_components = 3"),
@@ -332,15 +317,18 @@ def _rank_of(pid: int) -> int:
 
 
 @pytest.mark.slow
-def test_the_several_hosts_command_line(tmp_path: Path) -> None:
+def test_the_several_hosts_command_line_equals_one_process_bit_for_bit(tmp_path: Path) -> None:
     """The handbook's several-host command with two "hosts" on loopback: two torchrun launchers of one rank each
-    meet at a c10d rendezvous endpoint; the run equals one process bit for bit (gathered updates, loop runner)."""
+    meet at a c10d rendezvous endpoint.  FedAvg with stragglers, drops and a median (robust: the updates are
+    gathered, not summed) on the loop runner: the 2 ranks are bit-identical to one process; rank 0 alone reports
+    and writes, and keeps no client store."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = write_config(tmp_path, "hosts", extra="[robust]\naggregator = \"median\"\n")
+    cfg = write_config(tmp_path, "hosts", extra="[systems]\nvariability = \"high\"\ndrop_prob = 0.2\n"
+                                                "[robust]\naggregator = \"median\"\n")
     ok(one_process(cfg, tmp_path / "one"))
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
@@ -352,3 +340,7 @@ def test_the_several_hosts_command_line(tmp_path: Path) -> None:
     for h, (_, err) in zip(hosts, outs, strict=True):
         assert h.returncode == 0, err[-3000:]
     assert_same_run(tmp_path / "one", out, 0.0)
+    summary = (out / "summary.json").read_text()
+    assert '"executor": "distributed"' in summary and '"ranks": 2' in summary and '"updates": "gathered"' in summary
+    assert not (out / "client_store").exists()
+    assert sum(o.count("fedavg on fedem_synthetic") for o, _ in outs) == 1  # rank 0 reports, once
