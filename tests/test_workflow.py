@@ -299,11 +299,10 @@ def test_list_algorithm_fields_all_documented(capsys):
 
 
 @pytest.mark.slow
-def test_bundled_config_and_quick_reproduction_from_any_folder(tmp_path):
+def test_bundled_config_and_quick_reproduction_from_any_folder(tmp_path, monkeypatch):
     """After an install, configs and reproductions work outside the repository, and --quick says so."""
-    cmd = [sys.executable, "-m", "fedmtl", "-q", "reproduce", "personalization", "--quick", "--out", "repro"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=900)
-    assert p.returncode == 0, p.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main(["-q", "reproduce", "personalization", "--quick", "--out", "repro"]) == 0
     assert (tmp_path / "repro" / "summary.png").exists() and (tmp_path / "repro" / "summary.pdf").exists()
     md = (tmp_path / "repro" / "personalization.md").read_text()
     assert md.splitlines()[0].startswith("# ") and "QUICK run" in md.splitlines()[0]

@@ -114,7 +114,9 @@ def sdca_local(
     Steps are processed in chunks: at a chunk's start every sampled example's margin against the local
     model is computed at once, and the local model's later changes enter through the chunk's Gram matrix,
     so each coordinate step costs O(m * chunk) instead of O(m * d) numpy work.  A chunk computes only the
-    nodes that still have steps in it (with skewed node sizes, after the first chunk only the large nodes)."""
+    nodes that still have steps in it (with skewed node sizes, after the first chunk only the large nodes);
+    everything a step needs that does not change within the chunk (beta's entries, the curvatures, which node
+    steps when) is gathered once per chunk."""
     n, den = data.counts, data.denom
     dbeta = np.zeros_like(beta)
     dB = np.zeros_like(W)
@@ -133,30 +135,33 @@ def sdca_local(
         qr, den_r, steps_r = q[r], den[r], steps[r]
         base = (xc @ (W[r] + qr[:, None] * dB[r])[:, :, None])[:, :, 0]  # margins before this chunk's updates
         qgram = qr[:, None, None] * (xc @ xc.transpose(0, 2, 1))
-        curv = qr[:, None] * sqc / den_r[:, None]
+        prep = loss.prepare(qr[:, None] * sqc / den_r[:, None])  # the curvatures
+        bet_c = beta[r[:, None], idx]  # beta itself does not move here, only d_beta
+        # act[t, j] = 1: node r[t] takes step j of the chunk (its budget not spent, its gap not yet small enough);
+        # a node's steps only ever stop, so the chunk runs while its first column holds an active node
+        act = (live[r][:, None] & (np.arange(c0, c1)[None, :] < steps_r[:, None])).astype(np.float64)
+        end = int(act.any(0).sum())
         coef = np.zeros((len(r), c1 - c0))
-        bet, dbet = beta[r], dbeta[r]
-        act_r = live[r].copy()
-        for j in range(c1 - c0):
-            act = act_r & (c0 + j < steps_r)
-            if not act.any():
-                break
+        dbet = dbeta[r]
+        j = 0
+        while j < end:
             i = idx[:, j]
-            b_old = bet[ar, i] + dbet[ar, i]
-            delta = loss.coordinate(b_old, yc[:, j] * base[:, j], curv[:, j]) - b_old
-            delta *= act
+            b_old = bet_c[:, j] + dbet[ar, i]
+            delta = (loss.coordinate_at(b_old, yc[:, j] * base[:, j], prep[:, j]) - b_old) * act[:, j]
             dbet[ar, i] += delta
             cj = delta * yc[:, j] / den_r
             coef[:, j] = cj
             base += cj[:, None] * qgram[:, j, :]  # every later margin sees the local model's change
-            taken[r] += act
-            if theta is not None and (c0 + j + 1) % check_every == 0:
+            j += 1
+            if theta is not None and (c0 + j) % check_every == 0:
                 cur = dB.copy()
                 cur[r] += (coef[:, None, :] @ xc)[:, 0]
                 dbeta[r] = dbet
                 gap, progress = local_gap(data, loss, beta, dbeta, W, cur, q)
                 live &= ~((gap <= theta * progress) | (gap <= 1e-12))
-                act_r = live[r]
+                act[~live[r], j:] = 0.0
+                end = int(act.any(0).sum())
+        taken[r] += act.sum(1).astype(np.int64)
         dbeta[r] = dbet
         dB[r] += (coef[:, None, :] @ xc)[:, 0]
     return dbeta, dB, taken

@@ -43,6 +43,14 @@ class Loss:
 
     def coordinate(self, beta: np.ndarray, margin: np.ndarray, curv: np.ndarray) -> np.ndarray:
         """argmax_b -phi(b) - (b - beta) margin - curv (b - beta)^2 / 2 (one SDCA coordinate step)."""
+        return self.coordinate_at(beta, margin, self.prepare(curv))
+
+    def prepare(self, curv: np.ndarray) -> np.ndarray:
+        """What ``coordinate_at`` needs of the curvatures, computed once for many steps (SDCA's chunks)."""
+        raise NotImplementedError
+
+    def coordinate_at(self, beta: np.ndarray, margin: np.ndarray, prepared: np.ndarray) -> np.ndarray:
+        """``coordinate`` with the curvatures ``prepare``d."""
         raise NotImplementedError
 
     def subgradient(self, margin: np.ndarray) -> np.ndarray:
@@ -59,9 +67,11 @@ class Hinge(Loss):
     def conj(self, beta: np.ndarray) -> np.ndarray:
         return -beta
 
-    def coordinate(self, beta: np.ndarray, margin: np.ndarray, curv: np.ndarray) -> np.ndarray:
-        step = np.divide(1.0 - margin, curv, out=np.zeros_like(margin), where=curv > 0)
-        return np.minimum(np.maximum(beta + step, 0.0), 1.0)
+    def prepare(self, curv: np.ndarray) -> np.ndarray:
+        return np.where(curv > 0, curv, np.inf)  # no curvature (an all-zero example): no step
+
+    def coordinate_at(self, beta: np.ndarray, margin: np.ndarray, prepared: np.ndarray) -> np.ndarray:
+        return np.minimum(np.maximum(beta + (1.0 - margin) / prepared, 0.0), 1.0)
 
     def subgradient(self, margin: np.ndarray) -> np.ndarray:
         return -(margin < 1.0).astype(np.float64)
@@ -76,9 +86,11 @@ class SquaredHinge(Loss):
     def conj(self, beta: np.ndarray) -> np.ndarray:
         return -beta + beta * beta / 4.0
 
-    def coordinate(self, beta: np.ndarray, margin: np.ndarray, curv: np.ndarray) -> np.ndarray:
-        step = (1.0 - margin - beta / 2.0) / (0.5 + curv)
-        return np.maximum(beta + step, 0.0)
+    def prepare(self, curv: np.ndarray) -> np.ndarray:
+        return 0.5 + curv
+
+    def coordinate_at(self, beta: np.ndarray, margin: np.ndarray, prepared: np.ndarray) -> np.ndarray:
+        return np.maximum(beta + (1.0 - margin - beta / 2.0) / prepared, 0.0)
 
     def subgradient(self, margin: np.ndarray) -> np.ndarray:
         return -2.0 * np.maximum(0.0, 1.0 - margin)
