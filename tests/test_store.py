@@ -17,6 +17,7 @@ import torch
 
 from fedmtl import tree as T
 from fedmtl.algorithms import Ditto, FedEM
+from fedmtl.cli import main
 from fedmtl.engine.evaluation import summarize
 from fedmtl.engine.store import ClientStore, StoreError
 from fedmtl.testing import all_client_states, run_rounds, simulator
@@ -165,7 +166,7 @@ def test_mmap_store_resumes_exactly_after_a_kill(tmp_path):
     p.write_text(TINY)
     cmd = [sys.executable, "-m", "fedmtl.cli", "run", str(p), "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([*cmd, "--out", str(tmp_path / "full")], check=True, env=env, timeout=600)
+    assert main(["run", str(p), "--no-progress", "--out", str(tmp_path / "full")]) == 0  # in this process
     cut = tmp_path / "cut"
     proc = subprocess.Popen([*cmd, "--out", str(cut)], env=env)
     journal = cut / "client_store" / "undo.log"
@@ -177,7 +178,7 @@ def test_mmap_store_resumes_exactly_after_a_kill(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (cut / "summary.json").exists(), "the run was not interrupted"
-    subprocess.run([*cmd, "--out", str(cut), "--resume"], check=True, env=env, timeout=600)
+    assert main(["run", str(p), "--no-progress", "--out", str(cut), "--resume"]) == 0
     a = json.loads((tmp_path / "full" / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
     assert a["final"] == b["final"]

@@ -117,7 +117,7 @@ def test_fedmtl_run_with_seeds_from_python():
 
 
 @pytest.mark.slow
-def test_logging_without_a_terminal_prints_plain_lines(tmp_path):
+def test_logging_without_a_terminal_prints_plain_lines(tmp_path, monkeypatch, capsys):
     """Under nohup or a scheduler (no TTY): a line for building the data and one per evaluated round, flushed."""
     sets = [a for s in SMALL for a in ("--set", s)]
     cmd = [sys.executable, "-m", "fedmtl", "run", "synthetic/fedavg", "--out", str(tmp_path / "r"), *sets]
@@ -132,14 +132,14 @@ def test_logging_without_a_terminal_prints_plain_lines(tmp_path):
     for ln in rounds:
         assert "loss " in ln and "acc " in ln and "%" in ln and ln.endswith("s/round")
     assert "\r" not in p.stderr  # no progress-bar redraws in a log
-    # -v: a line for every round; -q: nothing on stderr
-    pv = subprocess.run([*cmd, "-v", "--overwrite"], capture_output=True, text=True, env=_env(), cwd=tmp_path,
-                        timeout=300)
-    assert [ln.split()[2] for ln in pv.stderr.splitlines() if " round " in ln] == [f"{r}/6" for r in range(1, 7)]
-    pq = subprocess.run([*cmd, "-q", "--overwrite"], capture_output=True, text=True, env=_env(), cwd=tmp_path,
-                        timeout=300)
-    assert pq.returncode == 0 and pq.stderr == ""
-    assert "seen_test_acc_mean" in pq.stdout
+    # -v: a line for every round; -q: nothing on stderr (in this process: its stderr, captured, is no terminal either)
+    monkeypatch.chdir(tmp_path)
+    assert main([*cmd[3:], "-v", "--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert [ln.split()[2] for ln in err.splitlines() if " round " in ln] == [f"{r}/6" for r in range(1, 7)]
+    assert main([*cmd[3:], "-q", "--overwrite"]) == 0
+    got = capsys.readouterr()
+    assert got.err == "" and "seen_test_acc_mean" in got.out
 
 
 @pytest.mark.slow
