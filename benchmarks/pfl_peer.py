@@ -31,13 +31,18 @@ replacement (its ``random`` user sampler) and iterates a user's examples in orde
 is a multiple of 10 it also evaluates each trained user on its own data before and after training (its
 ``NNAlgorithmParams.evaluation_frequency``); fedmtl samples 50 distinct clients and shuffles their batches.
 
+The floor, measured in the same run: the same model trained centrally on a round's number of examples (2,500), one
+epoch at the clients' batch of 10 and one at batch 500; the faster is ``central_round_s``, and
+``fedmtl_round_vs_central`` / ``pfl_round_vs_central`` are each round against it (a speed-up over pfl above
+``pfl_round_vs_central`` would need a round faster than training the same examples centrally).
+
 Timing: ``--rounds`` rounds after one untimed warm-up round (round 0).  The two frameworks alternate round by round
-in one process (pfl's round r, then fedmtl's round r, run from pfl's callback), so that both see the same load on a
-shared machine.  pfl's round is timed from the end of its previous one to its ``after_central_iteration`` callback
-(its central evaluation callback runs before that, so an evaluation belongs to its round on both sides), fedmtl's
-round around ``Engine.round`` and its evaluation, CUDA work waited for on both.  Both frameworks evaluate centrally
-before round 0 and after rounds 10, 20, ...; the accuracies reported are a final central evaluation after the last
-timed round.
+in one process (pfl's round r, then fedmtl's round r and the floor's two epochs, run from pfl's callback), so that
+all see the same load on a shared machine.  pfl's round is timed from the end of its previous one to its
+``after_central_iteration`` callback (its central evaluation callback runs before that, so an evaluation belongs to
+its round on both sides), fedmtl's round around ``Engine.round`` and its evaluation, CUDA work waited for on both.
+Both frameworks evaluate centrally before round 0 and after rounds 10, 20, ...; the accuracies reported are a final
+central evaluation after the last timed round.
 Figures, never assertions.
 """
 
@@ -194,6 +199,40 @@ class FedmtlRounds:
         self.times.append(time.perf_counter() - t)
 
 
+class CentralFloor:
+    """The floor: the same model (``simple_cnn`` without dropout, the shared starting weights, NCHW inputs) trained
+    centrally on a round's worth of examples (cohort x examples per client: the first ones of the training set), one
+    epoch of SGD at rate 0.1 and batch ``batch`` (the clients' batch of 10: the same steps as the per-client loops;
+    cohort x 10: one step per batch position, as ``bench peers``' floor), one epoch a call of ``step``: what a round
+    costs with no federation at all."""
+
+    def __init__(self, args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Tensor], start: list[Tensor],
+                 batch: int):
+        n = args.cohort * args.examples
+        self.device, self.batch = args.device, batch
+        self.x, self.y = arrays[0][:n].to(args.device), arrays[1][:n].to(args.device)
+        self.module = pfl_module(False)[1:]  # its NHWC -> NCHW permute left out: these inputs are NCHW
+        with torch.no_grad():
+            for p, w in zip(self.module.parameters(), start, strict=True):
+                p.copy_(w)
+        self.module.to(args.device)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=LOCAL_LR)
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.times: list[float] = []
+
+    def step(self, r: int) -> None:
+        """One epoch (``r`` 0: the warm-up), timed."""
+        t = time.perf_counter()
+        order = torch.randperm(len(self.y), generator=self.gen).to(self.device)
+        for i in range(len(self.y) // self.batch):
+            idx = order[i * self.batch:(i + 1) * self.batch]
+            self.opt.zero_grad()
+            nn.functional.cross_entropy(self.module(self.x[idx]), self.y[idx]).backward()
+            self.opt.step()
+        sync(self.device)
+        self.times.append(time.perf_counter() - t)
+
+
 # ---------------------------------------------------------------------------------------------- pfl
 def pfl_side(args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Tensor], start: list[Tensor],
              between: Callable[[int], None] = lambda r: None) -> dict[str, Any]:
@@ -304,7 +343,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     arrays = make_arrays(args.clients, args.examples, args.eval_examples, args.seed)
     start = initial_weights(args.seed)
     rounds = FedmtlRounds(args, arrays, start)
-    peer = pfl_side(args, arrays, start, rounds.step)  # the two alternate round by round (module docstring)
+    floors = {b: CentralFloor(args, arrays, start, b) for b in (BATCH, args.cohort * BATCH)}
+
+    def between(r: int) -> None:  # pfl's round r, then fedmtl's, then the floors' epochs: all see the same load
+        rounds.step(r)
+        for floor in floors.values():
+            floor.step(r)
+
+    peer = pfl_side(args, arrays, start, between)  # they alternate round by round (module docstring)
     fed = {"rounds_s": rounds.times[1:], "accuracy": rounds.evaluate(), "accuracy_before": rounds.accuracy_before,
            "executor": rounds.executor, "threads": torch.get_num_threads(), "examples_sha256": rounds.sha}
     for name, side in (("fedmtl", fed), ("pfl", peer)):
@@ -312,6 +358,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               flush=True)
     f_med, f_mean = summary(fed["rounds_s"])
     p_med, p_mean = summary(peer["rounds_s"])
+    central = {b: statistics.median(f.times[1:]) for b, f in floors.items()}
+    floor = min(central.values())  # the faster batch: the floor
+    print(f"central floor: {floor:.3f} s a round's examples (batch {min(central, key=central.__getitem__)}); fedmtl "
+          f"{f_med / floor:.2f}x, pfl {p_med / floor:.2f}x of it", flush=True)
     return {
         "benchmark": "pfl", "device": device_name(args.device), "torch": torch.__version__,
         "pfl": pfl.version.__version__, "threads": args.threads,
@@ -329,6 +379,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fedmtl_executor": fed["executor"],
         "fedmtl_round_s": f_med, "pfl_round_s": p_med, "speedup_vs_pfl": p_med / f_med,
         "fedmtl_round_mean_s": f_mean, "pfl_round_mean_s": p_mean, "speedup_vs_pfl_mean": p_mean / f_mean,
+        # the floor (``CentralFloor``): one central epoch over a round's number of examples, per batch size; the
+        # best of them, and each framework's round against it
+        **{f"central_round_s_batch{b}": v for b, v in central.items()},
+        "central_round_s": floor, "fedmtl_round_vs_central": f_med / floor, "pfl_round_vs_central": p_med / floor,
         "fedmtl_rounds_s": fed["rounds_s"], "pfl_rounds_s": peer["rounds_s"],
         "fedmtl_accuracy": fed["accuracy"], "pfl_accuracy": peer["accuracy"],
         "fedmtl_accuracy_before": fed["accuracy_before"], "pfl_accuracy_before": peer["accuracy_before"],

@@ -44,6 +44,10 @@ def test_bench_pfl_writes_both_frameworks_side_by_side(tmp_path):
                 "fedmtl_accuracy", "pfl_accuracy", "timestamp"):
         assert key in res, key
     assert res["speedup_vs_pfl"] == pytest.approx(res["pfl_round_s"] / res["fedmtl_round_s"])
+    # the floor: a central epoch over a round's number of examples (3 x 50) at batch 10 and at batch 30, the faster
+    assert res["central_round_s"] == min(res["central_round_s_batch10"], res["central_round_s_batch30"]) > 0
+    assert res["fedmtl_round_vs_central"] == pytest.approx(res["fedmtl_round_s"] / res["central_round_s"])
+    assert res["pfl_round_vs_central"] == pytest.approx(res["pfl_round_s"] / res["central_round_s"])
     assert len(res["fedmtl_rounds_s"]) == len(res["pfl_rounds_s"]) == 2  # the warm-up round left out
     assert res["workload"]["clients"] == 6 and res["threads"] == 1 and res["torch_threads"] == {"fedmtl": 1, "pfl": 1}
     assert all(math.isfinite(res[k]) and 0 <= res[k] <= 1 for k in ("fedmtl_accuracy", "pfl_accuracy"))
