@@ -112,10 +112,12 @@ def test_run_writes_run_directory(tmp_path):
 def test_resume_after_real_interruption_matches_uninterrupted(tmp_path):
     rounds = 60
     p = write(tmp_path, TINY.format(alg="fedem", rounds=rounds).replace("checkpoint_every = 2", "checkpoint_every = 5"))
-    cmd = [sys.executable, "-m", "fedmtl.cli", "run", str(p), "--no-progress"]
+    # one torch thread in every run, those in this process included (an unrelated pytest may run on more)
+    args = ["run", str(p), "--no-progress", "--set", "run.threads=1"]
+    cmd = [sys.executable, "-m", "fedmtl.cli", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     full = tmp_path / "full"
-    assert main(["run", str(p), "--no-progress", "--out", str(full)]) == 0  # the reference, in this process
+    assert main([*args, "--out", str(full)]) == 0  # the reference, in this process
 
     cut = tmp_path / "cut"
     proc = subprocess.Popen([*cmd, "--out", str(cut)], env=env)
@@ -130,7 +132,7 @@ def test_resume_after_real_interruption_matches_uninterrupted(tmp_path):
     done = len(metrics.read_text().splitlines()) - 1
     assert 0 < done < rounds, "the run was not interrupted mid-way"
     assert not (cut / "summary.json").exists()
-    assert main(["run", str(p), "--no-progress", "--out", str(cut), "--resume"]) == 0
+    assert main([*args, "--out", str(cut), "--resume"]) == 0
     a = json.loads((full / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
     assert a["final"] == b["final"]

@@ -164,9 +164,11 @@ def test_mmap_store_resumes_exactly_after_a_kill(tmp_path):
     uninterrupted run's metrics and per-client results (the journal undid the rounds after the checkpoint)."""
     p = tmp_path / "c.toml"
     p.write_text(TINY)
-    cmd = [sys.executable, "-m", "fedmtl.cli", "run", str(p), "--no-progress"]
+    # one torch thread in every run, those in this process included (an unrelated pytest may run on more)
+    args = ["run", str(p), "--no-progress", "--set", "run.threads=1"]
+    cmd = [sys.executable, "-m", "fedmtl.cli", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    assert main(["run", str(p), "--no-progress", "--out", str(tmp_path / "full")]) == 0  # in this process
+    assert main([*args, "--out", str(tmp_path / "full")]) == 0  # in this process
     cut = tmp_path / "cut"
     proc = subprocess.Popen([*cmd, "--out", str(cut)], env=env)
     journal = cut / "client_store" / "undo.log"
@@ -178,7 +180,7 @@ def test_mmap_store_resumes_exactly_after_a_kill(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (cut / "summary.json").exists(), "the run was not interrupted"
-    assert main(["run", str(p), "--no-progress", "--out", str(cut), "--resume"]) == 0
+    assert main([*args, "--out", str(cut), "--resume"]) == 0
     a = json.loads((tmp_path / "full" / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
     assert a["final"] == b["final"]
