@@ -1,7 +1,6 @@
 """The speed benchmarks' plumbing (their figures are measured by ``fedmtl bench``, never asserted): device checks,
 and the keys the Per-FedAvg and MLP workloads write, on a toy federation."""
 
-
 import time
 
 import pytest
@@ -69,6 +68,7 @@ def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path, 
         fn()
     after = list(loop.global_.parameters())
     assert all(torch.isfinite(p).all() for p in after) and not torch.equal(after[0], before[0])
+
     def once(step, rounds, device):
         t0 = time.perf_counter()
         step()
