@@ -66,6 +66,32 @@ def time_rounds(step: Callable[[], Any], rounds: int, warmup: int = 1) -> list[f
     return out
 
 
+def central_epoch(module: Any, x: Any, y: Any, batch: int, lr: float, device: Any, seed: int = 0,
+                  channels_last: bool = False) -> Callable[[], None]:
+    """One epoch of plain SGD (rate ``lr``, batch ``batch``, a fresh shuffle each call) of a copy of ``module`` on
+    ``(x, y)`` on ``device``: the floor the benchmarks hold a round against (the same model trained centrally on the
+    same examples).  ``channels_last``: a CNN in the channels-last memory format."""
+    import copy
+
+    import torch
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    mod = copy.deepcopy(module).to(device, memory_format=fmt)
+    opt = torch.optim.SGD(mod.parameters(), lr=lr)
+    x, y = x.to(device), y.to(device)
+    gen = torch.Generator().manual_seed(seed)
+
+    def epoch() -> None:
+        order = torch.randperm(len(y), generator=gen).to(device)
+        for i in range(len(y) // batch):
+            idx = order[i * batch:(i + 1) * batch]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(mod(x[idx].contiguous(memory_format=fmt)), y[idx]).backward()
+            opt.step()
+
+    return epoch
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch

@@ -54,7 +54,7 @@ from fedmtl.optim import SGD
 from fedmtl.runs.driver import make_engine
 from fedmtl.runs.report import write_json
 
-from .common import add_device, add_out, add_rounds, add_threads, out_path
+from .common import add_device, add_out, add_rounds, add_threads, central_epoch, out_path
 
 CLIENTS, ALPHA, EXAMPLES, BATCH, LR = 20, 0.1, 12_000, 10, 0.005
 
@@ -221,22 +221,8 @@ def centralized_epoch(data: FederatedData, module: nn.Module, device: torch.devi
                       channels_last: bool = False) -> Callable[[], None]:
     """One epoch of the same model on all training examples at batch clients x batch (the floor); ``channels_last``:
     a CNN in the channels-last memory format (the faster layout for its kernels on a CPU)."""
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    mod = copy.deepcopy(module).to(device, memory_format=fmt)
-    opt = torch.optim.SGD(mod.parameters(), lr=LR)
-    x, y = data.seen.train.x.to(device), data.seen.train.y.to(device)
-    gen = torch.Generator().manual_seed(seed)
-    big = CLIENTS * BATCH
-
-    def epoch() -> None:
-        order = torch.randperm(len(y), generator=gen).to(device)
-        for i in range(len(y) // big):
-            idx = order[i * big:(i + 1) * big]
-            opt.zero_grad()
-            nn.functional.cross_entropy(mod(x[idx].contiguous(memory_format=fmt)), y[idx]).backward()
-            opt.step()
-
-    return epoch
+    return central_epoch(module, data.seen.train.x, data.seen.train.y, CLIENTS * BATCH, LR, device, seed,
+                         channels_last)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -74,7 +74,7 @@ from fedmtl.optim import SGD
 from fedmtl.runs.driver import make_engine
 from fedmtl.runs.report import write_json
 
-from .common import add_device, add_out, add_rounds, add_threads, device_name, out_path, sync
+from .common import add_device, add_out, add_rounds, add_threads, central_epoch, device_name, out_path, sync
 
 #: pfl-research's CIFAR-10 benchmark (``baseline.yaml``, ``cifar10_iid``)
 CLIENTS, PER_CLIENT, COHORT, BATCH, LOCAL_LR, CENTRAL_LR = 1000, 50, 50, 10, 0.1, 1.0
@@ -209,26 +209,18 @@ class CentralFloor:
     def __init__(self, args: argparse.Namespace, arrays: tuple[Tensor, Tensor, Tensor, Tensor], start: list[Tensor],
                  batch: int):
         n = args.cohort * args.examples
-        self.device, self.batch = args.device, batch
-        self.x, self.y = arrays[0][:n].to(args.device), arrays[1][:n].to(args.device)
-        self.module = pfl_module(False)[1:]  # its NHWC -> NCHW permute left out: these inputs are NCHW
+        module = pfl_module(False)[1:]  # its NHWC -> NCHW permute left out: these inputs are NCHW
         with torch.no_grad():
-            for p, w in zip(self.module.parameters(), start, strict=True):
+            for p, w in zip(module.parameters(), start, strict=True):
                 p.copy_(w)
-        self.module.to(args.device)
-        self.opt = torch.optim.SGD(self.module.parameters(), lr=LOCAL_LR)
-        self.gen = torch.Generator().manual_seed(args.seed)
+        self.device = args.device
+        self.epoch = central_epoch(module, arrays[0][:n], arrays[1][:n], batch, LOCAL_LR, args.device, args.seed)
         self.times: list[float] = []
 
     def step(self, r: int) -> None:
         """One epoch (``r`` 0: the warm-up), timed."""
         t = time.perf_counter()
-        order = torch.randperm(len(self.y), generator=self.gen).to(self.device)
-        for i in range(len(self.y) // self.batch):
-            idx = order[i * self.batch:(i + 1) * self.batch]
-            self.opt.zero_grad()
-            nn.functional.cross_entropy(self.module(self.x[idx]), self.y[idx]).backward()
-            self.opt.step()
+        self.epoch()
         sync(self.device)
         self.times.append(time.perf_counter() - t)
 
