@@ -48,15 +48,16 @@ def check_device(args: argparse.Namespace) -> bool:
     return msg is None
 
 
-def time_rounds(step: Callable[[], Any], rounds: int, warmup: int = 1) -> list[float]:
+def time_rounds(step: Callable[[], Any], rounds: int, warmup: int | None = None) -> list[float]:
     """Seconds of ``rounds`` calls of ``step`` after ``warmup`` untimed ones (CUDA work queued by a call is waited
-    for within it)."""
+    for within it).  By default one untimed call, two on a GPU: a round's steps are recorded as CUDA graphs in the
+    second round (``run.compile = "auto"``) and replayed from the third."""
     import torch
 
-    for _ in range(warmup):
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    for _ in range((2 if cuda else 1) if warmup is None else warmup):
         step()
     out = []
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(rounds):
         t0 = time.perf_counter()
         step()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared run: the device tests, a profile of one MLP FedAvg round (this checkout's and an
 # older checkout's, on the same card), `fedmtl bench models` and `fedmtl bench peers`.  Every result lands in $OUT:
-# log.txt, profile-after.txt, profile-after-cnn.txt, profile-before.txt, gpu-models.json, gpu-peers.json, gpu-pfl.json (`fedmtl bench pfl`,
+# log.txt, profile-after.txt, profile-eager.txt, profile-after-cnn.txt, profile-before.txt, gpu-models.json, gpu-peers.json, gpu-pfl.json (`fedmtl bench pfl`,
 # where pfl is importable), gpu-batchnorm.json.
 #
 # Layout it expects (copied next to the repository root, nothing installed):
@@ -43,14 +43,16 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log i
   nvidia-smi -L 2>&1 || echo "no nvidia-smi"
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   cd "$G/tree" || exit 1
-  models_flags=() peers_flags=() first_tests="host_sync or resident or models_on_the_device"
+  models_flags=() peers_flags=() first_tests="replayed or host_sync or resident or models_on_the_device"
   if [ "$QUICK" = 1 ]; then
     models_flags=(--models mlp --runners default) peers_flags=(--models mlp --runners default)
-    first_tests="host_sync or resident"
+    first_tests="replayed or host_sync or resident"
   fi
   step "device tests: $first_tests" 100 env FEDMTL_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider \
     tests/test_device.py -k "$first_tests"
   step "profile after" 60 $PY -m benchmarks.profile_round --device "$DEV" --out "$OUT" --tag after --rounds "$ROUNDS"
+  step "profile after, steps eager" 60 $PY -m benchmarks.profile_round --device "$DEV" --out "$OUT" --tag eager \
+    --rounds "$ROUNDS" --compile false
   step "profile after (CNN)" 60 $PY -m benchmarks.profile_round --device "$DEV" --out "$OUT" --tag after-cnn \
     --rounds "$ROUNDS" --model cnn
   if [ -d "$G/base/src" ]; then
@@ -64,14 +66,15 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log i
   if [ "$QUICK" != 1 ] && $PY -c "import pfl" 2>/dev/null; then
     step "bench pfl" 150 $PY -m fedmtl bench pfl --device "$DEV" --threads 2 --rounds 5 --out "$OUT/gpu-pfl.json"
   fi
-  if [ "$QUICK" != 1 ]; then
-    step "bench batchnorm" 90 $PY -m fedmtl bench batchnorm --device "$DEV" --threads 2 --rounds "$ROUNDS" \
-      --out "$OUT/gpu-batchnorm.json"
-  fi
-  left=$((BUDGET - (SECONDS - START)))
+  left=$((BUDGET - (SECONDS - START) - 60))  # what the device tests leave goes to bench batchnorm (60 s)
   if [ "$QUICK" != 1 ] && [ "$left" -gt 30 ]; then
     step "device tests: all" "$left" env FEDMTL_TEST_DEVICE="$DEV" $PY -m pytest -v --tb=line -p no:cacheprovider \
       tests/test_device.py
+  fi
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$QUICK" != 1 ] && [ "$left" -gt 30 ]; then
+    step "bench batchnorm" "$left" $PY -m fedmtl bench batchnorm --device "$DEV" --threads 2 --rounds "$ROUNDS" \
+      --out "$OUT/gpu-batchnorm.json"
   fi
   echo "=== done after $((SECONDS - START))s"
 } 2>&1 | tee "$OUT/log.txt"

@@ -147,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
 
     def timed(key: str, runner: str) -> None:
         data, model, bsz, chunk = workloads[key]
-        warmup = 0 if runner == "vmap" and dev.type == "cpu" else 1  # one untimed round (a CPU vmap round: minutes)
+        warmup = 0 if runner == "vmap" and dev.type == "cpu" else None  # time_rounds' untimed rounds (a CPU vmap
+        # round: minutes)
         if runner.startswith("per_client"):
             tx = model.input_transform or (lambda x: x)
             cl = runner == "per_client_channels_last"
@@ -232,9 +233,13 @@ def bench_mlp(fm: FederatedData, rounds: int, gflops: float, device: str = "cpu"
     out["mlp_bmm_gflops"] = 2 * 25 * 128 * 784 * 200 * 10 / (time.perf_counter() - t0) / 1e9
     for alg, flops in ((FedAvg(), 6), (FedEM(num_components=3), 24)):
         floor = flops * params * n / (gflops * 1e9)
-        for tag, m in (("", model), ("_autograd", autograd)):
-            sim = make_engine(alg, m, fm, RunSpec(RunConfig(rounds=10, batch_size=128, device=device),
-                                                      SGD(0.05, 0.9, 5e-4)))
+        # on a GPU also the steps run eagerly (``run.compile = false``) against the default, replayed as CUDA graphs
+        variants = (("", model, "auto"), ("_autograd", autograd, "auto"))
+        if torch.device(device).type == "cuda":
+            variants += (("_eager", model, False),)
+        for tag, m, compile_ in variants:
+            sim = make_engine(alg, m, fm, RunSpec(RunConfig(rounds=10, batch_size=128, device=device,
+                                                            compile=compile_), SGD(0.05, 0.9, 5e-4)))
             st = sim.init_state()
             t = statistics.median(time_rounds(lambda sim=sim, st=st: sim.round(st), rounds))
             out[f"mlp_{alg.name}_round_s{tag}"] = t

@@ -73,7 +73,7 @@ EXPECTED_TOML = {
         'runner = "auto"\n'
         'chunk_size = 0\n'
         'bucketing = "steps"\n'
-        'compile = false\n'
+        'compile = "auto"\n'
         'device = "cpu"\n'
         'eval_every = 10\n'
         'checkpoint_every = 10\n'
@@ -132,7 +132,7 @@ EXPECTED_TOML = {
         'runner = "auto"\n'
         'chunk_size = 0\n'
         'bucketing = "steps"\n'
-        'compile = false\n'
+        'compile = "auto"\n'
         'device = "cpu"\n'
         'data_on_device = true\n'
         'eval_every = 10\n'
@@ -218,7 +218,7 @@ EXPECTED_TOML = {
         'runner = "auto"\n'
         'chunk_size = 0\n'
         'bucketing = "steps"\n'
-        'compile = false\n'
+        'compile = "auto"\n'
         'device = "cpu"\n'
         'eval_every = 10\n'
         'checkpoint_every = 10\n'
@@ -295,7 +295,7 @@ EXPECTED_TOML = {
         'runner = "auto"\n'
         'chunk_size = 0\n'
         'bucketing = "steps"\n'
-        'compile = false\n'
+        'compile = "auto"\n'
         'device = "cpu"\n'
         'data_on_device = false\n'
         'eval_every = 10\n'
@@ -330,7 +330,7 @@ EXPECTED_RAW = {
                       'runner': 'auto',
                       'chunk_size': 0,
                       'bucketing': 'steps',
-                      'compile': False,
+                      'compile': 'auto',
                       'device': 'cpu',
                       'eval_every': 10,
                       'checkpoint_every': 10,
@@ -372,7 +372,7 @@ EXPECTED_RAW = {
                          'runner': 'auto',
                          'chunk_size': 0,
                          'bucketing': 'steps',
-                         'compile': False,
+                         'compile': 'auto',
                          'device': 'cpu',
                          'data_on_device': True,
                          'eval_every': 10,
@@ -427,7 +427,7 @@ EXPECTED_RAW = {
                      'runner': 'auto',
                      'chunk_size': 0,
                      'bucketing': 'steps',
-                     'compile': False,
+                     'compile': 'auto',
                      'device': 'cpu',
                      'eval_every': 10,
                      'checkpoint_every': 10,
@@ -478,7 +478,7 @@ EXPECTED_RAW = {
                      'runner': 'auto',
                      'chunk_size': 0,
                      'bucketing': 'steps',
-                     'compile': False,
+                     'compile': 'auto',
                      'device': 'cpu',
                      'data_on_device': False,
                      'eval_every': 10,

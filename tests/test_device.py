@@ -207,7 +207,8 @@ def test_a_round_makes_no_undocumented_host_sync(alg, runner, resident):
     eng = simulator(FedAvg() if alg == "fedavg" else FedEM(num_components=2), data, m, runner=runner,
                     batch_size=4, device=DEVICE, data_on_device=resident)
     st = eng.init_state()
-    eng.round(st)  # the first round builds what later rounds reuse (compiled steps, the clients form's check)
+    for _ in range(2):  # the first rounds build what later rounds reuse (the clients form's check, the steps
+        eng.round(st)  # recorded as CUDA graphs in the second: ``models.replay``)
     torch.cuda.synchronize()
     row, found = host_waits(lambda: eng.round(st))
     assert np.isfinite(row["train_loss"])
@@ -223,3 +224,51 @@ def test_host_tables_reach_the_device_whatever_their_layout():
               torch.arange(10)[2:8:2]):
         y = to_device(x, DEVICE)
         assert y.device.type == torch.device(DEVICE).type and torch.equal(y.cpu(), x)
+
+
+def _uneven_images(sizes=(21, 9, 30, 14, 17), seed=1) -> FederatedData:
+    """Clients of several sizes: the steps of a round have several numbers of live clients (several recordings)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g) for n in sizes]
+    ys = [torch.randint(0, 10, (n,), generator=g) for n in sizes]
+    split = Split.from_lists(xs, ys)
+    return FederatedData(ClientGroup(split, split), 10, meta={"input": "image", "mean": 0.3, "std": 0.3})
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn_femnist", "lstm"])
+@pytest.mark.parametrize("alg", ["fedavg", "fedem", "ditto"])
+def test_replayed_steps_equal_the_eager_rounds_on_the_device(alg, model, monkeypatch, caplog):
+    """``run.compile = "auto"`` (the default) on a GPU: the stacked executor's steps recorded as CUDA graphs and
+    replayed (``fedmtl.models.replay``) give the eager rounds' numbers, and they are recorded (no fallback)."""
+    from fedmtl.algorithms import Ditto
+    from fedmtl.models import replay
+
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("CUDA graphs are a GPU matter (tests/test_replay.py runs the bookkeeping on the CPU)")
+    if model == "lstm":
+        data, kw = _text_data(), {"hidden": 16, "embed": 4}
+    else:
+        data, kw = _uneven_images(), ({"hidden": 16} if model == "cnn_femnist" else {})
+    replayed: list = []
+    original = replay._Graph.replay
+
+    def counted(self, args):
+        replayed.append(self)
+        original(self, args)
+
+    monkeypatch.setattr(replay._Graph, "replay", counted)
+    out = {}
+    for setting in (False, "auto"):
+        torch.manual_seed(0)
+        m = build_model(model, data.feature_shape, data.num_classes, data.meta, **kw)
+        a = {"fedavg": FedAvg(), "fedem": FedEM(num_components=2), "ditto": Ditto(lam=0.1)}[alg]
+        with caplog.at_level("WARNING", logger="fedmtl"):
+            eng = simulator(a, data, m, runner="stacked", batch_size=4, device=DEVICE, compile=setting)
+            st, hist = run_rounds(eng, 4)
+        out[setting] = (st.server, all_client_states(eng), hist)
+    assert "CUDA graph failed" not in caplog.text, caplog.text
+    assert len(replayed) >= 5, "the steps were not replayed"
+    _close(out[False][0], out["auto"][0], f"{alg} {model} server", atol=1e-6)
+    _close(out[False][1], out["auto"][1], f"{alg} {model} client states", atol=1e-6)
+    for h0, h1 in zip(out[False][2], out["auto"][2], strict=True):
+        assert abs(h0["train_loss"] - h1["train_loss"]) <= 1e-6 * max(1.0, abs(h0["train_loss"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -385,8 +386,8 @@ def local_sgd_clients(
     k = batches.n.shape[0]
     template = dict(model.module.named_parameters())
 
-    def per_client(tree: Params) -> Params:  # (K, ...) owned copies; one model's tensors broadcast to K
-        return {n: (v.unsqueeze(0).expand(k, *v.shape) if v.dim() == template[n].dim() + lead else v).clone()
+    def per_client(tree: Params) -> Params:  # (K, ...) views: one model's tensors broadcast to K
+        return {n: v.unsqueeze(0).expand(k, *v.shape) if v.dim() == template[n].dim() + lead else v
                 for n, v in tree.items()}
 
     def stacked(tree: Params | None) -> Params | None:  # read-only (K, ...) or broadcast views
@@ -394,35 +395,64 @@ def local_sgd_clients(
             return None
         return {n: v.unsqueeze(0) if v.dim() == template[n].dim() + lead else v for n, v in tree.items()}
 
-    p = per_client(params)
-    center, shift = stacked(prox_center), stacked(grad_shift)
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
+    start = per_client(params)
+    first = next(iter(start.values()))
+    device = first.device
+    graphs = stacking.step_graphs(model, device, (
+        k, components, mom > 0, isinstance(lr, Tensor), sample_weight is not None,
+        tuple((n, v.shape, v.dtype) for n, v in start.items()),
+        None if prox_center is None or not mu else tuple((n, v.shape) for n, v in prox_center.items()),
+        None if grad_shift is None else tuple((n, v.shape) for n, v in grad_shift.items())))
+    if graphs is None:  # owned tensors of this call
+        p = {n: v.clone() for n, v in start.items()}
+        center, shift = stacked(prox_center), stacked(grad_shift)
+        buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
+        losses = torch.zeros(first.shape[:1 + lead], dtype=torch.float32, device=device)  # (K,) or (K, M)
+        steps = torch.zeros(k, dtype=torch.float32, device=device)
+        rate = lr
+    else:  # the same tensors at every call, which the recorded steps read and write (``models.replay``)
+        p = {n: graphs.hold(f"p.{n}", v) for n, v in start.items()}
+        center, shift = ({n: graphs.hold(f"{tag}.{n}", v) for n, v in tree.items()} if tree is not None else None
+                         for tag, tree in (("center", stacked(prox_center) if mu else None),
+                                           ("shift", stacked(grad_shift))))
+        buf = {n: graphs.hold(f"buf.{n}", v, zero=True) for n, v in p.items()} if mom > 0 else {}
+        losses = graphs.hold("losses", torch.empty(first.shape[:1 + lead], dtype=torch.float32), zero=True)
+        steps = graphs.hold("steps", torch.empty(k, dtype=torch.float32), zero=True)
+        rate = graphs.hold("lr", lr) if isinstance(lr, Tensor) else lr
     # the model's step with the gradient products fused into the update (``models.stacked.Step``), where it has one
     fused = None if model.compile_clients else model.components_step if components else model.clients_step
-    buf = {n: torch.zeros_like(v) for n, v in p.items()} if mom > 0 else {}
-    first = next(iter(p.values()))
-    losses = torch.zeros(first.shape[:1 + lead], dtype=torch.float32, device=first.device)  # (K,) or (K, M)
-    steps = torch.zeros(k, dtype=torch.float32, device=first.device)
+
+    def body(n: int, xs: Tensor, ys: Tensor, ms: Tensor, w: Tensor | None) -> None:  # one step of the live n
+        view = {name: v[:n] for name, v in p.items()}
+        if fused is not None and not mu and shift is None and (w is None or lead) and isinstance(rate, float | int):
+            # SGD (with momentum and weight decay): the model applies the step in place with its gradients fused
+            # into the update
+            step = Step(float(rate), mom, wd, {name: v[:n] for name, v in buf.items()} if mom > 0 else None)
+            loss = fused(view, xs, ys, ms, w, step) if lead else fused(view, xs, ys, ms, step)
+        else:
+            g, loss = clients_grad(model, view, xs, ys, ms, w)
+            _update(view, g, buf, n, k, rate, mom, wd, mu, center, shift)
+        losses[:n] += loss.detach().to(torch.float32)
+        steps[:n] += 1.0
+
     positions = batches.step_pos() if sample_weight is not None else None
     for n, xs, ys, ms in batches.steps():
         if n == 0:
             break
-        view = {name: v[:n] for name, v in p.items()}
         w = None
         if positions is not None:
             assert sample_weight is not None
             w = sample_weight[..., next(positions)].movedim(-2, 0)  # (..., N0) -> (n, ..., B)
-        if fused is not None and not mu and shift is None and (w is None or lead) and isinstance(lr, float | int):
-            # SGD (with momentum and weight decay): the model applies the step in place with its gradients fused
-            # into the update
-            step = Step(float(lr), mom, wd, {name: v[:n] for name, v in buf.items()} if mom > 0 else None)
-            loss = fused(view, xs, ys, ms, w, step) if lead else fused(view, xs, ys, ms, step)
-        else:
-            g, loss = clients_grad(model, view, xs, ys, ms, w)
-            _update(view, g, buf, n, k, lr, mom, wd, mu, center, shift)
-        losses[:n] += loss.detach().to(torch.float32)
-        steps[:n] += 1.0
-    return p, losses / steps.clamp_min(1.0).reshape(-1, *([1] * lead))
+        if graphs is None:
+            body(n, xs, ys, ms, w)
+        else:  # the step's shapes and hyper-parameters (baked into a recorded step) name it
+            graphs.step((n, rate if isinstance(rate, float | int) else None, mom, wd, mu), partial(body, n),
+                        (xs, ys, ms, w))
+    # the caller's own tensors, not the held ones that the next call refills (``body``, kept by a recorded step,
+    # reads ``p`` at every replay: it is never rebound)
+    out = p if graphs is None else {n: v.clone() for n, v in p.items()}
+    return out, losses / steps.clamp_min(1.0).reshape(-1, *([1] * lead))
 
 
 def _update(view: Params, g: Params, buf: Params, n: int, k: int, lr: float | Tensor, mom: float, wd: float,

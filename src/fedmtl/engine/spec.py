@@ -49,9 +49,11 @@ class RunConfig:
     chunk_size: Annotated[int, Range(0, 10**9)] = 0
     #: steps: group clients into vmap calls by their number of local steps; none: one group
     bucketing: Literal["steps", "none"] = "steps"
-    #: compile the stacked executor's step (forward and backward of all clients) with torch.compile; CUDA graphs on
-    #: a GPU.  Pays on long runs of models with many small operations; where no compiler works, the step runs eagerly
-    compile: bool = False
+    #: the stacked executor's local step (forward, backward and update of all clients): auto, on a GPU recorded once
+    #: as a CUDA graph and replayed (one launch a step), eager on a CPU; true, compiled with torch.compile (CUDA
+    #: graphs on a GPU; pays on long runs of models with many small operations); false, eager.  Where recording or
+    #: compiling fails, the step runs eagerly with one warning.  No effect on the numbers
+    compile: bool | Literal["auto"] = "auto"
     #: cpu, cuda or cuda:<i> (i the index of one of the machine's GPUs)
     device: str = "cpu"
     #: keep every client's examples on the device, moved there once in their stored dtype (true); on the host, each
@@ -83,6 +85,8 @@ class RunConfig:
         check_device(self.device)
         if not (isinstance(self.data_on_device, bool) or self.data_on_device == "auto"):
             raise ValueError(f"run.data_on_device must be true, false or 'auto', got {shown(self.data_on_device)}")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise ValueError(f"run.compile must be true, false or 'auto', got {shown(self.compile)}")
         if self.drop_last and self.local_epochs > 1:
             # later epochs would visit examples the first epoch dropped, outside the first epoch's index space (the
             # per-example state some methods keep, FedEM's responsibilities): one epoch per round only

@@ -189,7 +189,7 @@ def node_of(nodes: NodeCache, context: Context, cfg_text: str, full: bool = True
         data, source = whole.subset(ids), "config"
     model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
     model.check_features(data.seen.train.x[:6])
-    model = compiled(model, cfg.run.compile)
+    model = compiled(model, cfg.run.compile, cfg.run.device)
     node = nodes.nodes[key, full or source == "config"] = _Node(cfg, cfg.build_algorithm(), model, data, ids, source)
     return node
 

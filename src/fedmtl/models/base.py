@@ -100,6 +100,9 @@ class Model:
     #: compile the clients' step (``run.compile``: ``models.stacking.compiled``), which keeps it in ``cache`` (per
     #: model instance: a copy starts with an empty one)
     compile_clients: bool = field(default=False, compare=False)
+    #: replay the stacked executor's local steps as CUDA graphs (``run.compile = "auto"`` on a GPU:
+    #: ``models.replay``), which keeps them in ``cache``
+    replay_steps: bool = field(default=False, compare=False)
     cache: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import partial
 from typing import Any
 
@@ -37,9 +37,11 @@ from torch.func import vmap
 from .. import batchnorm
 from ..transforms import eager
 from ..tree import Params
+from . import replay
 from .base import Model
 from .clientstack import clients_value_and_grad
 from .parts import ModelError
+from .replay import StepGraphs
 
 log = logging.getLogger("fedmtl")
 
@@ -213,12 +215,26 @@ def _clients_losses(model: Model, params: Params, x: Tensor, y: Tensor, mask: Te
 
 
 # -- compilation ---------------------------------------------------------------------------------------------------
-def compiled(model: Model, on: bool = True) -> Model:
-    """``model`` with its clients' step compiled by ``torch.compile`` (``run.compile``): the closed form's
-    gradient, or the clients form's loss (its backward compiled with it).  On a GPU in the ``reduce-overhead``
-    mode (CUDA graphs: the step's kernels replayed without a launch each).  Where compiling fails (no compiler)
-    the step runs eagerly, with one warning.  A copy (with an empty ``cache``) where the setting changes."""
-    return model if model.compile_clients == on else dataclasses.replace(model, compile_clients=on)
+def compiled(model: Model, setting: bool | str = True, device: torch.device | str = "cpu") -> Model:
+    """``model`` with its clients' step made as ``run.compile`` says for ``device``: ``true``, compiled by
+    ``torch.compile`` (the closed form's gradient, or the clients form's loss, its backward compiled with it; on a
+    GPU in the ``reduce-overhead`` mode); where compiling fails (no compiler) the step runs eagerly, with one
+    warning.  ``"auto"``: on a GPU, each local step recorded once as a CUDA graph and replayed (``models.replay``),
+    eager on the CPU.  ``false``: eager.  A copy (with an empty ``cache``) where the setting changes."""
+    on = setting is True
+    replay = setting == "auto" and torch.device(device).type == "cuda"
+    if model.compile_clients == on and model.replay_steps == replay:
+        return model
+    return dataclasses.replace(model, compile_clients=on, replay_steps=replay)
+
+
+def step_graphs(model: Model, device: torch.device, signature: Hashable) -> StepGraphs | None:
+    """The recorded local steps of ``signature`` (``models.replay.StepGraphs``, kept in the model's ``cache``) where
+    the model replays its steps on ``device`` (``compiled``) and no ``torch.func`` transform is active (the held
+    tensors are plain tensors), else ``None``."""
+    if not (model.replay_steps or replay.EMULATE) or not replay.replays(device) or not eager():
+        return None
+    return replay.step_graphs(model.cache, signature, device)
 
 
 def compiled_step(model: Model, name: str, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:

@@ -124,7 +124,7 @@ def make_engine(alg: Algorithm, model: Model, data: FederatedData, spec: RunSpec
     if attack.kind == "labelflip" and attack.active:
         data = flip_labels(data, attack.attackers(data.seen.num_clients, rc.seed))
     model.check_features(data.seen.train.x[:6])
-    model = compiled(model, rc.compile)
+    model = compiled(model, rc.compile, rc.device)
     device = torch_device(rc.device)
     held, global_ids = data, None
     if group is not None:
