@@ -8,7 +8,7 @@ clients' stacked parameters) is a few dozen small kernels whose launches, not th
 A graph replays the kernels it recorded on the memory it recorded them with, so everything a step reads or writes
 lives at a fixed address: the stacked parameters, momentum buffers and the loss accumulators are *held* tensors
 (``hold``), allocated once per shape and refilled at each call of ``local_sgd_clients``; each step's batch is copied
-into the graph's own input buffers before its replay.  Steps differ in the number of live clients (the prefix
+into the recorded steps' input buffers before its replay.  Steps differ in the number of live clients (the prefix
 ``ClientBatches.live[s]``) and in the hyper-parameters baked into the kernels (a Python learning rate): one graph per
 distinct step, keyed by those and the batch's shapes.  A step is run eagerly the first time its key is met (that run
 also initializes what the step needs lazily, e.g. a cuBLAS workspace), recorded the second time, and replayed from
@@ -71,6 +71,9 @@ class StepGraphs:
     def __init__(self, device: torch.device):
         self.device = device
         self.held: dict[str, Tensor] = {}
+        # the recorded steps' input buffers, one per argument position, shared: a step of n live clients reads the
+        # first n rows (steps differ in their leading dimension only), so they cost one step's batch, not one each
+        self.inputs: dict[int, Tensor] = {}
         self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self.met: set[Hashable] = set()
         self.failed = False
@@ -129,8 +132,19 @@ class StepGraphs:
             body(*args)
         current.wait_stream(self.stream)  # the steps after it, and whatever reuses its inputs' memory, wait for it
 
+    def _input(self, i: int, a: Tensor) -> Tensor:
+        """The first ``len(a)`` rows of the shared input buffer of argument ``i`` (grown or remade where ``a`` does not
+        fit it, which drops the graphs recorded on the old one)."""
+        buf = self.inputs.get(i)
+        if buf is None or buf.shape[1:] != a.shape[1:] or buf.dtype != a.dtype or buf.shape[0] < a.shape[0]:
+            if buf is not None:
+                self.graphs.clear()
+            rows = a.shape[0] if buf is None or buf.shape[1:] != a.shape[1:] else max(a.shape[0], buf.shape[0])
+            buf = self.inputs[i] = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=self.device)
+        return buf[:a.shape[0]]
+
     def _record(self, body: Callable[..., None], args: tuple[Tensor | None, ...]) -> _Graph | None:
-        inputs = tuple(None if a is None else torch.empty_like(a) for a in args)
+        inputs = tuple(None if a is None else self._input(i, a) for i, a in enumerate(args))
         try:
             graph = self._capture(body, inputs)
         except Exception as e:  # an operation that cannot be recorded: eager from now on
