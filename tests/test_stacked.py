@@ -150,6 +150,41 @@ def test_client_batches_hold_only_live_batches_in_step_major_prefix_order():
         torch.argsort(-counts, stable=True)].float().tolist()
 
 
+@pytest.mark.parametrize("batch,drop_last,limit", [(10, False, None), (10, True, None), (200, False, None),
+                                                   (7, False, [3, 1, 9, 30, 2, 4]), (16, True, [1, 1, 2, 0, 5, 3])])
+def test_one_epoch_client_batches_are_the_padded_layouts_live_steps(batch, drop_last, limit):
+    """With one epoch a round the stacked executor's rows are built for the live batches only
+    (``federated._one_epoch_rows``); they are the padded layout's (``round_batches``) live steps, step-major: the same
+    examples, labels, masks and padding, with and without stragglers, ``drop_last`` and a batch larger than every
+    client.  The first epochs are a view where no straggler cuts them, and otherwise built whole."""
+    from fedmtl.data.federated import round_batches
+
+    tr = _data().seen.train
+    orders = epoch_orders(tr.counts, 1, torch.Generator().manual_seed(3))
+    if limit is not None:
+        orders = orders._replace(limit=torch.tensor(limit))
+    ref = round_batches(tr, torch.arange(6), orders, torch.arange(6), batch, drop_last=drop_last)
+    nonempty = (ref.mask.sum(-1) > 0).sum(1)  # (K,): one epoch, a prefix of steps
+    n_live = nonempty if limit is None else torch.minimum(nonempty, torch.tensor(limit))
+    rows = torch.argsort(-n_live, stable=True)
+    for first_epoch in (False, True):
+        d = client_batches(tr, torch.arange(6), orders, rows, batch, drop_last=drop_last, first_epoch=first_epoch)
+        picked = [(t, int(k)) for t in range(max(int(n_live.max()), 1)) for k in rows if t < n_live[k]]
+        assert list(d.live) == [sum(1 for tt, _ in picked if tt == t) for t in range(len(d.live))]
+        assert torch.equal(d.x, torch.stack([ref.x[k, t] for t, k in picked]) if picked else d.x[:0])
+        assert torch.equal(d.y, torch.stack([ref.y[k, t] for t, k in picked]) if picked else d.y[:0])
+        assert torch.equal(d.mask, torch.stack([ref.mask[k, t].float() for t, k in picked]) if picked else d.mask[:0])
+        assert d.n.tolist() == tr.counts[rows].float().tolist()
+        if first_epoch:
+            assert d.first is not None and d.pos is not None
+            assert (d.first[0].data_ptr() == d.x.data_ptr()) == bool((n_live == nonempty).all())
+            x0, _, owner, real0 = d.first
+            for r, (_, k) in enumerate(picked):  # every real slot's example, found in its client's first epoch
+                at = d.pos[r][d.mask[r] > 0]
+                assert torch.equal(x0[at], d.x[r][d.mask[r] > 0])
+                assert (owner[at] == int((rows == k).nonzero())).all() and (real0[at] == 1).all()
+
+
 def test_a_subclass_that_rewrites_client_update_does_not_inherit_the_clients_form():
     from dataclasses import dataclass
     from typing import ClassVar

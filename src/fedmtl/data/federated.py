@@ -470,21 +470,28 @@ def usable_counts(counts: Tensor, batch_size: int, drop_last: bool) -> Tensor:
     return (counts // batch_size) * batch_size if drop_last else counts
 
 
-def _slots(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None,
-           drop_last: bool) -> tuple[Tensor, Tensor, int, int, int, int, int, Tensor, Tensor, Tensor]:
-    """The slot layout of padded batches for clients ``clients[rows]``: (selected ids, their example counts, K,
-    epochs E, steps per epoch S, batch size B, width S * B, arange(width), valid (K, W): the slot holds an
-    example, local (K, E, W): each slot's example in the client's own numbering, 0 on padding)."""
+def _layout(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None,
+            drop_last: bool) -> tuple[Tensor, Tensor, Tensor, int, int, int, int]:
+    """The padded layout of clients ``clients[rows]``: (selected ids, their example counts, the counts they train on
+    (``usable_counts``), K, epochs E, steps per epoch S, batch size B)."""
     sel = clients[rows]
     n_all = split.counts[sel].cpu()  # (K,)
     counts = usable_counts(n_all, batch_size, drop_last)
-    kk = sel.numel()
     epochs = orders.local.shape[0]
     s = int(steps_per_epoch(counts, batch_size).max()) if steps is None else steps
     if s == 1:  # a batch larger than every client's data is the client's whole data: pad only that far
         batch_size = max(1, min(batch_size, int(counts.max())))
     if s == 0:  # drop_last and no client has a full batch: one empty (dead) step keeps every shape non-empty
         s = 1
+    return sel, n_all, counts, sel.numel(), epochs, s, batch_size
+
+
+def _slots(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_size: int, steps: int | None,
+           drop_last: bool) -> tuple[Tensor, Tensor, int, int, int, int, int, Tensor, Tensor, Tensor]:
+    """The slot layout of padded batches for clients ``clients[rows]``: (selected ids, their example counts, K,
+    epochs E, steps per epoch S, batch size B, width S * B, arange(width), valid (K, W): the slot holds an
+    example, local (K, E, W): each slot's example in the client's own numbering, 0 on padding)."""
+    sel, n_all, counts, kk, epochs, s, batch_size = _layout(split, clients, orders, rows, batch_size, steps, drop_last)
     width = s * batch_size
     j = torch.arange(width)
     valid = j.unsqueeze(0) < counts.unsqueeze(1)  # (K, W)
@@ -492,6 +499,36 @@ def _slots(split: Split, clients: Tensor, orders: Orders, rows: Tensor, batch_si
     local = orders.local[:, flat]  # (E, K, W)
     local = torch.where(valid.unsqueeze(0), local, torch.zeros_like(local)).permute(1, 0, 2)  # (K, E, W)
     return sel, n_all, kk, epochs, s, batch_size, width, j, valid, local
+
+
+def _live_counts(n_live: Tensor, kk: int, steps: int) -> tuple[int, ...]:
+    """The clients live at each of ``steps`` steps (those with more live steps than the step's index), for ``n_live``
+    (K,) each client's live steps."""
+    hist = torch.bincount(n_live.clamp_max(steps), minlength=steps + 1)
+    return tuple((kk - torch.cumsum(hist, 0)[:steps]).tolist())
+
+
+def _check_sorted(n_live: Tensor) -> None:
+    if bool((n_live[1:] > n_live[:-1]).any()):
+        raise ValueError("client_batches: the rows must be sorted by their live steps, most first (the clients live "
+                         "at a step are then a prefix)")
+
+
+def _one_epoch_rows(orders: Orders, rows: Tensor, offsets: Tensor, counts: Tensor, live_counts: tuple[int, ...],
+                    batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``client_batches``' step-major rows for one epoch a round, built for the live batches only: (slots (N, B)
+    global example ids, filled (N, B) bool, each row's client (N,)).  In one epoch a client's live steps are its
+    first ones, so row (step t, client k) holds the examples at positions t*B .. t*B + B - 1 of k's order (its
+    first example on padding, not filled): the rows the general path picks from the padded (K, S, B) layout."""
+    lc = torch.tensor(live_counts, dtype=torch.long)
+    n = int(lc.sum())
+    step = torch.repeat_interleave(torch.arange(len(live_counts)), lc, output_size=n)  # (N,) each row's step
+    client = torch.arange(n) - torch.repeat_interleave(torch.cumsum(lc, 0) - lc, lc, output_size=n)  # (N,)
+    w = step.unsqueeze(1) * batch_size + torch.arange(batch_size)  # (N, B): positions in the client's order
+    filled = w < counts[client].unsqueeze(1)
+    flat = orders.starts[rows][client].unsqueeze(1) + torch.where(filled, w, torch.zeros_like(w))
+    local = torch.where(filled, orders.local[0][flat], torch.zeros_like(flat))
+    return offsets[client].unsqueeze(1) + local, filled, client
 
 
 class ClientData(NamedTuple):
@@ -532,6 +569,34 @@ def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, 
     is one (1.0; 0.0 on padding), and each slot's example's index there (``ClientData.first``, ``.pos``).  Where
     the batches already hold every example once (one epoch, no straggler), the first epoch is a view of them."""
     dev = split.x.device
+    sel, n_all, counts, kk, epochs, s, batch_size = _layout(split, clients, orders, rows, batch_size, None, drop_last)
+
+    def gathered(slots: Tensor, filled: Tensor, live_counts: tuple[int, ...]) -> ClientData:
+        flat = to_device(slots.reshape(-1), dev)
+        x = split.x.index_select(0, flat).reshape(-1, batch_size, *split.x.shape[1:])
+        y = split.y.index_select(0, flat).reshape(-1, batch_size)
+        return ClientData(x, y, to_device(filled.to(torch.float32), dev), to_device(n_all.to(torch.float32), dev),
+                          live_counts)
+
+    if epochs == 1:  # each client's live steps are its first ones (within its straggler limit)
+        nonempty = steps_per_epoch(counts, batch_size).clamp_max(s)  # (K,)
+        n_live = nonempty if orders.limit is None else torch.minimum(nonempty, orders.limit[rows].cpu())
+        _check_sorted(n_live)
+        steps = max(int(n_live.max()), 1) if kk else 1
+        live_counts = _live_counts(n_live, kk, steps)
+        if not first_epoch or bool((n_live == nonempty).all()):
+            slots, filled, owner = _one_epoch_rows(orders, rows, split.offsets[sel].cpu(), counts, live_counts,
+                                                   batch_size)
+            out = gathered(slots, filled, live_counts)
+            if not first_epoch:
+                return out
+            # the batches are the first epoch: a view
+            nb = out.x.shape[0]
+            return out._replace(pos=torch.arange(nb * batch_size, device=dev).reshape(nb, batch_size),
+                                first=(out.x.reshape(nb * batch_size, *out.x.shape[2:]), out.y.reshape(-1),
+                                       to_device(owner.repeat_interleave(batch_size), dev), out.mask.reshape(-1)))
+    # several epochs (padding between them), or a first epoch that stragglers cut short: every client's padded
+    # steps, its live ones picked
     sel, n_all, kk, epochs, s, batch_size, width, j, valid, local = _slots(split, clients, orders, rows, batch_size,
                                                                            None, drop_last)
     slots = (split.offsets[sel].cpu().view(kk, 1, 1) + local).reshape(kk, epochs * s, batch_size)  # global ids
@@ -540,28 +605,15 @@ def client_batches(split: Split, clients: Tensor, orders: Orders, rows: Tensor, 
     limit = torch.full((kk,), epochs * s, dtype=torch.long) if orders.limit is None else orders.limit[rows].cpu()
     live = nonempty & (torch.cumsum(nonempty.to(torch.long), 1) <= limit.unsqueeze(1))
     n_live = live.sum(1)
-    if bool((n_live[1:] > n_live[:-1]).any()):
-        raise ValueError("client_batches: the rows must be sorted by their live steps, most first (the clients live "
-                         "at a step are then a prefix)")
+    _check_sorted(n_live)
     steps = max(int(n_live.max()), 1) if kk else 1
     order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :steps]  # each client's live steps first
     pick = torch.gather(live, 1, order).T  # (L, K): step-major; the live clients of a step are a prefix
     slots = torch.gather(slots, 1, order.unsqueeze(-1).expand(kk, steps, batch_size)).transpose(0, 1)[pick]
     filled = torch.gather(filled, 1, order.unsqueeze(-1).expand(kk, steps, batch_size)).transpose(0, 1)[pick]
-    flat = to_device(slots.reshape(-1), dev)
-    x = split.x.index_select(0, flat).reshape(-1, batch_size, *split.x.shape[1:])
-    y = split.y.index_select(0, flat).reshape(-1, batch_size)
-    live_counts = tuple(int((n_live > t).sum()) for t in range(steps))
-    out = ClientData(x, y, to_device(filled.to(torch.float32), dev), to_device(n_all.to(torch.float32), dev),
-                     live_counts)
+    out = gathered(slots, filled, _live_counts(n_live, kk, steps))
     if not first_epoch:
         return out
-    if epochs == 1 and bool((n_live == nonempty.sum(1)).all()):  # the batches are the first epoch: a view
-        owner = torch.nonzero(pick)[:, 1]  # each row's client: step-major, as the rows were picked
-        nb = x.shape[0]
-        return out._replace(pos=torch.arange(nb * batch_size, device=dev).reshape(nb, batch_size),
-                            first=(x.reshape(nb * batch_size, *x.shape[2:]), y.reshape(-1),
-                                   to_device(owner.repeat_interleave(batch_size), dev), out.mask.reshape(-1)))
     # the first epoch packed: client k's examples at [start_k, start_k + count_k) in its epoch-0 order
     start = torch.cumsum(valid.sum(1), 0) - valid.sum(1)  # (K,)
     pos = _first_epoch_pos(kk, epochs, width, j, valid, local)  # (K, E, W) within the client's first epoch
