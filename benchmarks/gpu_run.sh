@@ -4,6 +4,8 @@
 # log.txt, profile-after.txt, profile-eager.txt, profile-after-cnn.txt, profile-before.txt, gpu-models.json, gpu-peers.json, gpu-pfl.json (`fedmtl bench pfl`,
 # where pfl is importable), gpu-batchnorm.json.
 #
+# (At most 8 files come back from a device: with .gpu/base present, profile-before.txt makes 9 and one is left out.)
+#
 # Layout it expects (copied next to the repository root, nothing installed):
 #   .gpu/tree/   this checkout's src, benchmarks, tests, pyproject.toml, configs
 #   .gpu/base/   an older checkout's src (the "before" profile; skipped where absent)
@@ -50,6 +52,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log i
   fi
   step "device tests: $first_tests" 100 env FEDMTL_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider \
     tests/test_device.py -k "$first_tests"
+  step "replay probe" 60 $PY -m benchmarks.replay_probe --device "$DEV"
   step "profile after" 60 $PY -m benchmarks.profile_round --device "$DEV" --out "$OUT" --tag after --rounds "$ROUNDS"
   step "profile after, steps eager" 60 $PY -m benchmarks.profile_round --device "$DEV" --out "$OUT" --tag eager \
     --rounds "$ROUNDS" --compile false
