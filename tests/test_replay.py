@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -22,15 +21,11 @@ from fedmtl.models import replay
 from fedmtl.models.base import Model
 from fedmtl.models.stacking import compiled
 
+from .test_clientstack import _image_data
 
-def _data(sizes: tuple[int, ...] = (23, 9, 31, 14, 17)) -> fedmtl.FederatedData:
-    rng = np.random.default_rng(0)
-    w = rng.normal(size=(36, 3))
-    pairs = []
-    for n in sizes:
-        x = rng.normal(size=(n, 1, 6, 6)).astype(np.float32)
-        pairs.append((x, np.argmax(x.reshape(n, -1) @ w, 1)))
-    return fedmtl.FederatedData.from_arrays(pairs, pairs, num_classes=3)
+
+def _data() -> fedmtl.FederatedData:
+    return _image_data(sizes=(23, 9, 31, 14, 17))  # clients of several sizes: steps of several widths
 
 
 def _run(cfg: dict[str, Any], model: str | None) -> fedmtl.RunResult:
@@ -38,10 +33,10 @@ def _run(cfg: dict[str, Any], model: str | None) -> fedmtl.RunResult:
     run = {"rounds": 4, "batch_size": 8, "runner": "stacked", "eval_every": 4, **cfg.pop("run", {})}
     full = {"optim": {"lr": 0.1, "momentum": 0.5, "weight_decay": 1e-3}, **cfg, "run": run}
     if model == "tanh":  # a module's clients form: gradients by autograd through it, the update by ``_update``
-        net = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.Tanh(), nn.Linear(8, 3))
+        net = nn.Sequential(nn.Flatten(), nn.Linear(81, 8), nn.Tanh(), nn.Linear(8, 3))
         return fedmtl.run(full, data=_data(), model=Model.from_module(net, 3, init="module"))
     if model == "bn":
-        net = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), fedmtl.BatchNorm(8), nn.ReLU(), nn.Linear(8, 3))
+        net = nn.Sequential(nn.Flatten(), nn.Linear(81, 8), fedmtl.BatchNorm(8), nn.ReLU(), nn.Linear(8, 3))
         return fedmtl.run(full, data=_data(), model=Model.from_module(net, 3, init="module"))
     full["model"] = {"name": "mlp", "hidden": [8]}  # the closed form: the fused step
     return fedmtl.run(full, data=_data())
@@ -99,7 +94,7 @@ def test_a_failed_recording_runs_the_steps_eagerly_with_one_warning(monkeypatch,
 
 
 def test_run_compile_auto_replays_on_a_gpu_only():
-    m = fedmtl.models.build_model("mlp", (1, 6, 6), 3, {}, hidden=(8,))
+    m = fedmtl.models.build_model("mlp", (1, 9, 9), 3, {}, hidden=(8,))
     assert not compiled(m, "auto", "cpu").replay_steps and not compiled(m, "auto", "cpu").compile_clients
     on = compiled(m, "auto", "cuda")
     assert on.replay_steps and not on.compile_clients and on is not m and not on.cache
