@@ -222,10 +222,10 @@ def compiled(model: Model, setting: bool | str = True, device: torch.device | st
     warning.  ``"auto"``: on a GPU, each local step recorded once as a CUDA graph and replayed (``models.replay``),
     eager on the CPU.  ``false``: eager.  A copy (with an empty ``cache``) where the setting changes."""
     on = setting is True
-    replay = setting == "auto" and torch.device(device).type == "cuda"
-    if model.compile_clients == on and model.replay_steps == replay:
+    graphs = setting == "auto" and torch.device(device).type == "cuda"
+    if model.compile_clients == on and model.replay_steps == graphs:
         return model
-    return dataclasses.replace(model, compile_clients=on, replay_steps=replay)
+    return dataclasses.replace(model, compile_clients=on, replay_steps=graphs)
 
 
 def step_graphs(model: Model, device: torch.device, signature: Hashable) -> StepGraphs | None:
