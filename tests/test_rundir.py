@@ -356,7 +356,7 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
     the command's exit code into 1)."""
     import os
 
-    from fedmtl.runs.checkpoint import signals_deferred
+    from fedmtl.files import signals_deferred
 
     class Stop(BaseException):
         pass
@@ -382,6 +382,42 @@ def test_a_signal_during_a_checkpoint_write_waits_for_the_write(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+
+
+def test_a_signal_as_a_temporary_file_is_created_leaves_no_file(tmp_path, monkeypatch):
+    """A SIGTERM landing as ``mkstemp`` returns (seen once as a ``.metrics.csv.*.tmp`` left behind by a terminated
+    run on a loaded machine) still stops the write, through the handler installed before, and the temporary is
+    deleted: for ``files.atomic``, a Flower node's client-state files (which use it) and downloads."""
+    import tempfile
+
+    from fedmtl.data import download as dl
+    from fedmtl.files import atomic
+
+    class Stop(BaseException):
+        pass
+
+    def raise_stop(signum, frame):
+        raise Stop()
+
+    real = tempfile.mkstemp
+
+    def mkstemp_then_signal(*args, **kwargs):  # the signal arrives once the file exists, before its name is returned
+        made = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return made
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_signal)
+    previous = signal.signal(signal.SIGTERM, raise_stop)
+    try:
+        with pytest.raises(Stop), atomic(tmp_path / "metrics.csv") as f:
+            f.write("never")
+        remote = dl.Remote("x.bin", ("http://127.0.0.1:9/x.bin",))
+        with pytest.raises(Stop):
+            dl.download(remote, tmp_path / "dl")
+        assert signal.getsignal(signal.SIGTERM) is raise_stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sorted(f.name for f in tmp_path.rglob("*") if f.is_file()) == []
 
 
 @pytest.mark.slow

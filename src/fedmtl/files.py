@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import stat
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["FileCheckError", "atomic", "check_file", "read_bytes", "read_json", "read_text"]
+__all__ = ["FileCheckError", "atomic", "check_file", "read_bytes", "read_json", "read_text", "signals_deferred"]
 
 
 class FileCheckError(ValueError):
@@ -98,8 +100,10 @@ def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[An
     the old file or the new one, never a part); on failure (a full disk, Ctrl-C) delete it.  ``private``: the
     file stays 0600 (mkstemp's mode) from its first byte, for keys."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        with signals_deferred():  # a Ctrl-C or SIGTERM between the file's creation and ``tmp`` would leave it
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, mode, newline=None if "b" in mode else "") as f:
             yield f
             f.flush()
@@ -108,5 +112,43 @@ def atomic(path: Path, mode: str = "w", private: bool = False) -> Iterator[IO[An
             os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) or SIGTERM arriving inside the block takes effect when the block ends, through the handler that
+    was installed before it (``KeyboardInterrupt``, the command line's exit 143): a checkpoint write is never cut
+    in the middle, where ``torch.save``'s own cleanup would replace the interruption with an error of its own, and a
+    temporary file is never created without its name reaching the code that deletes it.
+    Signal handlers belong to the main thread: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    held = {s: h for s, h in old.items() if h is not None}  # None: a handler not set from Python, left alone
+    for s in held:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        # the handlers are put back with both signals blocked: a signal landing between two of them would otherwise
+        # raise there and leave the other one deferring for good; one that arrived meanwhile is delivered on unblocking
+        mask = getattr(signal, "pthread_sigmask", None)
+        blocked = mask(signal.SIG_BLOCK, set(held)) if mask is not None else None
+        try:
+            for s, h in held.items():
+                signal.signal(s, h)
+        finally:
+            if mask is not None and blocked is not None:
+                mask(signal.SIG_SETMASK, blocked)
+        if pending:
+            first = pending[0]
+            h = held[signal.Signals(first)]
+            if callable(h):
+                h(first, None)
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), first)

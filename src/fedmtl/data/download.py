@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..files import signals_deferred
 from .federated import DataError
 
 
@@ -51,8 +52,10 @@ def download(remote: Remote, dest_dir: Path, timeout: float = 60.0) -> Path:
     dest = dest_dir / remote.filename
     errors = []
     for url in remote.urls:
-        fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{remote.filename}.", suffix=".part")
+        tmp = None
         try:
+            with signals_deferred():  # the name reaches the cleanup below whenever the file exists
+                fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{remote.filename}.", suffix=".part")
             with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310
                 while block := r.read(1 << 20):
                     f.write(block)
@@ -63,7 +66,7 @@ def download(remote: Remote, dest_dir: Path, timeout: float = 60.0) -> Path:
         except (urllib.error.URLError, OSError, DataError) as e:
             errors.append(f"{url}: {e}")
         finally:
-            if os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
     raise DataError(f"could not download {remote.filename}: " + "; ".join(errors))
 

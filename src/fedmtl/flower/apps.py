@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from ..data.federated import FederatedData, public_meta
 from ..engine.clients import LocalClients
 from ..engine.executors import make_executor
 from ..engine.round import Engine, Federation
-from ..files import check_file
+from ..files import atomic, check_file
 from ..models.base import Model
 from ..models.stacking import compiled
 from ..ranges import parse_ids
@@ -294,14 +293,8 @@ def _save(node: _Node, lc: LocalClients, context: Context, cfg_text: str, rows: 
     for i, row in enumerate(rows.tolist()):
         k = int(node.ids[row])
         f = sub / f"client{k}.r{rnd}.pt"
-        fd, tmp = tempfile.mkstemp(dir=sub, prefix=f".{f.name}.", suffix=".tmp")  # 0600, a unique name
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save({"round": rnd, "state": T.to_named(T.take(states, i))}, fh)
-            os.replace(tmp, f)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic(f, "wb", private=True) as fh:  # 0600 from its first byte, whole or not at all
+            torch.save({"round": rnd, "state": T.to_named(T.take(states, i))}, fh)
         # a resume restarts at the last checkpoint, at most `keep` rounds back, and reads the newest version
         # written before it: keep every version since round rnd + 1 - keep and the newest one before
         for _, stale in [v for v in _versions(d, tag, k) if v[0] < rnd + 1 - keep][:-1]:

@@ -8,12 +8,8 @@ is not a checkpoint, is truncated or corrupt, or holds another format gives a ``
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import tempfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,41 +18,13 @@ import torch
 
 from .. import tree as T
 from ..engine.round import EngineState
-from ..files import check_file
+from ..files import check_file, signals_deferred
 
 FORMAT = "fedmtl-checkpoint/2"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used (unreadable, tampered, or from another run)."""
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Ctrl-C (SIGINT) or SIGTERM arriving inside the block takes effect when the block ends, through the handler that
-    was installed before it (``KeyboardInterrupt``, the command line's exit 143): a checkpoint write is never cut
-    in the middle, where ``torch.save``'s own cleanup would replace the interruption with an error of its own.
-    Signal handlers belong to the main thread: elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    held = {s: h for s, h in old.items() if h is not None}  # None: a handler not set from Python, left alone
-    for s in held:
-        signal.signal(s, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        for s, h in held.items():
-            signal.signal(s, h)
-        if pending:
-            first = pending[0]
-            h = held[signal.Signals(first)]
-            if callable(h):
-                h(first, None)
-            elif h == signal.SIG_DFL:
-                os.kill(os.getpid(), first)
 
 
 def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: dict[str, Any],
