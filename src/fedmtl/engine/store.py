@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..files import check_file, read_bytes, read_json
+from ..files import atomic, check_file, read_bytes, read_json
 from ..tree import Tree
 
 StoreKind = Literal["memory", "mmap"]
@@ -143,9 +143,8 @@ class ClientStore:
         self.written = torch.from_numpy(written)
         if not resume:
             self.written.zero_()
-            tmp = layout_file.with_name(f".layout.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self._layout()))
-            os.replace(tmp, layout_file)
+            with atomic(layout_file) as f:
+                f.write(json.dumps(self._layout()))
 
     # ------------------------------------------------------------------------------------------ rows
     def _unflatten(self, leaves: list[Tensor]) -> Tree:
