@@ -143,8 +143,8 @@ class ClientStore:
         self.written = torch.from_numpy(written)
         if not resume:
             self.written.zero_()
-            with atomic(layout_file) as f:
-                f.write(json.dumps(self._layout()))
+            with atomic(layout_file) as out:
+                out.write(json.dumps(self._layout()))
 
     # ------------------------------------------------------------------------------------------ rows
     def _unflatten(self, leaves: list[Tensor]) -> Tree:
