@@ -8,8 +8,6 @@ is not a checkpoint, is truncated or corrupt, or holds another format gives a ``
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import torch
 
 from .. import tree as T
 from ..engine.round import EngineState
-from ..files import check_file, signals_deferred
+from ..files import atomic, check_file, signals_deferred
 
 FORMAT = "fedmtl-checkpoint/2"
 
@@ -51,18 +49,9 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
                                  for g, splits in evaluation.items() for s, m in splits.items() for k, v in m.items()}
     if T.leaves(state.server_opt):
         payload["server_opt"] = {k: v.detach().cpu() for k, v in T.to_named(state.server_opt).items()}
-    with signals_deferred():
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # its name in errors
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+    # the write waits for a signal (signals_deferred); 0600 as mkstemp makes it (private), whole or not at all
+    with signals_deferred(), atomic(path, "wb", private=True) as f:
+        torch.save(payload, f)
 
 
 def load(path: str | Path) -> dict[str, Any]:
