@@ -18,7 +18,7 @@ pytest.importorskip("optuna")
 
 import fedmtl  # noqa: E402
 from fedmtl.cli import EXIT_INPUT, main  # noqa: E402
-from fedmtl.runs.tune import read_space, tune  # noqa: E402
+from fedmtl.runs.tune import Param, edge_notes, read_space, tune  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,8 +108,28 @@ def test_resume_after_kill_9_gives_the_uninterrupted_study(files, study):
         tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=out)
 
 
+def test_a_best_value_at_an_end_of_its_range_is_named():
+    """Within 5% of the range's width of an end, in the range's own scale (log: 0.005 to 0.5 is two decades, so
+    0.0063 is 5% of the way up), an integer at a bound, the lowest or highest numeric choice; never unordered
+    choices."""
+    lr = Param("optim.lr", 0.005, 0.5, log=True)
+    assert [lr.edge(v) for v in (0.005, 0.006, 0.0064, 0.05, 0.39, 0.4, 0.5)] == \
+        ["low", "low", None, None, None, "high", "high"]
+    lin = Param("optim.momentum", 0.0, 0.9)
+    assert [lin.edge(v) for v in (0.0, 0.045, 0.05, 0.85, 0.86)] == ["low", "low", None, None, "high"]
+    short = Param("algorithm.finetune_epochs", 1, 10, is_int=True)
+    assert [short.edge(v) for v in (1, 2, 9, 10)] == ["low", None, None, "high"]
+    long = Param("algorithm.head_epochs", 0, 100, is_int=True)
+    assert [long.edge(v) for v in (5, 6, 94, 95)] == ["low", None, None, "high"]
+    mu = Param("algorithm.mu", choices=(0.001, 0.01, 0.1, 1.0))
+    assert [mu.edge(v) for v in (0.001, 0.01, 0.1, 1.0)] == ["low", None, None, "high"]
+    assert Param("model.name", choices=("mlp", "cnn")).edge("mlp") is None
+    assert Param("run.pin", choices=(True, False)).edge(True) is None
+    assert edge_notes([lr, mu, lin], {"optim.lr": 0.45, "algorithm.mu": 0.01}) == {"optim.lr": "high"}
+
+
 @pytest.mark.slow  # runs a study
-def test_reports_every_evaluated_round_and_prunes_the_worse(study):
+def test_reports_every_evaluated_round_and_prunes_the_worse(study, files):
     whole, out = study
     import optuna
 
@@ -128,6 +148,7 @@ def test_reports_every_evaluated_round_and_prunes_the_worse(study):
     meta = json.loads((out / "tune.json").read_text())
     assert meta["n_trials"] == {"complete": len(done), "pruned": len(pruned), "failed": 0, "interrupted": 0}
     assert meta["best_params"] == whole.best_params and meta["sampler"] == {"name": "TPESampler", "seed": 3}
+    assert meta["best_at_edge"] == whole.at_edge == edge_notes(read_space(files / "space.toml"), whole.best_params)
     rows = list(csv.DictReader((out / "trials.csv").open()))
     assert [int(r["number"]) for r in rows] == list(range(6)) and "optim.lr" in rows[0]
     assert (out / "history.png").exists() and (out / "importance.pdf").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -153,3 +154,20 @@ def test_per_federation_entries_replace_the_methods(monkeypatch):
     assert tuned.method_space("fedrep", "fmnist_mlp")["optim"]["lr"] == tuned.FEDERATIONS["fmnist_mlp"]["lr"]
     assert tuned.method_settings("fedrep", "fmnist_cnn") == ["algorithm.name=fedrep", "run.local_epochs=2"]
     assert tuned.method_settings("fedrep", "fmnist_mlp") == ["algorithm.name=fedrep"]
+
+
+def test_tuned_values_name_a_best_value_at_an_end_of_its_range():
+    """The table's second part: each tuned value, marked where it lies at an end of the range searched (the row's
+    stored space, else this version's tuned.toml)."""
+    space = {"optim": {"lr": {"low": 0.005, "high": 0.5, "log": True}},
+             "algorithm": {"mu": {"choices": [0.001, 0.01, 0.1, 1.0]}}}
+    row = {"best_params": {"optim.lr": 0.0051, "algorithm.mu": 0.01}, "space": space}
+    assert tuned.tuned_values("fedprox", "fmnist_mlp", row) == "lr = 0.0051 (low end), mu = 0.01"
+    old = {"best_params": {"optim.lr": 0.05, "algorithm.mu": 1.0}}  # a row stored before spaces were kept
+    assert tuned.tuned_values("fedprox", "fmnist_mlp", old) == "lr = 0.05, mu = 1 (high end)"
+    md = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tuned" / "fmnist_mlp" / "tuned.md"
+    text = md.read_text()
+    rows = json.loads((md.parent / "summary.json").read_text())["federations"]["fmnist_mlp"]["methods"]
+    assert rows
+    for m, r in rows.items():
+        assert f"| {m} | {tuned.tuned_values(m, 'fmnist_mlp', r)} |" in text

@@ -184,6 +184,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     best = "none completed" if s.best_value is None else f"{s.objective} = {s.best_value:.4f} with {s.best_params}"
     print(f"best: {best} (trial {s.best_trial}); {s.complete} complete, {s.pruned} pruned, {s.failed} failed"
           + (f", {s.interrupted} interrupted and re-run" if s.interrupted else ""))
+    for key, end in s.at_edge.items():
+        print(f"note: the best {key} lies at the {end} end of the range searched: the optimum may lie outside it")
     print(f"written: {out}/best.toml, trials.csv, trials.md, tune.json, history.png; the study: {out}/study.db")
     return 0
 

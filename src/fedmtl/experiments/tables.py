@@ -34,6 +34,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "perfedavg/perfedavg.md": perfedavg_markdown,
     "robustness/robustness.md": robustness_markdown,
     "tuned/quick/tuned.md": tuned_markdown,
+    "tuned/fmnist_mlp/tuned.md": tuned_markdown,
     "tuned/synthetic_mixture/tuned.md": tuned_markdown,
 }
 

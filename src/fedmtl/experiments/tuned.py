@@ -261,6 +261,7 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             rows[m] = {"avg": res["avg"], "avg_se": res["avg_se"], "p10": res["p10"], "p10_se": res["p10_se"],
                        "avg_values": res["avg_values"], "p10_values": res["p10_values"],
                        "best_params": study["best_params"], "best_value": study["best_value"],
+                       "space": method_space(m, fed),
                        "trials": study["n_trials"], "tune_seconds": study["trial_seconds"],
                        "rerun_seconds": res["seconds"], "quick": quick, "n_trials": n_trials, "seeds": seeds,
                        # the trials' and the rerun's own measured times (stable when a resumed call reads them back)
@@ -286,6 +287,22 @@ def _cell(r: dict[str, Any], key: str) -> str:
         return "failed"
     s = r.get(f"{key}_se")
     return f"{r[key]:.1f} ± {s:.1f}" if s is not None else f"{r[key]:.1f}"
+
+
+def tuned_values(method: str, federation: str, row: dict[str, Any]) -> str:
+    """The best trial's values of a row, each marked "(low end)" / "(high end)" where it lies at an end of its
+    searched range (``Param.edge``): the row's stored space, else the method's space in this version's tuned.toml."""
+    from ..runs.tune import space_params
+
+    space = row.get("space") or (method_space(method, federation)
+                                 if method in METHODS and federation in FEDERATIONS else {})
+    params = {p.key: p for p in space_params(space, f"{federation}/{method}")} if space else {}
+    cells = []
+    for key, v in row.get("best_params", {}).items():
+        end = params[key].edge(v) if key in params else None
+        shown = f"{v:.3g}" if isinstance(v, float) else str(v)
+        cells.append(f"{key.rsplit('.', 1)[-1]} = {shown}" + (f" ({end} end)" if end else ""))
+    return ", ".join(cells)
 
 
 def tuned_markdown(results: Path) -> str:
@@ -317,6 +334,12 @@ def tuned_markdown(results: Path) -> str:
             f"{s['tune_seeds']}), then the best config rerun on the test split. {detail} (the measured time: "
             f"every trial's and rerun's own seconds, summed). Rebuilt by `{s['command']}`.\n\n"
             + markdown_table(header, rows))
+    values = [[m, *(tuned_values(m, fn, f["methods"][m]) if "best_params" in f["methods"].get(m, {}) else "—"
+                    for fn, f in feds.items())] for m in methods]
+    text = text.rstrip("\n") + (
+        "\n\nThe tuned values (the best trial's; \"low end\" / \"high end\": within 5% of that end of the range "
+        "searched, in its own scale, or its lowest / highest choice, so the optimum may lie outside the range):"
+        "\n\n" + markdown_table(["method", *feds], values))
     if s.get("unfit"):
         text += "\n\nNot run (the method does not fit these federations):\n\n" + "\n".join(
             f"- {m}: {why}" for m, why in s["unfit"].items())

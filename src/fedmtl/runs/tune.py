@@ -105,6 +105,10 @@ def _optuna() -> Any:
 # The search space
 
 
+#: how close to an end of its range (a fraction of the range's width, in its own scale) a best value is reported
+EDGE_FRACTION = 0.05
+
+
 @dataclass(frozen=True)
 class Param:
     """One searched key (``table.key``, or ``table.sub.key`` for a sub-table) and its range or choices."""
@@ -122,6 +126,26 @@ class Param:
         """The values that bound the search: the range's ends, or every choice."""
         return list(self.choices) if self.choices is not None else [self.low, self.high]
 
+    def edge(self, value: Any) -> str | None:
+        """``"low"`` / ``"high"`` where ``value`` lies at an end of the range (within ``EDGE_FRACTION`` of its width,
+        in the range's own scale: log or linear; an integer at a bound) or is the lowest / highest of numeric
+        choices; else None.  A best value there says the optimum may lie outside the range searched."""
+        if not _number(value):
+            return None
+        if self.choices is not None:
+            nums = [c for c in self.choices if _number(c)]
+            if len(nums) < 2 or len(nums) != len(self.choices):
+                return None  # unordered (strings, booleans) or a single value: no edge
+            return "low" if value <= min(nums) else "high" if value >= max(nums) else None
+        assert self.low is not None and self.high is not None
+        lo, hi, v = float(self.low), float(self.high), float(value)
+        if hi <= lo:
+            return None
+        if self.is_int and (self.high - self.low) < 1 / EDGE_FRACTION:  # a short integer range: only its bounds
+            return "low" if v <= lo else "high" if v >= hi else None
+        f = (math.log(v / lo) / math.log(hi / lo)) if self.log else (v - lo) / (hi - lo)
+        return "low" if f <= EDGE_FRACTION else "high" if f >= 1 - EDGE_FRACTION else None
+
     def suggest(self, trial: optuna.Trial) -> Any:
         if self.choices is not None:
             return trial.suggest_categorical(self.key, list(self.choices))
@@ -129,6 +153,11 @@ class Param:
         if self.is_int:
             return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
         return trial.suggest_float(self.key, float(self.low), float(self.high), step=self.step, log=self.log)
+
+
+def edge_notes(params: list[Param], best: dict[str, Any]) -> dict[str, str]:
+    """``{key: "low" | "high"}`` for the best trial's values that lie at an end of their searched range."""
+    return {p.key: e for p in params if p.key in best and (e := p.edge(best[p.key])) is not None}
 
 
 def _number(v: Any) -> bool:
@@ -181,8 +210,13 @@ def read_space(path: str | Path) -> list[Param]:
     p = resolve_space(path)
     if not p.is_file():
         raise ConfigError(f"{path}: no such space file (nor a bundled space: {', '.join(bundled_spaces())})")
-    raw = read_toml(p)
+    return space_params(read_toml(p), str(p))
+
+
+def space_params(raw: dict[str, Any], where: str) -> list[Param]:
+    """The searched keys of a space given as tables (a space file's contents; ``where`` names it in errors)."""
     params: list[Param] = []
+    p = where
 
     def walk(table: dict[str, Any], prefix: str) -> None:
         for key, spec in table.items():
@@ -265,6 +299,8 @@ class TuneSummary:
     out: Path
     trials: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: the best trial's keys that lie at an end of their searched range: ``{key: "low" | "high"}`` (``Param.edge``)
+    at_edge: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -686,17 +722,25 @@ def write_outputs(st: _Study, study: optuna.Study, optuna: Any, seconds: float) 
                     f"({st.direction})\n" + dumps(cfg.raw))
     else:
         notes.append("no trial completed: no best.toml")
+    best_params = {} if best is None else dict(best.params)
+    at_edge = edge_notes(st.params, best_params)
+    for p in st.params:
+        if p.key in at_edge:
+            bounds = f"choices {list(p.choices)}" if p.choices is not None else f"range [{p.low}, {p.high}]"
+            notes.append(f"best {p.key} = {_fmt(best_params[p.key])} lies at the {at_edge[p.key]} end of its "
+                         f"{bounds}: the optimum may lie outside it (widen the range)")
     notes += _figures(out, study, optuna, st, len(complete))
     summary = TuneSummary(
         objective=st.objective, direction=st.direction, best_value=None if best is None else best.value,
-        best_params={} if best is None else dict(best.params), best_trial=None if best is None else best.number,
+        best_params=best_params, best_trial=None if best is None else best.number,
         complete=len(complete), pruned=sum(t.state == states.PRUNED for t in counted),
         failed=sum(t.state == states.FAIL for t in counted),
         interrupted=sum(not _counted(t) for t in study.get_trials(deepcopy=False)), seconds=seconds,
-        seed=st.seed, out=out, trials=rows, notes=notes)
+        seed=st.seed, out=out, trials=rows, notes=notes, at_edge=at_edge)
     write_json(out / "tune.json", {
         "objective": st.objective, "direction": st.direction, "last_evaluations": st.last,
         "best_value": summary.best_value, "best_params": summary.best_params, "best_trial": summary.best_trial,
+        "best_at_edge": at_edge,
         "n_trials": {"complete": summary.complete, "pruned": summary.pruned, "failed": summary.failed,
                      "interrupted": summary.interrupted},
         "total_seconds": seconds, "trial_seconds": float(sum(r["seconds"] or 0.0 for r in rows)),
