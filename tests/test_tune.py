@@ -258,6 +258,20 @@ def test_failing_trial_recorded_and_study_goes_on(files, tmp_path):
     assert all(r["params"]["run.local_epochs"] == 1 for r in ok)
 
 
+@pytest.mark.slow  # runs a one-trial study
+def test_the_command_names_a_best_value_at_an_end_of_its_range(files, tmp_path, capsys):
+    space = tmp_path / "two.toml"
+    space.write_text("[optim]\nlr = { choices = [0.05, 0.1] }\n")  # either choice is an end
+    out = tmp_path / "o"
+    assert main(["tune", str(files / "tiny.toml"), "--space", str(space), "--trials", "1", "--out", str(out),
+                 "-q"]) == 0
+    meta = json.loads((out / "tune.json").read_text())
+    end = "low" if meta["best_params"]["optim.lr"] == 0.05 else "high"
+    assert meta["best_at_edge"] == {"optim.lr": end}
+    assert f"note: the best optim.lr lies at the {end} end of the range searched" in capsys.readouterr().out
+    assert any(f"at the {end} end of its choices [0.05, 0.1]" in n for n in meta["notes"])
+
+
 def test_bundled_space_reads():
     assert [p.key for p in read_space("fedavg_lr")] == ["optim.lr", "optim.momentum"]
 
