@@ -52,6 +52,12 @@ def test_options_of_tuned_only_and_unknown_names_refused(tmp_path, capsys):
     assert "--methods nope" in capsys.readouterr().err
     assert main(["reproduce", "tuned", "--out", str(tmp_path / "c"), "--federations", "mars"]) == EXIT_INPUT
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "summary.json").write_text('{"quick": false, "federations": {}}')
+    assert main(["reproduce", "tuned", "--out", str(full), "--quick", "--resume"]) == EXIT_INPUT
+    assert "holds a full-budget table" in capsys.readouterr().err
+    assert sorted(x.name for x in full.iterdir()) == ["summary.json"]
 
 
 def test_standard_error_is_std_over_sqrt_n():
@@ -62,11 +68,24 @@ def test_standard_error_is_std_over_sqrt_n():
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
+    """Two calls into one folder, the second (ditto) run while the first (fedavg) is between its study and its
+    rerun, as two processes building one table would: the table keeps both rows (each call reads the stored table
+    again, under the folder's lock, before it writes)."""
     out = tmp_path_factory.mktemp("tuned") / "q"
-    argv = ["reproduce", "tuned", "--out", str(out), "--quick", "--trials", "2", "--methods", ",".join(METHODS),
-            "--federations", FED]
-    assert main(argv) == 0
-    return out, argv
+    base = ["reproduce", "tuned", "--out", str(out), "--quick", "--trials", "2", "--federations", FED]
+    real, meanwhile = tuned.rerun, []
+
+    def rerun_while_another_call_runs(*args, **kwargs):
+        if not meanwhile:
+            meanwhile.append(True)
+            assert main([*base, "--methods", METHODS[1], "--resume"]) == 0  # a folder in use: --resume
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tuned, "rerun", rerun_while_another_call_runs)
+        assert main([*base, "--methods", METHODS[0]]) == 0
+    assert meanwhile
+    return out, [*base, "--methods", ",".join(METHODS)]
 
 
 @pytest.mark.slow
@@ -75,7 +94,8 @@ def test_quick_writes_table_json_and_configs(quick):
     s = json.loads((out / "summary.json").read_text())
     assert s["quick"] and s["trials"] == 2 and s["seeds"] == tuned.QUICK["seeds"]
     rows = s["federations"][FED]["methods"]
-    assert list(rows) == METHODS and s["federations"][FED]["rounds"] == 2
+    assert list(rows) == METHODS and s["federations"][FED]["rounds"] == 2  # both calls' rows, in tuned.toml's order
+    assert s["command"] == f"fedmtl reproduce tuned --out DIR --quick --methods {','.join(METHODS)} --federations {FED}"
     md = (out / "tuned.md").read_text()
     assert md.startswith("# QUICK") and "| ditto |" in md
     assert md == tuned.tuned_markdown(out)

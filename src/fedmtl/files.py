@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["FileCheckError", "atomic", "check_file", "read_bytes", "read_json", "read_text", "signals_deferred"]
+__all__ = ["FileCheckError", "atomic", "check_file", "locked", "read_bytes", "read_json", "read_text",
+           "signals_deferred"]
 
 
 class FileCheckError(ValueError):
@@ -152,3 +153,17 @@ def signals_deferred() -> Iterator[None]:
                 h(first, None)
             elif h == signal.SIG_DFL:
                 os.kill(os.getpid(), first)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created) while the block runs: processes that read, change and write one file
+    (a study's database being created, a table several reproductions add rows to) do it one after the other."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

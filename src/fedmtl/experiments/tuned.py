@@ -26,6 +26,7 @@ from typing import Any
 from ..config import ConfigError, apply_overrides, dumps, load, read_toml, validate
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..engine.round import TrainingDiverged
+from ..files import locked
 from ..resources import config_path
 from ..runs.report import markdown_table, quick_mode, write_json
 from .common import is_starting_over, overrides, publish, read_tables
@@ -197,25 +198,20 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
         federations: list[str] | None = None) -> dict[str, Any]:
     """Tune every registered method that fits on every federation (or those named), rerun each best config with the
     budget's seeds on the test split; write ``DIR/summary.json`` and ``DIR/tuned.md`` and each tuned config in
-    ``DIR/configs/<federation>/<method>.toml``.  Continues whatever ``out`` holds of an earlier call."""
+    ``DIR/configs/<federation>/<method>.toml``.  Continues whatever ``out`` holds of an earlier call; several calls
+    on different methods or federations may run at once into one ``out``: each adds its rows to the stored table
+    (``_record``), none drops another's."""
     from ..data.federated import DataError
 
     p = plan(methods, federations)  # unknown names refused before anything is written
-    p["command"] = " ".join(["fedmtl reproduce tuned --out DIR", *(["--quick"] if quick else []),
-                             *([f"--trials {trials}"] if trials else []),
-                             *([f"--methods {','.join(methods)}"] if methods else []),
-                             *([f"--federations {','.join(federations)}"] if federations else [])])
+    held = _stored(out, not quick)
+    if held:  # the other budget's table: its studies and reruns would be replaced by this call's
+        raise ConfigError(f"--out {out}: holds a {'smoke (--quick)' if held['quick'] else 'full-budget'} table; a "
+                          f"{'--quick' if quick else 'full-budget'} call would replace its reruns: choose another "
+                          "folder")
     out.mkdir(parents=True, exist_ok=True)
     n_trials = trials or int(QUICK["trials"] if quick else BUDGET["trials"])
     seeds = list(QUICK["seeds"] if quick else BUDGET["seeds"])
-    table: dict[str, Any] = {}
-    old = out / "summary.json"
-    if old.exists():  # what an earlier call of a subset measured stays in the table
-        try:
-            stored = json.loads(old.read_text())
-            table = stored.get("federations", {}) if stored.get("quick") == quick else {}
-        except (ValueError, AttributeError):
-            table = {}
     for fed in p["federations"]:
         probe = load(config_path(FEDERATIONS[fed]["config"]), _base_sets(fed, quick))
         try:
@@ -224,14 +220,14 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             print(f"{fed} skipped: {e}", flush=True)
             continue
         cfg = probe
-        rows: dict[str, Any] = table.get(fed, {}).get("methods", {})
-        table[fed] = {"config": FEDERATIONS[fed]["config"], "sets": _base_sets(fed, quick),
-                      "title": FEDERATIONS[fed]["title"], "rounds": cfg.run.rounds,
-                      "clients": int(cfg.data.get("num_clients", 0)), "methods": rows}
+        meta = {"config": FEDERATIONS[fed]["config"], "sets": _base_sets(fed, quick),
+                "title": FEDERATIONS[fed]["title"], "rounds": cfg.run.rounds,
+                "clients": int(cfg.data.get("num_clients", 0))}
+        _record(out, quick, n_trials, seeds, p, fed, meta)
         fed_sets = FEDERATIONS[fed]["sets"]
         for k, m in enumerate(p["methods"]):
             if m in UNFIT_IN[fed]:
-                rows.pop(m, None)
+                _record(out, quick, n_trials, seeds, p, fed, meta, m, None)
                 continue
             print(f"[{fed} {k + 1}/{len(p['methods'])}] {m}", flush=True)
             if is_starting_over():  # --overwrite: this method's study and rerun start over
@@ -240,12 +236,14 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             try:
                 study = tune_one(out / "studies" / fed / m, fed, m, n_trials, quick)
             except (ValueError, TrainingDiverged) as e:  # a method that cannot run here: its row says why
-                rows[m] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
-                print(f"  {m}: {rows[m]['error']}", flush=True)
+                row: dict[str, Any] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+                print(f"  {m}: {row['error']}", flush=True)
+                _record(out, quick, n_trials, seeds, p, fed, meta, m, row)
                 continue
             if study["best_value"] is None:
-                rows[m] = {"error": "no trial completed", "tune_seconds": study["trial_seconds"],
-                           "seconds": study["trial_seconds"]}
+                row = {"error": "no trial completed", "tune_seconds": study["trial_seconds"],
+                       "seconds": study["trial_seconds"]}
+                _record(out, quick, n_trials, seeds, p, fed, meta, m, row)
                 continue
             text = tuned_config(fed, m, study["best_params"])
             header = config_header(fed, m, n_trials, quick, study)
@@ -255,31 +253,94 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             try:
                 res = rerun(out / "reruns" / fed / m, text, seeds, _base_sets(fed, quick)[len(fed_sets):])
             except (ValueError, TrainingDiverged) as e:
-                rows[m] = {"error": f"rerun: {type(e).__name__}: {e}".splitlines()[0]}
-                print(f"  {m}: {rows[m]['error']}", flush=True)
+                row = {"error": f"rerun: {type(e).__name__}: {e}".splitlines()[0]}
+                print(f"  {m}: {row['error']}", flush=True)
+                _record(out, quick, n_trials, seeds, p, fed, meta, m, row)
                 continue
-            rows[m] = {"avg": res["avg"], "avg_se": res["avg_se"], "p10": res["p10"], "p10_se": res["p10_se"],
-                       "avg_values": res["avg_values"], "p10_values": res["p10_values"],
-                       "best_params": study["best_params"], "best_value": study["best_value"],
-                       "space": method_space(m, fed),
-                       "trials": study["n_trials"], "tune_seconds": study["trial_seconds"],
-                       "rerun_seconds": res["seconds"], "quick": quick, "n_trials": n_trials, "seeds": seeds,
-                       # the trials' and the rerun's own measured times (stable when a resumed call reads them back)
-                       "seconds": study["trial_seconds"] + res["seconds"]}
+            row = {"avg": res["avg"], "avg_se": res["avg_se"], "p10": res["p10"], "p10_se": res["p10_se"],
+                   "avg_values": res["avg_values"], "p10_values": res["p10_values"],
+                   "best_params": study["best_params"], "best_value": study["best_value"],
+                   "space": method_space(m, fed),
+                   "trials": study["n_trials"], "tune_seconds": study["trial_seconds"],
+                   "rerun_seconds": res["seconds"], "quick": quick, "n_trials": n_trials, "seeds": seeds,
+                   # the trials' and the rerun's own measured times (stable when a resumed call reads them back)
+                   "seconds": study["trial_seconds"] + res["seconds"]}
             print(f"  {m}: avg {res['avg']:.1f}  p10 {res['p10']:.1f}  best {study['best_params']}", flush=True)
-            write_json(out / "summary.json", _summary(quick, n_trials, seeds, table, p))  # an interruption keeps it
-    summary = _summary(quick, n_trials, seeds, table, p)
-    with quick_mode(False):  # the table marks a --quick run itself, from its JSON (so `fedmtl tables` agrees)
-        publish(out, "tuned.md", summary, tuned_markdown)
-    return summary
+            _record(out, quick, n_trials, seeds, p, fed, meta, m, row)  # an interruption keeps it
+    return _record(out, quick, n_trials, seeds, p, publish_table=True)  # with what other calls added meanwhile
 
 
-def _summary(quick: bool, trials: int, seeds: list[int], table: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
+#: the lock that calls adding rows to one folder's table take in turn
+SUMMARY_LOCK = ".summary.lock"
+
+
+def _stored(out: Path, quick: bool) -> dict[str, Any]:
+    """``out/summary.json`` as stored, or {} where there is none, it is unreadable or its budget (quick or full) is
+    the other one."""
+    try:
+        stored = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) and stored.get("quick") == quick else {}
+
+
+def _order(methods: dict[str, Any]) -> dict[str, Any]:
+    """Rows in tuned.toml's order (global methods first, then the personalized ones), others (plugins) after."""
+    known = list(METHODS)
+    return dict(sorted(methods.items(), key=lambda kv: (known.index(kv[0]) if kv[0] in known else len(known),
+                                                        kv[0])))
+
+
+def _record(out: Path, quick: bool, trials: int, seeds: list[int], p: dict[str, Any], fed: str | None = None,
+            meta: dict[str, Any] | None = None, method: str | None = None,
+            row: dict[str, Any] | None = None, publish_table: bool = False) -> dict[str, Any]:
+    """Under the folder's lock, the stored table read again, ``fed``'s description set and ``method``'s row set
+    (removed where ``row`` is None), and the table written back: calls into one folder keep each other's rows.
+    ``publish_table``: ``tuned.md`` written from it too, and shown."""
+    with locked(out / SUMMARY_LOCK):
+        stored = _stored(out, quick)
+        table: dict[str, Any] = stored.get("federations", {})
+        if fed is not None:
+            entry = table.setdefault(fed, {"methods": {}})
+            entry.update(meta or {})
+            entry["methods"] = entry.pop("methods")  # the rows after the description, as written before
+            if method is not None:
+                if row is None:
+                    entry["methods"].pop(method, None)
+                else:
+                    entry["methods"][method] = row
+                entry["methods"] = _order(entry["methods"])
+        summary = _summary(quick, trials, seeds, table, p, stored)
+        if not publish_table:
+            write_json(out / "summary.json", summary)
+            return summary
+        with quick_mode(False):  # the table marks a --quick run itself, from its JSON (so `fedmtl tables` agrees)
+            publish(out, "tuned.md", summary, tuned_markdown)
+        return summary
+
+
+def _command(quick: bool, trials: int, table: dict[str, Any]) -> str:
+    """The command that rebuilds ``table``: its federations and methods, named where they are not all of them."""
+    feds = list(table)
+    done = [m for m in _order({m: None for f in table.values() for m in f["methods"]})]
+    everything = set(plan(None, feds)["methods"]) - {m for f in feds for m in UNFIT_IN[f]}
+    default = int(QUICK["trials"] if quick else BUDGET["trials"])
+    return " ".join(["fedmtl reproduce tuned --out DIR", *(["--quick"] if quick else []),
+                     *([f"--trials {trials}"] if trials != default else []),
+                     *([f"--methods {','.join(done)}"] if done and not everything <= set(done) else []),
+                     *([f"--federations {','.join(feds)}"] if feds and set(feds) != set(FEDERATIONS) else [])])
+
+
+def _summary(quick: bool, trials: int, seeds: list[int], table: dict[str, Any], p: dict[str, Any],
+             stored: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The table's JSON: ``table`` and what this call's plan and the stored summary (other calls') say is left out."""
+    stored = stored or {}
+    unfit = {**stored.get("unfit", {}), **p["unfit"]}
+    unfit_in = {f: {**stored.get("unfit_in", {}).get(f, {}),
+                    **{m: why for m, why in UNFIT_IN[f].items() if m in p["methods"]}} for f in table}
     return {"quick": quick, "trials": trials, "seeds": seeds, "objective": BUDGET["objective"],
-            "tune_seeds": BUDGET["tune_seeds"], "federations": table, "unfit": p["unfit"],
-            "unfit_in": {f: {m: why for m, why in UNFIT_IN[f].items() if m in p["methods"]} for f in table},
-            "not_registered": p["not_registered"],
-            "command": p["command"]}
+            "tune_seeds": BUDGET["tune_seeds"], "federations": table, "unfit": unfit, "unfit_in": unfit_in,
+            "not_registered": p["not_registered"], "command": _command(quick, trials, table)}
 
 
 def _cell(r: dict[str, Any], key: str) -> str:

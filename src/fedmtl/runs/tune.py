@@ -47,7 +47,6 @@ import socket
 import time
 import typing
 import warnings
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,7 +58,7 @@ from ..config import ConfigError, ExperimentConfig, apply_overrides, dumps, read
 from ..data.federated import ClientGroup, FederatedData, Split
 from ..engine.evaluation import Statistic, metric
 from ..engine.round import TrainingDiverged
-from ..files import atomic
+from ..files import atomic, locked
 from ..schema import shown
 from .report import run_figures, save_figure, write_json
 from .rundir import alive
@@ -403,11 +402,11 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     if not db.exists() and out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir())):
         raise TuneError(f"{out}: holds files but no {STUDY_DB}; give an empty or new --out")
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / LOCK):  # one process at a time creates or checks the database
+    with locked(out / LOCK):  # one process at a time creates or checks the database
         study = _open_study(optuna, db, name, fp, direction, prune,
                             {"objective": objective, "seed": seed, "source": source, "space": str(sp), "last": last})
     while True:
-        with _locked(out / LOCK):  # one process at a time recovers, counts and asks: each index asked once
+        with locked(out / LOCK):  # one process at a time recovers, counts and asks: each index asked once
             _recover_stale(study, optuna)
             index = _index(study)
             if index >= trials:
@@ -422,20 +421,6 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
         _run_trials(study_cfg, study, asked, optuna, progress)
     summary = write_outputs(study_cfg, study, optuna, time.perf_counter() - t0)
     return summary
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (created) while the block runs: processes starting on one study at the same time
-    create its database one after the other."""
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _open_study(optuna: Any, db: Path, name: str, fp: str, direction: str, prune: bool,
@@ -634,7 +619,6 @@ def _run_together(st: _Study, trials: list[_Trial], optuna: Any, progress: bool 
     """Trials that differ only in ``optim.lr`` trained as one batched computation: every seed of every trial a
     replica (``driver.drive_many``), their clients in the same executor calls, each with its own rate
     (``engine.clients.train_together``).  A pruned trial's replicas run on with the batch (their result unused)."""
-    import contextlib
 
     from .driver import Replica, build_local, drive_many
     from .rundir import RunDirectory
