@@ -58,6 +58,10 @@ def test_options_of_tuned_only_and_unknown_names_refused(tmp_path, capsys):
     assert main(["reproduce", "tuned", "--out", str(full), "--quick", "--resume"]) == EXIT_INPUT
     assert "holds a full-budget table" in capsys.readouterr().err
     assert sorted(x.name for x in full.iterdir()) == ["summary.json"]
+    (full / "summary.json").write_text('{"quick": false, "federations": {"synthetic_mix')  # cut short
+    assert main(["reproduce", "tuned", "--out", str(full), "--resume", "--methods", "fedavg"]) == EXIT_INPUT
+    assert "summary.json: unreadable" in capsys.readouterr().err
+    assert (full / "summary.json").read_text().endswith("synthetic_mix")
 
 
 def test_standard_error_is_std_over_sqrt_n():

@@ -275,13 +275,21 @@ SUMMARY_LOCK = ".summary.lock"
 
 
 def _stored(out: Path, quick: bool) -> dict[str, Any]:
-    """``out/summary.json`` as stored, or {} where there is none, it is unreadable or its budget (quick or full) is
-    the other one."""
-    try:
-        stored = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
+    """``out/summary.json`` as stored, or {} where there is none or its budget (quick or full) is the other one; a
+    file that is not a table's JSON is refused (its rows would be lost by writing over it)."""
+    path = out / "summary.json"
+    if not path.exists():
         return {}
-    return stored if isinstance(stored, dict) and stored.get("quick") == quick else {}
+    try:
+        stored = json.loads(path.read_text())
+        if not (isinstance(stored, dict) and isinstance(stored.get("federations"), dict)
+                and all(isinstance(f, dict) and isinstance(f.get("methods"), dict)
+                        for f in stored["federations"].values())):
+            raise ValueError("not a table of federations and their methods' rows")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e}); move it away (its studies and reruns in "
+                          f"{out} rebuild it with --resume)") from None
+    return stored if stored.get("quick") == quick else {}
 
 
 def _order(methods: dict[str, Any]) -> dict[str, Any]:
@@ -322,8 +330,9 @@ def _record(out: Path, quick: bool, trials: int, seeds: list[int], p: dict[str, 
 def _command(quick: bool, trials: int, table: dict[str, Any]) -> str:
     """The command that rebuilds ``table``: its federations and methods, named where they are not all of them."""
     feds = list(table)
-    done = [m for m in _order({m: None for f in table.values() for m in f["methods"]})]
-    everything = set(plan(None, feds)["methods"]) - {m for f in feds for m in UNFIT_IN[f]}
+    done = list(_order({m: None for f in table.values() for m in f["methods"]}))
+    known = [f for f in feds if f in FEDERATIONS]
+    everything = set(plan(None, known)["methods"]) - {m for f in known for m in UNFIT_IN[f]}
     default = int(QUICK["trials"] if quick else BUDGET["trials"])
     return " ".join(["fedmtl reproduce tuned --out DIR", *(["--quick"] if quick else []),
                      *([f"--trials {trials}"] if trials != default else []),
