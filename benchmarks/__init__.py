@@ -22,7 +22,8 @@ BENCHMARKS: dict[str, str] = {
     "secagg": "FedAvg round over Flower with vs without secure aggregation (SecAgg+): seconds and bytes per round",
     "networked": "GTV solver vs CVXPY on SBM graphs of 1e3 / 1e4 / 1e5 nodes",
     "distributed": "one simulation on 1 and 2 torchrun ranks: the models CNN and a 10^5-client Ditto population",
-    "tune": "`fedmtl tune --batch-trials 4` vs trials one after the other: a study over optim.lr, whole seconds",
+    "tune": "`fedmtl tune --batch-trials 4` vs trials one after the other: a study over optim.lr (or with FedProx's "
+            "mu), whole seconds",
     "adapters": "LoRA adapters: upload and state per client vs the full model; 100 clients' adapters vectorized vs a "
                 "per-client loop and the central floor",
     "batchnorm": "cnn_bn round (FedAvg, FedBN): the stacked executor (per-client batch statistics) vs vmap vs loop",

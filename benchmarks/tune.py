@@ -1,8 +1,8 @@
-"""``fedmtl bench tune``: what ``fedmtl tune --batch-trials K`` saves.  The same study (a space over ``optim.lr``,
-TPE seed 0, no pruning, so that every trial runs all its rounds in both) of the synthetic FedAvg config shortened to
-``--rounds`` rounds on the vmap executor, with its trials one after the other and ``K`` at a time as one batched
-computation; whole-study seconds (the median of ``--repeats``, alternating) and their ratio.  Figures are measured and
-written to JSON, never asserted.
+"""``fedmtl bench tune``: what ``fedmtl tune --batch-trials K`` saves.  The same study (a space over ``optim.lr``;
+with ``--space fedprox``, over ``optim.lr`` and FedProx's ``algorithm.mu``; TPE seed 0, no pruning, so that every
+trial runs all its rounds in both) of the synthetic config shortened to ``--rounds`` rounds on the vmap executor,
+with its trials one after the other and ``K`` at a time as one batched computation; whole-study seconds (the median
+of ``--repeats``, alternating) and their ratio.  Figures are measured and written to JSON, never asserted.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from fedmtl.runs.report import write_json
 from .common import add_out, add_threads, out_path
 
 SPACE = "[optim]\nlr = { low = 0.003, high = 1.0, log = true }\n"
+#: ``--space``: the searched keys and the algorithm they are searched for (``fedprox``: a rate and FedProx's mu per
+#: replica, ``engine.clients.with_fields``)
+SPACES = {"lr": (SPACE, "fedavg"),
+          "fedprox": (SPACE + "[algorithm]\nmu = { low = 0.001, high = 1.0, log = true }\n", "fedprox")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=20, help="rounds per trial")
     p.add_argument("--clients", type=int, default=100, help="clients of the synthetic federation")
     p.add_argument("--repeats", type=int, default=1, help="measurements of each mode (median)")
+    p.add_argument("--space", choices=sorted(SPACES), default="lr",
+                   help="lr: FedAvg over optim.lr; fedprox: FedProx over optim.lr and algorithm.mu")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -42,13 +48,13 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     sets = [f"run.rounds={args.rounds}", f"run.eval_every={max(1, args.rounds // 4)}", "run.checkpoint_every=0",
             "run.runner=vmap", f"run.threads={args.threads}", f"data.num_clients={args.clients}",
-            "optim.lr_milestones=[]"]
+            "optim.lr_milestones=[]", f"algorithm.name={SPACES[args.space][1]}"]
     times: dict[int, list[float]] = {1: [], args.batch: []}
     cpu: dict[int, list[float]] = {1: [], args.batch: []}  # this process's CPU seconds: steadier on a shared machine
     values: dict[int, list[float | None]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         space = Path(tmp) / "space.toml"
-        space.write_text(SPACE)
+        space.write_text(SPACES[args.space][0])
         for rep in range(args.repeats):
             for k in (1, args.batch):
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -59,7 +65,8 @@ def main(args: argparse.Namespace) -> int:
                 values[k] = [r["value"] for r in s.trials]
     t1, tk = statistics.median(times[1]), statistics.median(times[args.batch])
     res = {
-        "benchmark": "tune", "config": "configs/synthetic/fedavg.toml", "sets": sets, "space": SPACE.strip(),
+        "benchmark": "tune", "config": "configs/synthetic/fedavg.toml", "sets": sets,
+        "space": SPACES[args.space][0].strip(),
         "trials": args.trials, "batch_trials": args.batch, "torch_threads": args.threads, "torch": torch.__version__,
         "machine": platform.machine(), "cpu_count": os.cpu_count(), "repeats": args.repeats,
         "one_at_a_time_s": t1, "batched_s": tk, "one_at_a_time_all_s": times[1], "batched_all_s": times[args.batch],

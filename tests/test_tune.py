@@ -295,6 +295,71 @@ def test_batched_trials_match_trials_run_alone(files, tmp_path, capsys):
                       "--out", str(tmp_path / "c")], "optim.lr only")
 
 
+MU_SPACE = """
+[optim]
+lr = { low = 0.01, high = 1.0, log = true }
+[algorithm]
+mu = { low = 0.001, high = 10.0, log = true }
+"""
+
+
+def _one(tmp_path: Path, name: str, params: dict) -> Path:
+    """A space that fixes ``params``: the trial run alone."""
+    text = "".join(f"[{k.split('.')[0]}]\n{k.split('.')[1]} = {{ choices = [{v!r}] }}\n" for k, v in params.items())
+    (tmp_path / name).write_text(text)
+    return tmp_path / name
+
+
+@pytest.mark.slow  # runs four studies
+def test_batched_trials_over_an_algorithm_field_match_trials_run_alone(files, tmp_path, caplog):
+    """--batch-trials over optim.lr and FedProx's mu: each replica carries its own mu (engine.clients.with_fields);
+    on the loop executor each trial gets exactly what it gets alone, under vmap the same to rounding."""
+    space = tmp_path / "mu.toml"
+    space.write_text(MU_SPACE)
+    for runner, tol in (("loop", 0.0), ("vmap", 1e-7)):
+        sets = ["algorithm.name=fedprox", f"run.runner={runner}"]
+        kw = {"sets": sets, "objective": "seen_val_loss", "prune": False}
+        with caplog.at_level("WARNING", logger="fedmtl"):
+            batched = tune(files / "tiny.toml", space, trials=3, seed=5, out=tmp_path / f"b-{runner}",
+                           batch_trials=3, **kw)
+        assert "cannot be carried batched" not in caplog.text
+        assert [r["state"] for r in batched.trials] == ["COMPLETE"] * 3
+        assert len({r["params"]["algorithm.mu"] for r in batched.trials}) == 3
+        for r in batched.trials[1:]:
+            alone = tune(files / "tiny.toml", _one(tmp_path, f"one-{runner}-{r['number']}.toml", r["params"]),
+                         trials=1, seed=0, out=tmp_path / f"a-{runner}-{r['number']}", **kw)
+            assert alone.best_value == pytest.approx(r["value"], abs=tol, rel=0)
+
+
+@pytest.mark.slow  # runs three studies
+def test_a_field_in_python_control_flow_trains_the_trials_apart(files, tmp_path, caplog, monkeypatch):
+    """An update that branches in Python on the field cannot take it batched: one warning, then the trials train one
+    after the other, each exactly as alone."""
+    from fedmtl.algorithms import ALGORITHMS
+    from fedmtl.engine import clients
+
+    cls = ALGORITHMS["fedprox"]
+    real = cls.client_update
+
+    def branches(self, ctx, payload, state, batches, lr):
+        if self.mu > 0:  # a Python branch on the field: fine with a float, impossible on a batched value
+            lr = lr * 0.5
+        return real(self, ctx, payload, state, batches, lr)
+
+    monkeypatch.setattr(cls, "client_update", branches)
+    monkeypatch.setattr(clients, "_APART", set())
+    space = tmp_path / "mu.toml"
+    space.write_text(MU_SPACE)
+    kw = {"sets": ["algorithm.name=fedprox", "run.runner=vmap"], "objective": "seen_val_loss", "prune": False}
+    with caplog.at_level("WARNING", logger="fedmtl"):
+        batched = tune(files / "tiny.toml", space, trials=2, seed=5, out=tmp_path / "b", batch_trials=2, **kw)
+    assert caplog.text.count("cannot be carried batched") == 1 and "fedprox" in caplog.text
+    for r in batched.trials:
+        alone = tune(files / "tiny.toml", _one(tmp_path, f"one-{r['number']}.toml", r["params"]), trials=1,
+                     seed=0, out=tmp_path / f"a-{r['number']}", **kw)
+        assert alone.best_value == r["value"]
+
+
 def test_val_fraction_carves_validation_from_training_only():
     """run.val_fraction: every client's training examples split into train and validation (disjoint, together the
     original, the same for every build), the test split untouched; a config whose data has its own is refused."""

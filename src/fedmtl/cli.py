@@ -573,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--last", type=int, default=3, help="the objective: the metric's mean over this many last "
                     "evaluated rounds (default 3)")
     tu.add_argument("--batch-trials", type=int, default=1, metavar="K", help="train K trials together as one "
-                    "batched computation, as seeds are (a space over optim.lr only; vmap or loop executor)")
+                    "batched computation, as seeds are (a space over optim.lr and the algorithm's real-valued "
+                    "hyperparameters only; vmap or loop executor)")
     tu.add_argument("--no-prune", action="store_true", help="run every trial to its last round (no median pruning)")
     tu.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a config value")
     _plugins_arg(tu)

@@ -233,7 +233,7 @@ def local_sgd(
     opt: SGD,
     sample_weight: Tensor | None = None,
     prox_center: Params | None = None,
-    prox_mu: float = 0.0,
+    prox_mu: float | Tensor = 0.0,
     steps: slice | None = None,
     grad_shift: Params | None = None,
 ) -> tuple[Params, Tensor]:
@@ -246,7 +246,8 @@ def local_sgd(
     leading axis when ``params`` are M stacked models and ``grad_fn`` is ``models.stacking.value_and_grad_stacked``,
     whose loss is then an (M,) vector).
     ``prox_center``/``prox_mu`` add the FedProx term ``mu (w - w_center)`` to every gradient, ``grad_shift`` a
-    constant vector (SCAFFOLD's control-variate correction c - c_i, FedDyn's -h_i).
+    constant vector (SCAFFOLD's control-variate correction c - c_i, FedDyn's -h_i); ``prox_mu`` may be a 0-d tensor
+    (a value per replica under vmap).
     Batch-norm running statistics (``fedmtl.batchnorm``) are not trained: ``grad_fn`` returns their updated values,
     which are assigned (no rate, weight decay, momentum, proximal term or shift).
     After its first step a call updates the parameters and buffers it allocated itself in place (under vmap and
@@ -256,6 +257,8 @@ def local_sgd(
     agree to rounding.
     """
     mom, wd, mu = opt.momentum, opt.weight_decay, (prox_mu if prox_center is not None else 0.0)
+    # a tensor mu is one per replica (``engine.clients.with_fields``: trials over mu trained together): always on
+    prox = isinstance(mu, Tensor) or bool(mu)
 
     owned: set[str] = set()  # parameters (and momentum buffers) this call allocated: updated in place from then on
     in_place = only_vmap()
@@ -277,7 +280,7 @@ def local_sgd(
             d = g[k]  # fused updates (torch.add with alpha): one pass over the parameters per term
             if wd:
                 d = torch.add(d, v, alpha=wd)
-            if mu:
+            if prox:
                 d = d + mu * (v - prox_center[k])  # type: ignore[index]
             if grad_shift is not None:
                 d = d + grad_shift[k]
@@ -333,7 +336,7 @@ def local_sgd(
                     new_buf[k] = buf[k]
                 continue
             d = torch.add(g[k], v, alpha=wd) if wd else g[k]  # g[k] itself is never written
-            if mu:
+            if prox:
                 d = d + mu * (v - prox_center[k])  # type: ignore[index]
             if grad_shift is not None:
                 d = d + grad_shift[k]

@@ -9,6 +9,9 @@ the server by sending messages to the nodes.  Client state never leaves the proc
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -22,10 +25,13 @@ from ..algorithms.base import Algorithm, Context
 from ..data.federated import FederatedData, Orders, padded, round_batches
 from ..hostsync import host_sync, to_device
 from ..models.base import Model
+from ..schema import type_hints
 from ..tree import Tree
 from .evaluation import chunks, per_client, scores
 from .executors import Executor, TrainBatches
 from .store import ClientStore, StoreKind
+
+log = logging.getLogger("fedmtl")
 
 
 class TrainOut(NamedTuple):
@@ -139,6 +145,14 @@ class LocalClients:
     def _update(self, payload: Tree, state: Tree, batches: Any, lr: float) -> Any:
         return self.alg.client_update(self.ctx, payload, state, batches, lr)  # type: ignore[arg-type]
 
+    def _update_fields(self, payload: Tree, state_fields: tuple[Tree, dict[str, Tensor]], batches: Any,
+                       lr: float) -> Any:
+        """``_update`` with the algorithm's real-valued fields of this client's replica (``train_together``: trials
+        of a search that differ in them): ``state_fields`` is (the client state, {field: value})."""
+        state, fields = state_fields
+        alg = with_fields(self.alg, fields, payload)
+        return alg.client_update(self.ctx, payload, state, batches, lr)  # type: ignore[arg-type]
+
     def _update_clients(self, payload: Tree, states: Tree, batches: Any, lr: float) -> Any:
         """``_update``'s clients form (K clients at once: ``Algorithm.client_update_clients``), which the stacked
         executor runs."""
@@ -249,17 +263,74 @@ def concat_orders(orders: list[Orders]) -> Orders:
     return Orders(torch.cat([o.local for o in orders], dim=1), starts, limit)
 
 
+def differing_fields(algs: list[Algorithm]) -> dict[str, list[float]]:
+    """The fields in which algorithms of one class differ, {field: each one's value}; ``ValueError`` where they
+    differ in class or in a field that is not a real number (those cannot be carried by batched replicas)."""
+    first = algs[0]
+    if any(type(a) is not type(first) for a in algs):
+        raise ValueError("train_together: the replicas must run one algorithm")
+    hints = type_hints(type(first))
+    out: dict[str, list[float]] = {}
+    for f in dataclasses.fields(first):
+        values = [getattr(a, f.name) for a in algs]
+        if not f.init or all(v == values[0] for v in values):
+            continue
+        tp = hints.get(f.name)
+        if typing.get_origin(tp) is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        if tp is not float or not all(isinstance(v, float | int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"train_together: the replicas differ in algorithm.{f.name} = {values}, which is not "
+                             "a real-valued field (only those are carried per replica)")
+        out[f.name] = [float(v) for v in values]
+    return out
+
+
+def with_fields(alg: Algorithm, fields: dict[str, Tensor], like: Tree) -> Algorithm:
+    """``alg`` with ``fields`` set to one client's values: where they are plain 0-d tensors (the loop executor),
+    ``dataclasses.replace`` with their float values, which is the replica's own algorithm exactly; inside a vmap
+    (batched values) a copy holding the values as tensors of ``like``'s floating dtype, which the algorithm's
+    arithmetic carries per client (a field used in Python control flow fails there: ``train_together`` then runs
+    the replicas apart).  ``__post_init__`` does not run on that copy: it only checks values (every built-in), and
+    each replica's own algorithm was checked with its own."""
+    if not fields:
+        return alg
+    try:
+        return dataclasses.replace(alg, **{k: float(v) for k, v in fields.items()})
+    except RuntimeError:  # batched values (inside vmap): float() is refused
+        pass
+    dtype = next((x.dtype for x in T.leaves(like) if x.is_floating_point()), torch.get_default_dtype())
+    copy = object.__new__(type(alg))
+    copy.__dict__.update(alg.__dict__)
+    for k, v in fields.items():
+        object.__setattr__(copy, k, v.to(dtype))
+    return copy
+
+
+#: (algorithm class, fields) that failed to run batched: their replicas train apart from then on
+_APART: set[tuple[type, tuple[str, ...]]] = set()
+
+
 def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[Tensor], orders: list[Orders],
                    lr: float | list[float], round_idx: int) -> list[TrainOut]:
     """One round of several replicas of a run (``fedmtl.runs.seeds``) as one batched computation: replica i's
     clients ``ids[i]`` train from ``payloads[i]`` in ``orders[i]`` with their states in ``members[i]``'s store.
-    The replicas share the data, the algorithm and the executor (``members[0]``'s); every client's result is what
-    ``members[i].train`` alone gives it.  ``lr``: the replicas' rate, or each replica's own (trials of a search
+    The replicas share the data and the executor (``members[0]``'s) and run one algorithm; every client's result is
+    what ``members[i].train`` alone gives it.  ``lr``: the replicas' rate, or each replica's own (trials of a search
     that differ in ``optim.lr``, ``fedmtl.runs.tune``): a rate per client then goes to the executor, and the
-    results agree with ``members[i].train`` alone to rounding (``optim.local_sgd`` with a tensor rate)."""
+    results agree with ``members[i].train`` alone to rounding (``optim.local_sgd`` with a tensor rate).  Replicas
+    whose algorithms differ in real-valued fields (trials over ``algorithm.mu``, ``algorithm.lam``, ...) carry
+    each client's values with its state (``with_fields``): exact on the loop executor, to rounding under vmap; an
+    algorithm whose update cannot take them batched (a field in Python control flow) trains its replicas apart,
+    with one warning."""
     first = members[0]
     if any(m.data is not first.data for m in members):
         raise ValueError("train_together: the replicas must share one FederatedData")
+    fields = differing_fields([m.alg for m in members])
+    key = (type(first.alg), tuple(fields))
+    if fields and key in _APART:
+        lrs = lr if isinstance(lr, list) else [lr] * len(members)
+        return [m.train(p, i, o, r, round_idx) for m, p, i, o, r in zip(members, payloads, ids, orders, lrs,
+                                                                          strict=True)]
     rows = [m.rows_of(i) for m, i in zip(members, ids, strict=True)]
     states = [T.to(m.store.read(r), m.device) for m, r in zip(members, rows, strict=True)]  # type: ignore[union-attr]
     sizes = [len(r) for r in rows]
@@ -271,8 +342,21 @@ def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[
                            first.drop_last)
     rate: float | Tensor = lr if not isinstance(lr, list) else lr[0] if len(set(lr)) == 1 else \
         to_device(torch.repeat_interleave(torch.tensor(lr, dtype=torch.float64), torch.tensor(sizes)), first.device)
-    updates, new_states, losses = first.executor.train(first._update, payload, stacked, batches, rate,
-                                                       payload_rows=True)
+    if not fields:
+        updates, new_states, losses = first.executor.train(first._update, payload, stacked, batches, rate,
+                                                           payload_rows=True)
+    else:
+        values = {k: to_device(torch.repeat_interleave(torch.tensor(v, dtype=torch.float64), torch.tensor(sizes)),
+                               first.device) for k, v in fields.items()}
+        try:
+            updates, new_states, losses = first.executor.train(first._update_fields, payload, (stacked, values),
+                                                               batches, rate, payload_rows=True)
+        except Exception as e:  # noqa: BLE001 (run apart: a genuine error is raised again there)
+            _APART.add(key)
+            log.warning("%s: the replicas' algorithm.%s cannot be carried batched (%s: %s); they train one after "
+                        "the other", first.alg.name, ", algorithm.".join(fields), type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            return train_together(members, payloads, ids, orders, lr, round_idx)
     outs, at = [], 0
     for m, r, k in zip(members, rows, sizes, strict=True):
         seg = torch.arange(at, at + k, device=losses.device)

@@ -393,8 +393,9 @@ def _evaluate(reps: list[Replica]) -> list[dict[str, Any]]:
     """``Engine.evaluate`` of each replica; replicas simulated here that evaluate the same clients are evaluated
     together (``clients.evaluate_together``: the evaluation data read once for all of them)."""
     if not _batchable(reps) or len({rep.engine.opt.lr for rep in reps}) > 1 or any(
+            rep.engine.alg != reps[0].engine.alg for rep in reps) or any(
             not all(torch.equal(rep.engine.eval_ids[g], reps[0].engine.eval_ids[g]) for g in rep.engine.eval_ids)
-            for rep in reps):  # (replicas with rates of their own personalize with their own)
+            for rep in reps):  # (replicas with rates or algorithm fields of their own personalize with their own)
         return [rep.engine.evaluate(rep.state) for rep in reps]  # type: ignore[arg-type]
     out: list[dict[str, Any]] = [{} for _ in reps]
     for group in reps[0].engine.clients.groups:

@@ -80,8 +80,26 @@ DEFAULT_LAST = 3
 DEFAULT_VAL_FRACTION = 0.2
 #: the keys of one entry of a space file
 SPEC_KEYS = ("low", "high", "log", "int", "step", "choices")
-#: the one key trials trained together (``--batch-trials``) may differ in: batched replicas carry a rate each
+#: the optimizer key trials trained together (``--batch-trials``) may differ in (a rate per replica; with the
+#: algorithm's real-valued fields: ``batchable_keys``)
 BATCHABLE = "optim.lr"
+
+
+def batchable_keys(cfg: ExperimentConfig) -> list[str]:
+    """The keys that trials trained together (``--batch-trials``) may differ in: ``optim.lr`` and the configured
+    algorithm's real-valued fields (``engine.clients.train_together`` carries them per replica)."""
+    import dataclasses
+
+    from ..registry import ALGORITHMS
+    from ..schema import type_hints
+
+    cls = ALGORITHMS[cfg.algorithm["name"]]
+    hints = type_hints(cls)
+
+    def real(tp: Any) -> bool:
+        return (typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp) is float
+
+    return [BATCHABLE, *(f"algorithm.{f.name}" for f in dataclasses.fields(cls) if f.init and real(hints[f.name]))]
 #: at most this many trials in one study
 MAX_TRIALS = 100_000
 _STATISTICS: tuple[Statistic, ...] = typing.get_args(Statistic)
@@ -362,7 +380,8 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     into ``out`` (``study.db``, ``trials/NNNN/``, ``best.toml``, ``trials.csv``, ``trials.md``, ``tune.json``,
     figures).  ``resume``: continue the study ``out/study.db`` holds (required when it exists).  Returns the
     summary ``tune.json`` holds.  ``batch_trials``: trials trained together as one batched computation (a space
-    over ``optim.lr`` only); ``prune``: False runs every trial to the end."""
+    over ``optim.lr`` and the algorithm's real-valued fields only: ``batchable_keys``); ``prune``: False runs every
+    trial to the end."""
     t0 = time.perf_counter()
     raw, source = _load_raw(config)
     sets = list(sets or [])
@@ -376,11 +395,13 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
         raise ConfigError(f"--batch-trials {shown(batch_trials)}: a whole number in [1, 1000]")
     direction = check_objective(objective, direction)
     params = read_space(space)
-    if batch_trials > 1 and [p.key for p in params] != [BATCHABLE]:
-        raise ConfigError(f"--batch-trials {batch_trials}: trials trained together can differ in {BATCHABLE} only "
-                          f"(a rate per replica); the space searches {[p.key for p in params]}: leave "
-                          "--batch-trials out")
     base = validate(apply_overrides(raw, sets), source)  # the config itself first: its errors name it
+    if batch_trials > 1:
+        allowed = batchable_keys(base)
+        if any(p.key not in allowed for p in params):
+            raise ConfigError(f"--batch-trials {batch_trials}: trials trained together can differ in "
+                              f"{', '.join(allowed)} only (values carried per replica); the space searches "
+                              f"{[p.key for p in params]}: leave --batch-trials out")
     tuning_sets: list[str] = []
     if base.run.val_fraction == 0 and not base.data.get("val_frac"):
         tuning_sets.append(f"run.val_fraction={DEFAULT_VAL_FRACTION}")
@@ -616,9 +637,10 @@ def _run_alone(st: _Study, t: _Trial, optuna: Any, progress: bool | str) -> None
 
 
 def _run_together(st: _Study, trials: list[_Trial], optuna: Any, progress: bool | str) -> None:
-    """Trials that differ only in ``optim.lr`` trained as one batched computation: every seed of every trial a
-    replica (``driver.drive_many``), their clients in the same executor calls, each with its own rate
-    (``engine.clients.train_together``).  A pruned trial's replicas run on with the batch (their result unused)."""
+    """Trials that differ only in ``optim.lr`` and the algorithm's real-valued fields trained as one batched
+    computation: every seed of every trial a replica (``driver.drive_many``), their clients in the same executor
+    calls, each with its own rate and field values (``engine.clients.train_together``).  A pruned trial's replicas
+    run on with the batch (their result unused)."""
 
     from .driver import Replica, build_local, drive_many
     from .rundir import RunDirectory
@@ -629,7 +651,7 @@ def _run_together(st: _Study, trials: list[_Trial], optuna: Any, progress: bool 
         replicas = []
         for t in trials:
             assert t.cfg is not None
-            data = _data_for(st, t.cfg)  # the same object for all: only optim.lr differs
+            data = _data_for(st, t.cfg)  # the same object for all: only optim.lr and algorithm fields differ
             t.dir.mkdir(parents=True, exist_ok=True)
             with atomic(t.dir / "config.toml") as f:
                 f.write(dumps(t.cfg.raw))
