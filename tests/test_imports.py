@@ -123,3 +123,15 @@ def test_every_test_the_suite_starts_first_exists():
     for entry in LONGEST:
         file, name = entry.split("::")
         assert f"def {name}(" in (here / file).read_text(), entry
+
+
+def test_model_keeps_what_a_model_is():
+    """``Model`` (``models/base.py``) stays a description of a network: under 300 lines, with execution (the stacked
+    value-and-grad families, the clients form) in ``models.stacking`` / ``models.clientstack`` and its helpers in
+    ``models.parts``."""
+    src = (SRC / "fedmtl" / "models" / "base.py").read_text()
+    assert len(src.splitlines()) < 300, "models/base.py has grown to 300 lines: move helpers out (models.parts)"
+    tree = ast.parse(src)
+    model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
+    methods = {n.name for n in model.body if isinstance(n, ast.FunctionDef)}
+    assert not {m for m in methods if "stacked" in m or m.endswith("_clients")}, methods

@@ -32,7 +32,10 @@ from .parts import (
     ModelError,
     activation_elems,
     check_module,
+    check_output,
+    fresh_params,
     head_input,
+    module_device,
     split_names,
     value_and_grad_bn,
     value_and_grad_of,
@@ -187,13 +190,7 @@ class Model:
         except Exception as e:  # any failure of a user's module on the data is reported as one error
             raise ModelError(f"model {self.name!r} cannot run on the data's features (shape {tuple(x.shape[1:])}, "
                              f"dtype {x.dtype}): {type(e).__name__}: {e}") from e
-        want = (x.shape[0],) if self.output == "binary" else (x.shape[0], self.num_classes)
-        if tuple(out.shape) != want:
-            raise ModelError(f"model {self.name!r} returns shape {tuple(out.shape)} for {x.shape[0]} examples; a "
-                             f"{self.output} model with {self.num_classes} classes must return "
-                             f"{'(n, 1) or (n,)' if self.output == 'binary' else f'(n, {self.num_classes})'}")
-        if not out.is_floating_point():
-            raise ModelError(f"model {self.name!r} returns {out.dtype} logits; it must return floating point")
+        check_output(self.name, self.output, self.num_classes, out, x.shape[0])
         if self.clients_form is not None and x.shape[0] >= 3:  # the clients form checked on the same examples
             self.clients_form.check(self.input_transform(x) if self.input_transform is not None else x, self.module,
                                     params, self.num_classes, self.output == "binary", self.nll)
@@ -211,24 +208,8 @@ class Model:
 
     def init(self, seed: int) -> Params:
         """Fresh parameters from the module's own initializer, seeded without touching global RNG, on the module's
-        device.  They are drawn on the CPU whatever that device is, so a run starts from the same model on a GPU
-        as on the CPU (CUDA's generator draws other numbers for the same seed)."""
-        dev = self.device
-        if dev.type != "cpu":
-            self.module.cpu()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                for m in self.module.modules():
-                    reset = getattr(m, "reset_parameters", None)
-                    # with adapters the frozen base (buffers) keeps its weights: only modules that own parameters
-                    # (the adapters, the trained modules) are drawn afresh
-                    if reset is not None and (self.adapters is None or any(True for _ in m.parameters(False))):
-                        reset()
-                return {k: v.detach().clone().to(dev) for k, v in self.module.named_parameters()}
-        finally:
-            if dev.type != "cpu":
-                self.module.to(dev)
+        device (``models.parts.fresh_params``: drawn on the CPU, so a run starts from the same model on a GPU)."""
+        return fresh_params(self.module, seed, self.adapters is not None)
 
     def start(self, seed: int) -> Params:
         """The run's initial model: ``initial_params`` (copies, on the module's device) if set, else ``init(seed)``."""
@@ -240,9 +221,7 @@ class Model:
     @property
     def device(self) -> torch.device:
         """Where the module's parameters (or, without any, its buffers) are: the CPU, or a run's device."""
-        for t in (*self.module.parameters(), *self.module.buffers()):
-            return t.device
-        return torch.device("cpu")
+        return module_device(self.module)
 
     def apply(self, params: Params, x: Tensor) -> Tensor:
         """Forward pass: (n, *features) -> (n,) logits (binary) or (n, C) logits."""

@@ -69,6 +69,47 @@ def check_module(module: nn.Module, output: str, num_classes: int, initial_param
     return batch_norm
 
 
+def check_output(name: str, output: str, num_classes: int, out: Tensor, n: int) -> None:
+    """Refuse (``ModelError``) the logits ``out`` of model ``name`` for ``n`` examples where their shape or dtype does
+    not fit its ``output`` kind and ``num_classes`` (``Model.check_features``)."""
+    want = (n,) if output == "binary" else (n, num_classes)
+    if tuple(out.shape) != want:
+        raise ModelError(f"model {name!r} returns shape {tuple(out.shape)} for {n} examples; a {output} model with "
+                         f"{num_classes} classes must return "
+                         f"{'(n, 1) or (n,)' if output == 'binary' else f'(n, {num_classes})'}")
+    if not out.is_floating_point():
+        raise ModelError(f"model {name!r} returns {out.dtype} logits; it must return floating point")
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters (or, without any, its buffers) are; the CPU for a module without tensors."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def fresh_params(module: nn.Module, seed: int, adapters: bool) -> Params:
+    """Fresh parameters from ``module``'s own initializer (``reset_parameters``), seeded without touching global RNG,
+    on the module's device.  They are drawn on the CPU whatever that device is, so a run starts from the same model
+    on a GPU as on the CPU (CUDA's generator draws other numbers for the same seed).  ``adapters``: the module
+    carries low-rank adapters, whose frozen base (buffers) keeps its weights: only modules that own parameters (the
+    adapters, the trained modules) are drawn afresh."""
+    dev = module_device(module)
+    if dev.type != "cpu":
+        module.cpu()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for m in module.modules():
+                reset = getattr(m, "reset_parameters", None)
+                if reset is not None and (not adapters or any(True for _ in m.parameters(False))):
+                    reset()
+            return {k: v.detach().clone().to(dev) for k, v in module.named_parameters()}
+    finally:
+        if dev.type != "cpu":
+            module.to(dev)
+
+
 def split_names(params: Params, names: tuple[str, ...]) -> tuple[Params, Params]:
     """(the entries not in ``names``, the entries in ``names``), both in ``params``' order (body/head, FedBN's
     shared/local split)."""
