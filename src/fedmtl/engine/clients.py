@@ -263,22 +263,30 @@ def concat_orders(orders: list[Orders]) -> Orders:
     return Orders(torch.cat([o.local for o in orders], dim=1), starts, limit)
 
 
+def real_fields(cls: type[Algorithm]) -> list[str]:
+    """The init fields of an algorithm class declared ``float`` (plain or ``Annotated``): the values batched
+    replicas can carry per client (``with_fields``; ``fedmtl tune --batch-trials``)."""
+    hints = type_hints(cls)
+
+    def real(tp: Any) -> bool:
+        return (typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp) is float
+
+    return [f.name for f in dataclasses.fields(cls) if f.init and real(hints.get(f.name))]
+
+
 def differing_fields(algs: list[Algorithm]) -> dict[str, list[float]]:
     """The fields in which algorithms of one class differ, {field: each one's value}; ``ValueError`` where they
     differ in class or in a field that is not a real number (those cannot be carried by batched replicas)."""
     first = algs[0]
     if any(type(a) is not type(first) for a in algs):
         raise ValueError("train_together: the replicas must run one algorithm")
-    hints = type_hints(type(first))
+    real = real_fields(type(first))
     out: dict[str, list[float]] = {}
     for f in dataclasses.fields(first):
         values = [getattr(a, f.name) for a in algs]
         if not f.init or all(v == values[0] for v in values):
             continue
-        tp = hints.get(f.name)
-        if typing.get_origin(tp) is typing.Annotated:
-            tp = typing.get_args(tp)[0]
-        if tp is not float or not all(isinstance(v, float | int) and not isinstance(v, bool) for v in values):
+        if f.name not in real or not all(isinstance(v, float | int) and not isinstance(v, bool) for v in values):
             raise ValueError(f"train_together: the replicas differ in algorithm.{f.name} = {values}, which is not "
                              "a real-valued field (only those are carried per replica)")
         out[f.name] = [float(v) for v in values]

@@ -88,18 +88,10 @@ BATCHABLE = "optim.lr"
 def batchable_keys(cfg: ExperimentConfig) -> list[str]:
     """The keys that trials trained together (``--batch-trials``) may differ in: ``optim.lr`` and the configured
     algorithm's real-valued fields (``engine.clients.train_together`` carries them per replica)."""
-    import dataclasses
-
+    from ..engine.clients import real_fields
     from ..registry import ALGORITHMS
-    from ..schema import type_hints
 
-    cls = ALGORITHMS[cfg.algorithm["name"]]
-    hints = type_hints(cls)
-
-    def real(tp: Any) -> bool:
-        return (typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp) is float
-
-    return [BATCHABLE, *(f"algorithm.{f.name}" for f in dataclasses.fields(cls) if f.init and real(hints[f.name]))]
+    return [BATCHABLE, *(f"algorithm.{f}" for f in real_fields(ALGORITHMS[cfg.algorithm["name"]]))]
 #: at most this many trials in one study
 MAX_TRIALS = 100_000
 _STATISTICS: tuple[Statistic, ...] = typing.get_args(Statistic)
