@@ -16,6 +16,7 @@ continues them), ``DIR/reruns/<federation>/<method>/`` each rerun (a finished re
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -212,6 +213,7 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
     out.mkdir(parents=True, exist_ok=True)
     n_trials = trials or int(QUICK["trials"] if quick else BUDGET["trials"])
     seeds = list(QUICK["seeds"] if quick else BUDGET["seeds"])
+    record = functools.partial(_record, out, quick, n_trials, seeds, p)  # this call's rows into the stored table
     for fed in p["federations"]:
         probe = load(config_path(FEDERATIONS[fed]["config"]), _base_sets(fed, quick))
         try:
@@ -223,11 +225,11 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
         meta = {"config": FEDERATIONS[fed]["config"], "sets": _base_sets(fed, quick),
                 "title": FEDERATIONS[fed]["title"], "rounds": cfg.run.rounds,
                 "clients": int(cfg.data.get("num_clients", 0))}
-        _record(out, quick, n_trials, seeds, p, fed, meta)
+        record(fed, meta)
         fed_sets = FEDERATIONS[fed]["sets"]
         for k, m in enumerate(p["methods"]):
             if m in UNFIT_IN[fed]:
-                _record(out, quick, n_trials, seeds, p, fed, meta, m, None)
+                record(fed, meta, m, None)
                 continue
             print(f"[{fed} {k + 1}/{len(p['methods'])}] {m}", flush=True)
             if is_starting_over():  # --overwrite: this method's study and rerun start over
@@ -238,12 +240,12 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             except (ValueError, TrainingDiverged) as e:  # a method that cannot run here: its row says why
                 row: dict[str, Any] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
                 print(f"  {m}: {row['error']}", flush=True)
-                _record(out, quick, n_trials, seeds, p, fed, meta, m, row)
+                record(fed, meta, m, row)
                 continue
             if study["best_value"] is None:
                 row = {"error": "no trial completed", "tune_seconds": study["trial_seconds"],
                        "seconds": study["trial_seconds"]}
-                _record(out, quick, n_trials, seeds, p, fed, meta, m, row)
+                record(fed, meta, m, row)
                 continue
             text = tuned_config(fed, m, study["best_params"])
             header = config_header(fed, m, n_trials, quick, study)
@@ -255,7 +257,7 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             except (ValueError, TrainingDiverged) as e:
                 row = {"error": f"rerun: {type(e).__name__}: {e}".splitlines()[0]}
                 print(f"  {m}: {row['error']}", flush=True)
-                _record(out, quick, n_trials, seeds, p, fed, meta, m, row)
+                record(fed, meta, m, row)
                 continue
             row = {"avg": res["avg"], "avg_se": res["avg_se"], "p10": res["p10"], "p10_se": res["p10_se"],
                    "avg_values": res["avg_values"], "p10_values": res["p10_values"],
@@ -266,8 +268,8 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
                    # the trials' and the rerun's own measured times (stable when a resumed call reads them back)
                    "seconds": study["trial_seconds"] + res["seconds"]}
             print(f"  {m}: avg {res['avg']:.1f}  p10 {res['p10']:.1f}  best {study['best_params']}", flush=True)
-            _record(out, quick, n_trials, seeds, p, fed, meta, m, row)  # an interruption keeps it
-    return _record(out, quick, n_trials, seeds, p, publish_table=True)  # with what other calls added meanwhile
+            record(fed, meta, m, row)  # an interruption keeps it
+    return record(publish_table=True)  # with what other calls added meanwhile
 
 
 #: the lock that calls adding rows to one folder's table take in turn
