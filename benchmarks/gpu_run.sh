@@ -13,6 +13,12 @@
 #                `bench pfl`: pip install --no-deps --target .gpu/site pfl==0.6.0 multiprocess==0.70.19 dill==0.4.1
 #                prv-accountant==0.2.0)
 #   .gpu/cache/fashion_mnist/   the four Fashion-MNIST .gz files (FEDMTL_CACHE; FEDMTL_VERIFY_MD5=0 for this copy)
+#   .gpu/whl/    wheels of what the device's Python lacks, installed into /tmp/site where optuna is not importable
+#                (`fedmtl reproduce tuned --device` in the device tests; benchmarks/gpu_tuned.sh): python3 -m pip
+#                download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
+#                manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+#                --platform any -d .gpu/whl optuna==5.0.0 sqlalchemy==2.1.9 alembic==1.20.1 colorlog==6.12.0
+#                mako==1.4.3
 #
 # Rehearse it on a CPU first:  OUT=/tmp/o GPU_RUN_DEVICE=cpu ROUNDS=1 QUICK=1 bash benchmarks/gpu_run.sh
 # (QUICK: only the MLP workloads of the benchmarks and the device tests' resident checks; SCALE multiplies every
@@ -30,6 +36,10 @@ SCALE=${SCALE:-1}
 mkdir -p "$OUT"
 export FEDMTL_CACHE=$G/cache FEDMTL_VERIFY_MD5=0 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 MPLBACKEND=Agg
 export PYTHONPATH=$G/tree/src:$G/tree:$G/site
+if [ -d "$G/whl" ] && ! $PY -c "import optuna" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site || echo "the wheels of .gpu/whl did not install"
+fi
 START=$SECONDS
 
 step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log its time and status

@@ -146,6 +146,23 @@ def test_run_command_on_the_device_equals_the_cpu_run_and_resumes(tmp_path: Path
     assert json.loads((tmp_path / "run-1" / "seed-1" / "summary.json").read_text())["final"] == seed1
 
 
+def test_tuned_reproduction_on_the_device_equals_the_cpu_one(tmp_path: Path):
+    """``fedmtl reproduce tuned --device``: the studies and reruns run there, their rows record it, and the table
+    equals the CPU's (the same trials: TPE's first draws do not depend on the results)."""
+    pytest.importorskip("optuna")
+    rows = {}
+    for i, dev in enumerate(("cpu", DEVICE)):
+        out = tmp_path / f"run-{i}"
+        assert main(["reproduce", "tuned", "--out", str(out), "--quick", "--trials", "2", "--methods", "fedavg,fedem",
+                     "--federations", "synthetic_mixture", "--device", dev, "-q"]) == 0
+        rows[i] = json.loads((out / "summary.json").read_text())["federations"]["synthetic_mixture"]["methods"]
+    for m, r in rows[0].items():
+        d = rows[1][m]
+        assert d["device"] == DEVICE and r["device"] == "cpu"
+        assert d["best_params"] == r["best_params"], m
+        np.testing.assert_allclose(d["avg_values"], r["avg_values"], atol=0.5, err_msg=m)  # %: a client's example
+
+
 @pytest.mark.parametrize("alg", ["fedavg", "fedem", "fedsa_lora"])
 @pytest.mark.parametrize("runner", ["stacked", "vmap", "loop"])
 def test_adapters_on_the_device_equal_their_cpu_runs(runner, alg):

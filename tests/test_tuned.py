@@ -195,3 +195,35 @@ def test_tuned_values_name_a_best_value_at_an_end_of_its_range():
     assert rows
     for m, r in rows.items():
         assert f"| {m} | {tuned.tuned_values(m, 'fmnist_mlp', r)} |" in text
+
+
+def test_device_option_checked_first_and_recorded(tmp_path, capsys):
+    """``--device``: tuned only, its value checked (and that the machine has it) before anything is written; the CPU
+    adds no setting (a study begun without ``--device`` is the same study); a row measured elsewhere is named in the
+    table's header."""
+    import torch
+
+    assert main(["reproduce", "perfedavg", "--out", str(tmp_path / "a"), "--device", "cpu"]) == EXIT_INPUT
+    assert "--device: options of fedmtl reproduce tuned only" in capsys.readouterr().err
+    assert main(["reproduce", "tuned", "--out", str(tmp_path / "b"), "--device", "gpu"]) == EXIT_INPUT
+    assert "--device must be" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["reproduce", "tuned", "--out", str(tmp_path / "c"), "--device", "cuda"]) == EXIT_INPUT
+        assert "no CUDA device" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+    assert tuned.device_sets(None) == tuned.device_sets("cpu") == []
+    spec = tuned.FEDERATIONS["fmnist_cnn"]
+    cfg = load(config_path(spec["config"]), [*spec["sets"], *tuned.device_sets("cuda:1")])
+    assert cfg.run.device == "cuda:1"  # the setting as the trials and reruns get it (checked, not built, here)
+    row = {"avg": 80.0, "p10": 60.0, "seconds": 3600.0}
+    fed = {"title": "t", "clients": 5, "rounds": 2, "methods": {"fedavg": {**row, "device": "cuda"},
+                                                                 "local": dict(row)}}
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"quick": False, "trials": 20, "seeds": [1], "objective": "o", "tune_seeds": [1], "command": "c",
+         "federations": {"fmnist_cnn": fed}}))
+    assert "2 rounds, 2.00 h (measured on cpu, cuda)" in tuned.tuned_markdown(tmp_path)
+    del fed["methods"]["fedavg"]
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"quick": False, "trials": 20, "seeds": [1], "objective": "o", "tune_seeds": [1], "command": "c",
+         "federations": {"fmnist_cnn": fed}}))
+    assert "2 rounds, 1.00 h (the measured time" in tuned.tuned_markdown(tmp_path)

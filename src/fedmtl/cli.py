@@ -329,10 +329,18 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
     extra: dict[str, object] = {}
     if args.name == "tuned":
-        extra = {"trials": args.trials, "methods": _names(args.methods), "federations": _names(args.federations)}
+        extra = {"trials": args.trials, "methods": _names(args.methods), "federations": _names(args.federations),
+                 "device": args.device}
+        if args.device is not None:
+            from .machine import torch_device
+
+            try:  # the name, and that this machine has it, before anything is written
+                torch_device(args.device, "--device")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     else:
         given = [f for f, v in (("--trials", args.trials), ("--methods", args.methods),
-                                ("--federations", args.federations)) if v is not None]
+                                ("--federations", args.federations), ("--device", args.device)) if v is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: options of fedmtl reproduce tuned only")
     if args.trials is not None and not 1 <= args.trials <= 100_000:
@@ -650,6 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--trials", type=int, help="tuned: trials per method and federation (default: the budget's)")
     rp.add_argument("--methods", help="tuned: these registered methods only (comma-separated)")
     rp.add_argument("--federations", help="tuned: these federations only (fmnist_mlp, fmnist_cnn, synthetic_mixture)")
+    rp.add_argument("--device", help="tuned: run the trials and reruns on cpu, cuda or cuda:N (the tuned configs keep "
+                                     "the federation's own device; each row records the one it ran on)")
     _again_args(rp, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(rp)
     rp.set_defaults(fn=_cmd_reproduce)

@@ -45,7 +45,7 @@ def torch_device(name: str, where: str = "run.device") -> torch.device:
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ValueError(f"{where} = {name!r} but this machine has no CUDA device (torch.cuda.is_available() is "
-                             "False); use run.device = 'cpu'")
+                             f"False); use {where} = 'cpu'")
         count = torch.cuda.device_count()
         index = int(name.partition(":")[2] or 0)
         if index >= count:

@@ -1,5 +1,5 @@
 """Every registered method tuned, then measured: ``fedmtl reproduce tuned --out DIR [--quick] [--trials N]
-[--methods a,b] [--federations f,g]``.
+[--methods a,b] [--federations f,g] [--device cuda]``.
 
 For each federation of ``tuned.toml`` and each registered method that fits it, ``fedmtl tune`` searches the
 method's learning rate and its own main hyperparameter (the spaces are data: ``tuned.toml`` beside this module)
@@ -126,15 +126,25 @@ def se(values: list[float]) -> float | None:
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) / math.sqrt(len(values))
 
 
-def tune_one(out: Path, federation: str, method: str, trials: int, quick: bool) -> dict[str, Any]:
-    """The study of ``method`` on ``federation`` (continued if ``out`` holds it): its ``tune.json`` summary."""
+def device_sets(device: str | None) -> list[str]:
+    """The ``--set`` that runs a reproduction's trials and reruns on ``device``: none for the CPU (the configs'
+    own device), so that a study begun without ``--device`` and one with ``--device cpu`` are the same study.  The
+    device is part of a study's config (its numbers differ from one device to another): a study continues on the
+    device it began on."""
+    return [] if device in (None, "cpu") else [f'run.device="{device}"']
+
+
+def tune_one(out: Path, federation: str, method: str, trials: int, quick: bool,
+             device: str | None = None) -> dict[str, Any]:
+    """The study of ``method`` on ``federation`` (continued if ``out`` holds it), its trials on ``device``: its
+    ``tune.json`` summary."""
     from ..runs.tune import tune
 
     out.mkdir(parents=True, exist_ok=True)
     space = out.parent / f"{method}.space.toml"
     space.write_text(space_toml(method_space(method, federation)))
     sets = [*_base_sets(federation, quick), *method_settings(method, federation),
-            f"run.seeds={BUDGET['tune_seeds']}"]
+            f"run.seeds={BUDGET['tune_seeds']}", *device_sets(device)]
     tune(config_path(FEDERATIONS[federation]["config"]), space, trials=trials, seed=int(BUDGET["seed"]),
          out=out, sets=sets, resume=True, objective=BUDGET["objective"])
     stored: dict[str, Any] = json.loads((out / "tune.json").read_text())
@@ -196,12 +206,13 @@ def rerun(out: Path, config_text: str, seeds: list[int], sets: list[str]) -> dic
 
 
 def run(out: Path, quick: bool = False, trials: int | None = None, methods: list[str] | None = None,
-        federations: list[str] | None = None) -> dict[str, Any]:
+        federations: list[str] | None = None, device: str | None = None) -> dict[str, Any]:
     """Tune every registered method that fits on every federation (or those named), rerun each best config with the
     budget's seeds on the test split; write ``DIR/summary.json`` and ``DIR/tuned.md`` and each tuned config in
-    ``DIR/configs/<federation>/<method>.toml``.  Continues whatever ``out`` holds of an earlier call; several calls
-    on different methods or federations may run at once into one ``out``: each adds its rows to the stored table
-    (``_record``), none drops another's."""
+    ``DIR/configs/<federation>/<method>.toml``.  ``device``: where the trials and reruns run (``run.device``; the
+    tuned configs keep the federation's own device, and each row records the one it was measured on).  Continues
+    whatever ``out`` holds of an earlier call; several calls on different methods or federations may run at once
+    into one ``out``: each adds its rows to the stored table (``_record``), none drops another's."""
     from ..data.federated import DataError
 
     p = plan(methods, federations)  # unknown names refused before anything is written
@@ -236,7 +247,7 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
                 for d in (out / "studies" / fed / m, out / "reruns" / fed / m):
                     shutil.rmtree(d, ignore_errors=True)
             try:
-                study = tune_one(out / "studies" / fed / m, fed, m, n_trials, quick)
+                study = tune_one(out / "studies" / fed / m, fed, m, n_trials, quick, device)
             except (ValueError, TrainingDiverged) as e:  # a method that cannot run here: its row says why
                 row: dict[str, Any] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
                 print(f"  {m}: {row['error']}", flush=True)
@@ -253,7 +264,8 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(header + text)
             try:
-                res = rerun(out / "reruns" / fed / m, text, seeds, _base_sets(fed, quick)[len(fed_sets):])
+                res = rerun(out / "reruns" / fed / m, text, seeds,
+                            [*_base_sets(fed, quick)[len(fed_sets):], *device_sets(device)])
             except (ValueError, TrainingDiverged) as e:
                 row = {"error": f"rerun: {type(e).__name__}: {e}".splitlines()[0]}
                 print(f"  {m}: {row['error']}", flush=True)
@@ -265,6 +277,7 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
                    "space": method_space(m, fed),
                    "trials": study["n_trials"], "tune_seconds": study["trial_seconds"],
                    "rerun_seconds": res["seconds"], "quick": quick, "n_trials": n_trials, "seeds": seeds,
+                   "device": device or "cpu",
                    # the trials' and the rerun's own measured times (stable when a resumed call reads them back)
                    "seconds": study["trial_seconds"] + res["seconds"]}
             print(f"  {m}: avg {res['avg']:.1f}  p10 {res['p10']:.1f}  best {study['best_params']}", flush=True)
@@ -395,10 +408,12 @@ def tuned_markdown(results: Path) -> str:
             r = f["methods"].get(m)
             row += ["—", "—"] if r is None else [_cell(r, "avg"), _cell(r, "p10")]
         rows.append(row)
-    def hours(f: dict[str, Any]) -> float:
-        return sum(r.get("seconds", 0.0) for r in f["methods"].values()) / 3600
+    def hours(f: dict[str, Any]) -> str:
+        h = f"{sum(r.get('seconds', 0.0) for r in f['methods'].values()) / 3600:.2f} h"
+        devices = sorted({r.get("device", "cpu") for r in f["methods"].values() if "error" not in r})
+        return h if devices in ([], ["cpu"]) else f"{h} (measured on {', '.join(devices)})"
 
-    detail = "; ".join(f"{name} ({f['title']}): {f['clients']} clients, {f['rounds']} rounds, {hours(f):.2f} h"
+    detail = "; ".join(f"{name} ({f['title']}): {f['clients']} clients, {f['rounds']} rounds, {hours(f)}"
                        for name, f in feds.items())
     text = (f"# {mark}Every method tuned: test accuracy (%) of the final round, mean over clients (avg) and 10th "
             f"percentile (p10), mean ± standard error over seeds {s['seeds']}\n\n"
