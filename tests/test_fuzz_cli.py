@@ -313,7 +313,7 @@ def _argv(cmd: str, dest: str, flag: str, value: str, cfg: Path, out: Path, run:
     if cmd == "main":
         return ["main", "--quick", *(["--out", str(out)] if dest != "out" else []), *opt]
     if cmd == "reproduce":  # the options of one reproduction fuzzed on it (the others refuse them by name)
-        name = "tuned" if dest in ("trials", "methods", "federations") else pos["name"]
+        name = "tuned" if dest in ("trials", "methods", "federations", "device") else pos["name"]
         return ["reproduce", name, "--quick", *(["--out", str(out)] if dest != "out" else []), *opt]
     if cmd == "flower":
         action = FLOWER_ONLY.get(dest, pos["action"] if dest == "action" else "simulate")

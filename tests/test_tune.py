@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("optuna")
 
@@ -222,6 +223,18 @@ def test_bad_space_refused_before_anything_runs(files, tmp_path, capsys, entry, 
     space.write_text(entry + "\n")
     out = tmp_path / "out"
     _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(space), "--out", str(out)], "bad.toml", what)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("device, what", [("gpu", "run.device must be"), ("cuda", "no CUDA device")])
+def test_a_device_refused_before_anything_runs(files, tmp_path, capsys, device, what):
+    """``--device``: its name, and that this machine has it, checked before the study exists (not as every trial's
+    failure)."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = tmp_path / "out"
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--out", str(out),
+                      "--device", device], "tiny.toml", what)
     assert not out.exists()
 
 

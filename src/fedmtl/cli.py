@@ -177,7 +177,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .runs.tune import DEFAULT_OBJECTIVE, tune
 
     out = args.out or str(Path("runs") / f"tune-{Path(args.config).stem}")
-    s = tune(args.config, args.space, trials=args.trials, seed=args.seed, out=out, sets=list(args.set),
+    sets = list(args.set) + ([f"run.device={_toml_string(args.device)}"] if args.device is not None else [])
+    s = tune(args.config, args.space, trials=args.trials, seed=args.seed, out=out, sets=sets,
              resume=args.resume, objective=args.objective or DEFAULT_OBJECTIVE, direction=args.direction,
              last=args.last, batch_trials=args.batch_trials, prune=not args.no_prune,
              progress="off" if args.quiet else True)
@@ -329,15 +330,11 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
     extra: dict[str, object] = {}
     if args.name == "tuned":
+        from .experiments.tuned import check_device_option
+
+        check_device_option(args.device)
         extra = {"trials": args.trials, "methods": _names(args.methods), "federations": _names(args.federations),
                  "device": args.device}
-        if args.device is not None:
-            from .machine import torch_device
-
-            try:  # the name, and that this machine has it, before anything is written
-                torch_device(args.device, "--device")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
     else:
         given = [f for f, v in (("--trials", args.trials), ("--methods", args.methods),
                                 ("--federations", args.federations), ("--device", args.device)) if v is not None]
@@ -585,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "hyperparameters only; vmap or loop executor)")
     tu.add_argument("--no-prune", action="store_true", help="run every trial to its last round (no median pruning)")
     tu.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a config value")
+    tu.add_argument("--device", help="cpu, cuda or cuda:N: where the trials run (same as --set run.device=...)")
     _plugins_arg(tu)
     _output_args(tu)
     tu.set_defaults(fn=_cmd_tune)

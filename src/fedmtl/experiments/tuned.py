@@ -28,6 +28,7 @@ from ..config import ConfigError, apply_overrides, dumps, load, read_toml, valid
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..engine.round import TrainingDiverged
 from ..files import locked
+from ..machine import torch_device
 from ..resources import config_path
 from ..runs.report import markdown_table, quick_mode, write_json
 from .common import is_starting_over, overrides, publish, read_tables
@@ -126,12 +127,21 @@ def se(values: list[float]) -> float | None:
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) / math.sqrt(len(values))
 
 
+def check_device_option(device: str | None) -> None:
+    """``--device``: a device name (``cpu``, ``cuda``, ``cuda:N``) that this machine has, else ``ConfigError``."""
+    if device is not None:
+        try:
+            torch_device(device, "--device")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def device_sets(device: str | None) -> list[str]:
     """The ``--set`` that runs a reproduction's trials and reruns on ``device``: none for the CPU (the configs'
     own device), so that a study begun without ``--device`` and one with ``--device cpu`` are the same study.  The
     device is part of a study's config (its numbers differ from one device to another): a study continues on the
     device it began on."""
-    return [] if device in (None, "cpu") else [f'run.device="{device}"']
+    return [] if device in (None, "cpu") else [f"run.device={json.dumps(device)}"]
 
 
 def tune_one(out: Path, federation: str, method: str, trials: int, quick: bool,
@@ -216,6 +226,7 @@ def run(out: Path, quick: bool = False, trials: int | None = None, methods: list
     from ..data.federated import DataError
 
     p = plan(methods, federations)  # unknown names refused before anything is written
+    check_device_option(device)  # and a device this machine lacks
     held = _stored(out, not quick)
     if held:  # the other budget's table: its studies and reruns would be replaced by this call's
         raise ConfigError(f"--out {out}: holds a {'smoke (--quick)' if held['quick'] else 'full-budget'} table; a "

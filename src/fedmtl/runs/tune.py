@@ -59,6 +59,7 @@ from ..data.federated import ClientGroup, FederatedData, Split
 from ..engine.evaluation import Statistic, metric
 from ..engine.round import TrainingDiverged
 from ..files import atomic, locked
+from ..machine import torch_device
 from ..schema import shown
 from .report import run_figures, save_figure, write_json
 from .rundir import alive
@@ -388,6 +389,10 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     direction = check_objective(objective, direction)
     params = read_space(space)
     base = validate(apply_overrides(raw, sets), source)  # the config itself first: its errors name it
+    try:  # a device this machine lacks: refused here, not as every trial's failure
+        torch_device(base.run.device)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
     if batch_trials > 1:
         allowed = batchable_keys(base)
         if any(p.key not in allowed for p in params):
