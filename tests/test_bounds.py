@@ -149,6 +149,20 @@ def test_device_strings_are_checked_whole(device, cfg, tmp_path, capsys):
     assert "run.device" in line and str(cfg) in line
 
 
+def test_a_sweep_and_a_study_check_their_devices_before_any_output(cfg, tmp_path, monkeypatch, capsys):
+    """A device the machine lacks, in any setting of a sweep or in a study's config: one line, exit 2, and no folder
+    (a sweep left its first setting's empty folder behind; a study its database and a failed first trial)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["sweep", str(cfg), "--set", "run.device=cpu,cuda", "--out", str(tmp_path / "s"), "-q"]) == 2
+    assert "no CUDA device" in one_line(capsys.readouterr().err)
+    pytest.importorskip("optuna")
+    space = tmp_path / "space.toml"
+    space.write_text("[optim]\nlr = { low = 0.01, high = 1.0, log = true }\n")
+    assert main(["tune", str(cfg), "--space", str(space), "--device", "cuda:0", "--out", str(tmp_path / "t")]) == 2
+    assert "no CUDA device" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
+
+
 def test_a_gpu_index_is_checked_against_the_gpus_present(monkeypatch):
     for ok in ("cpu", "cuda", "cuda:0", "cuda:999"):
         assert RunConfig(device=ok).device == ok  # as written: valid on any machine

@@ -23,6 +23,7 @@ import numpy as np
 from ..config import ConfigError, load, parse_override
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
 from ..files import atomic
+from ..machine import torch_device
 from ..schema import shown
 from .driver import run_experiment
 from .report import save_figure, style, write_json
@@ -84,6 +85,11 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
                           f"runs at most {MAX_SETTINGS} (sweep fewer values, or split it into several sweeps)")
     combos = list(itertools.product(*[[(k, v) for v in vals] for k, vals in swept]))
     cfgs = [load(config, fixed + [f"{k}={v}" for k, v in combo]) for combo in combos]  # validate all first
+    for device in sorted({c.run.device for c in cfgs}):  # and their devices: none missing halfway through
+        try:
+            torch_device(device)
+        except ValueError as e:
+            raise ConfigError(f"{config}: {e}") from None
     check_output(out, overwrite=overwrite, resume=resume)
     rows = []
     for combo, cfg in zip(combos, cfgs, strict=True):
