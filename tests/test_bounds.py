@@ -163,6 +163,19 @@ def test_a_sweep_and_a_study_check_their_devices_before_any_output(cfg, tmp_path
     assert not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
 
 
+def test_a_flower_simulation_checks_its_device_before_starting(cfg, tmp_path, monkeypatch, capsys):
+    """The simulated nodes compute on this machine: a CUDA device it lacks is one line and exit 2 (it was minutes of
+    Ray workers failing, then a traceback); an app project may still name it (its nodes have the GPU)."""
+    pytest.importorskip("flwr")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["flower", "simulate", str(cfg), "--device", "cuda", "--out", str(tmp_path / "f")]) == 2
+    assert "no CUDA device" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "f").exists()
+    assert main(["flower", "app", str(cfg), "--device", "cuda", "--out", str(tmp_path / "app")]) == 0
+    text = "".join(f.read_text() for f in (tmp_path / "app").rglob("*.toml"))
+    assert 'device = \\"cuda\\"' in text  # the app's config, a TOML string in its pyproject.toml
+
+
 def test_a_gpu_index_is_checked_against_the_gpus_present(monkeypatch):
     for ok in ("cpu", "cuda", "cuda:0", "cuda:999"):
         assert RunConfig(device=ok).device == ok  # as written: valid on any machine

@@ -400,8 +400,13 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     import os
 
     from .flower.simulation import simulate
+    from .machine import torch_device
     from .runs.rundir import RESULTS, check_output
 
+    try:  # the simulated nodes compute here (an app project may name a device this machine lacks: its nodes have it)
+        torch_device(cfg.run.device)
+    except ValueError as e:
+        raise ConfigError(f"{args.config}: {e}") from None
     if args.out:  # the ServerApp continues a checkpoint it finds: only with --resume here
         check_output(args.out, overwrite=args.overwrite, resume=args.resume, names=RESULTS)
     res = simulate(dumps(cfg.raw), n, args.out or "", cpus=args.cpus or os.cpu_count() or 1, nodes=args.nodes,
