@@ -33,13 +33,7 @@ QUICK=${QUICK:-0}
 BUDGET=${BUDGET:-460}  # seconds for everything; the full device tests get what the steps before them left
 PY=${PY:-python3}
 SCALE=${SCALE:-1}
-mkdir -p "$OUT"
-export FEDMTL_CACHE=$G/cache FEDMTL_VERIFY_MD5=0 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 MPLBACKEND=Agg
-export PYTHONPATH=$G/tree/src:$G/tree:$G/site
-if [ -d "$G/whl" ] && ! $PY -c "import optuna" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site || echo "the wheels of .gpu/whl did not install"
-fi
+. "$ROOT/benchmarks/gpu_env.sh"
 START=$SECONDS
 
 step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log its time and status

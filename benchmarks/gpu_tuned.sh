@@ -13,13 +13,7 @@ DEV=${GPU_RUN_DEVICE:-cuda}
 METHODS=${METHODS:-fedavg}
 LIMIT=${LIMIT:-300}
 PY=${PY:-python3}
-mkdir -p "$OUT"
-export FEDMTL_CACHE=$G/cache FEDMTL_VERIFY_MD5=0 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 MPLBACKEND=Agg
-export PYTHONPATH=$G/tree/src:$G/tree:$G/site
-if [ -d "$G/whl" ] && ! $PY -c "import optuna" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site || echo "the wheels of .gpu/whl did not install"
-fi
+. "$ROOT/benchmarks/gpu_env.sh"
 {
   nvidia-smi -L 2>&1 || echo "no nvidia-smi"
   t0=$SECONDS
