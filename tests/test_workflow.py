@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fedmtl.cli import main
 from fedmtl.config import ConfigError, load
@@ -70,6 +71,33 @@ def test_seeds_equal_separate_runs(name, extra):
     half = t.ppf(0.975, 2) * np.std(finals, ddof=1) / math.sqrt(3)
     assert st["ci95_low"] == pytest.approx(np.mean(finals) - half)
     assert st["ci95_high"] == pytest.approx(np.mean(finals) + half)
+
+
+@pytest.mark.parametrize("runner", ["vmap", "loop"])
+def test_seeds_whose_payload_copies_do_not_fit_train_one_after_the_other(monkeypatch, runner):
+    """A batched round holds one copy of the payload per client (pFedHN's is its whole hypernetwork: 16 GB for 50
+    clients x 5 seeds on the Fashion-MNIST MLP, which ended a tuned rerun out of memory). Where the copies do not fit
+    the device's memory (here: no room at all), the replicas train one after the other, each still the run with its
+    seed alone."""
+    from fedmtl.engine import clients as engine_clients
+
+    cfg = _cfg("synthetic/fedavg", ("algorithm.name=pfedhn", f"run.runner={runner}"))
+    data = cfg.build_data()
+    together = run_seeds(cfg, [3, 11], data=data, progress=False)
+    monkeypatch.setattr(engine_clients, "PAYLOAD_COPIES_SHARE", 0.0)
+    apart_calls = []
+    train = engine_clients.LocalClients.train
+
+    def counted(self, *a, **k):
+        apart_calls.append(1)
+        return train(self, *a, **k)
+
+    monkeypatch.setattr(engine_clients.LocalClients, "train", counted)
+    apart = run_seeds(cfg, [3, 11], data=data, progress=False)
+    assert len(apart_calls) == 2 * cfg.run.rounds  # each replica's round on its own
+    for a, b in zip(together.runs, apart.runs, strict=True):
+        assert a.final == pytest.approx(b.final, rel=1e-6, abs=1e-7)
+    assert not engine_clients.payload_copies_fit({"w": torch.zeros(10)}, 1, torch.device("cpu"))
 
 
 def test_stats_of_one_and_of_none():

@@ -318,6 +318,23 @@ def with_fields(alg: Algorithm, fields: dict[str, Tensor], like: Tree) -> Algori
 _APART: set[tuple[type, tuple[str, ...]]] = set()
 
 
+#: the share of the device's memory (the host's RAM on a CPU, the free memory of a GPU) that one payload copy per
+#: client may take in a batched round of several replicas; above it the replicas train one after the other, each
+#: replica's clients sharing its one payload (pFedHN's payload is its hypernetwork: 64 MB on the Fashion-MNIST MLP,
+#: so 50 clients x 5 seeds would hold 16 GB)
+PAYLOAD_COPIES_SHARE = 0.5
+
+
+def payload_copies_fit(payload: Tree, clients: int, device: torch.device) -> bool:
+    """Whether ``clients`` copies of ``payload`` (``train_together``'s layout) fit ``PAYLOAD_COPIES_SHARE`` of the
+    memory of ``device``."""
+    from ..machine import physical_memory
+
+    nbytes = sum(t.numel() * t.element_size() for t in T.leaves(payload)) * clients
+    room = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else physical_memory()
+    return nbytes <= PAYLOAD_COPIES_SHARE * room
+
+
 def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[Tensor], orders: list[Orders],
                    lr: float | list[float], round_idx: int) -> list[TrainOut]:
     """One round of several replicas of a run (``fedmtl.runs.seeds``) as one batched computation: replica i's
@@ -329,13 +346,14 @@ def train_together(members: list[LocalClients], payloads: list[Tree], ids: list[
     whose algorithms differ in real-valued fields (trials over ``algorithm.mu``, ``algorithm.lam``, ...) carry
     each client's values with its state (``with_fields``): exact on the loop executor, to rounding under vmap; an
     algorithm whose update cannot take them batched (a field in Python control flow) trains its replicas apart,
-    with one warning."""
+    with one warning; so do replicas whose payload copies, one per client, would not fit the device
+    (``payload_copies_fit``)."""
     first = members[0]
     if any(m.data is not first.data for m in members):
         raise ValueError("train_together: the replicas must share one FederatedData")
     fields = differing_fields([m.alg for m in members])
     key = (type(first.alg), tuple(fields))
-    if fields and key in _APART:
+    if (fields and key in _APART) or not payload_copies_fit(payloads[0], sum(len(i) for i in ids), first.device):
         lrs = lr if isinstance(lr, list) else [lr] * len(members)
         return [m.train(p, i, o, r, round_idx) for m, p, i, o, r in zip(members, payloads, ids, orders, lrs,
                                                                           strict=True)]
