@@ -318,10 +318,11 @@ def with_fields(alg: Algorithm, fields: dict[str, Tensor], like: Tree) -> Algori
 _APART: set[tuple[type, tuple[str, ...]]] = set()
 
 
-#: the share of the device's memory (the host's RAM on a CPU, the free memory of a GPU) that one payload copy per
-#: client may take in a batched round of several replicas; above it the replicas train one after the other, each
-#: replica's clients sharing its one payload (pFedHN's payload is its hypernetwork: 64 MB on the Fashion-MNIST MLP,
-#: so 50 clients x 5 seeds would hold 16 GB)
+#: the share of the device's memory (the host's RAM on a CPU, a GPU's total memory: fixed, so that a run takes the
+#: same path every round and on every call, whatever else holds memory) that one payload copy per client may take
+#: in a batched round of several replicas; above it the replicas train one after the other, each replica's clients
+#: sharing its one payload (pFedHN's payload is its hypernetwork: 64 MB on the Fashion-MNIST MLP, so 50 clients x 5
+#: seeds would hold 16 GB)
 PAYLOAD_COPIES_SHARE = 0.5
 
 
@@ -331,7 +332,7 @@ def payload_copies_fit(payload: Tree, clients: int, device: torch.device) -> boo
     from ..machine import physical_memory
 
     nbytes = sum(t.numel() * t.element_size() for t in T.leaves(payload)) * clients
-    room = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else physical_memory()
+    room = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else physical_memory()
     return nbytes <= PAYLOAD_COPIES_SHARE * room
 
 
