@@ -37,7 +37,9 @@ def test_every_space_applies_to_every_federation(tmp_path):
             path = tmp_path / f"{m}.toml"
             path.write_text(tuned.space_toml(tuned.method_space(m, fed)))
             params = read_space(path)
-            assert params[0].key == "optim.lr" and params[0].log
+            searched = [q.key for q in params]
+            assert ("optim.lr" in searched) == tuned.METHODS[m].get("optim_lr", True), (m, searched)
+            assert params[0].log and len(searched) >= 1
             sets = [*spec["sets"], *tuned.method_settings(m, fed)]
             for p in params:
                 for v in p.candidates():
@@ -62,6 +64,33 @@ def test_options_of_tuned_only_and_unknown_names_refused(tmp_path, capsys):
     assert main(["reproduce", "tuned", "--out", str(full), "--resume", "--methods", "fedavg"]) == EXIT_INPUT
     assert "summary.json: unreadable" in capsys.readouterr().err
     assert (full / "summary.json").read_text().endswith("synthetic_mix")
+
+
+@pytest.mark.slow
+def test_optim_lr_is_searched_for_exactly_the_methods_that_read_it():
+    """A method that never reads ``optim.lr`` would have a dimension of its study that changes nothing (as
+    Per-FedAvg's once did: its outer step is its own ``beta``): every method in tuned.toml trained a round at two
+    rates, its server and client states must differ iff its space searches ``optim.lr``."""
+    import torch
+
+    from fedmtl import tree as T
+    from fedmtl.algorithms import ALGORITHMS
+    from fedmtl.optim import SGD
+    from fedmtl.testing import all_client_states, run_rounds, simulator, toy_data, toy_model
+
+    data = toy_data()
+    wrong = []
+    for m in tuned.plan()["methods"]:
+        cls = ALGORITHMS[m]
+        states = []
+        for lr in (0.01, 0.1):
+            eng = simulator(cls(**dict(cls.toy.kwargs)), data, toy_model(cls, data), SGD(lr=lr), rounds=1)
+            st, _ = run_rounds(eng, 1)
+            states.append(T.leaves((st.server, all_client_states(eng))))
+        reads = any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(*states, strict=True))
+        if reads != tuned.METHODS[m].get("optim_lr", True):
+            wrong.append((m, "reads optim.lr" if reads else "never reads optim.lr"))
+    assert not wrong, f"tuned.toml's optim_lr disagrees with training: {wrong}"
 
 
 def test_standard_error_is_std_over_sqrt_n():
@@ -227,3 +256,85 @@ def test_device_option_checked_first_and_recorded(tmp_path, capsys):
         {"quick": False, "trials": 20, "seeds": [1], "objective": "o", "tune_seeds": [1], "command": "c",
          "federations": {"fmnist_cnn": fed}}))
     assert "2 rounds, 1.00 h (the measured time" in tuned.tuned_markdown(tmp_path)
+
+
+def test_values_beyond_an_end_of_a_range_or_a_grid():
+    """Past a range's end: x2 and x4 (or /), integers rounded; past a grid's end: one and two grid steps, geometric
+    where the choices are positive, else arithmetic; nothing repeats the tuned value."""
+    from fedmtl.experiments.tuned_edges import beyond
+    from fedmtl.runs.tune import Param
+
+    assert beyond(Param("optim.lr", 0.01, 1.0, log=True), 0.98, "high") == [1.96, 3.92]
+    assert beyond(Param("optim.lr", 0.01, 1.0, log=True), 0.01, "low") == [0.005, 0.0025]
+    assert beyond(Param("algorithm.k", 1, 5, is_int=True), 5, "high") == [10, 20]
+    assert beyond(Param("algorithm.k", 1, 5, is_int=True), 1, "low") == [0]  # 1/2 and 1/4 both round to 0
+    assert beyond(Param("algorithm.mu", choices=(0.001, 0.01, 0.1, 1.0)), 0.001, "low") == [0.0001, 1e-05]
+    assert beyond(Param("algorithm.mu", choices=(0.001, 0.01, 0.1, 1.0)), 1.0, "high") == [10.0, 100.0]
+    assert beyond(Param("algorithm.m", choices=(0, 2, 4)), 4, "high") == [6, 8]
+    assert beyond(Param("algorithm.m", choices=(0, 2, 4)), 0, "low") == [-2, -4]  # the config refuses them
+    assert beyond(Param("algorithm.mu", choices=(0.1, 1.0, 5.0, 10.0)), 0.1, "low") == [0.01, 0.001]
+
+
+@pytest.mark.slow
+def test_probe_edges_remeasures_the_study_and_goes_past_the_end(quick, tmp_path, capsys):
+    """``--probe-edges`` on a stored table: only the values at an end are probed; at the tuned value it measures
+    the study's best value again (the same config and seed), past the end it measures or names the config's
+    refusal; a second call reads every probe back; the options that do not apply are refused before any work."""
+    from fedmtl.experiments import tuned_edges
+    from fedmtl.runs import tune as tune_module
+
+    src, _ = quick
+    summary = json.loads((src / "summary.json").read_text())
+    rows = summary["federations"][FED]["methods"]
+    lr = rows["fedavg"]["best_params"]["optim.lr"]
+    # FedAvg's rate at the low end of the stored space, and a sampling rate at its highest (its own value, 1.0)
+    rows["fedavg"]["space"] = {"optim": {"lr": {"low": lr, "high": lr * 100, "log": True}},
+                               "run": {"sampling_rate": {"low": 0.1, "high": 1.0}}}
+    rows["fedavg"]["best_params"]["run.sampling_rate"] = 1.0
+    ditto = rows["ditto"]["best_params"]  # Ditto's values in the middle of their stored ranges: not probed
+    rows["ditto"]["space"] = {"optim": {"lr": {"low": ditto["optim.lr"] / 10, "high": ditto["optim.lr"] * 10,
+                                               "log": True}},
+                              "algorithm": {"lam": {"low": ditto["algorithm.lam"] / 10,
+                                                    "high": ditto["algorithm.lam"] * 10, "log": True}}}
+    out = tmp_path / "table"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps(summary))
+    before = (out / "summary.json").read_text()
+
+    for bad, says in ((["reproduce", "perfedavg", "--out", str(out), "--probe-edges"], "of fedmtl reproduce tuned"),
+                      (["reproduce", "tuned", "--out", str(out), "--probe-edges", "--quick"], "--quick does not"),
+                      (["reproduce", "tuned", "--out", str(tmp_path / "none"), "--probe-edges"], "summary.json"),
+                      (["reproduce", "tuned", "--out", str(out), "--probe-edges", "--federations", "fmnist_mlp"],
+                       "holds synthetic_mixture")):
+        assert main(bad) == EXIT_INPUT
+        assert says in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+
+    assert main(["reproduce", "tuned", "--out", str(out), "--probe-edges"]) == 0
+    edges = json.loads((out / "edges.json").read_text())
+    assert (out / "summary.json").read_text() == before  # the table is not changed
+    probed = edges["federations"][FED]["rows"]
+    assert [(r["method"], r["key"], r["end"]) for r in probed] == [("fedavg", "optim.lr", "low"),
+                                                                   ("fedavg", "run.sampling_rate", "high")]
+    for r in probed:
+        assert r["tuned"]["objective"] == pytest.approx(rows["fedavg"]["best_value"], abs=1e-9)
+        assert r["study_best_value"] == rows["fedavg"]["best_value"]
+    assert [p["value"] for p in probed[0]["beyond"]] == [lr / 2, lr / 4]
+    assert all(0 < p["objective"] <= 1 for p in probed[0]["beyond"])
+    assert probed[0]["better_beyond"] == any(p["objective"] > probed[0]["tuned"]["objective"] + tuned_edges.MARGIN
+                                             for p in probed[0]["beyond"])
+    assert [p["value"] for p in probed[1]["beyond"]] == [2.0, 4.0]
+    assert all("sampling_rate" in p["refused"] for p in probed[1]["beyond"]) and probed[1]["better_beyond"] is None
+    md = (out / "edges.md").read_text()
+    assert md == tuned_edges.edges_markdown(out) and "| fedavg | optim.lr (low end) |" in md
+    assert "refused by the config" in md and "| ditto |" not in md
+
+    def no_trial(*args, **kwargs):
+        raise AssertionError("a finished probe ran again")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tune_module, "tune", no_trial)
+        assert main(["reproduce", "tuned", "--out", str(out), "--probe-edges", "--methods", "fedavg"]) == 0
+    assert json.loads((out / "edges.json").read_text()) == edges  # the probes' own times included
+    assert edges["seconds"] == pytest.approx(sum(p["seconds"] for r in probed for p in (r["tuned"], *r["beyond"])
+                                                 if "seconds" in p))

@@ -329,6 +329,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     from .runs.report import quick_mode, run_figures
 
     extra: dict[str, object] = {}
+    if args.probe_edges:
+        return _probe_edges(args)
     if args.name == "tuned":
         from .experiments.tuned import check_device_option
 
@@ -352,6 +354,25 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     written = sorted(p.name for p in Path(args.out).iterdir() if p.suffix in (".md", ".json", ".png", ".csv"))
     print(f"fedmtl reproduce {args.name}: {time.perf_counter() - t0:.0f} s; results in {args.out}"
           + (f" ({', '.join(written)})" if written else ""), flush=True)
+    return 0
+
+
+def _probe_edges(args: argparse.Namespace) -> int:
+    """``fedmtl reproduce tuned --out DIR --probe-edges``: the stored table's values at an end of their range,
+    measured beyond it (``experiments.tuned_edges``); nothing is tuned."""
+    if args.name != "tuned":
+        raise ConfigError("--probe-edges: an option of fedmtl reproduce tuned only")
+    given = [f for f, v in (("--quick", args.quick), ("--trials", args.trials), ("--overwrite", args.overwrite)) if v]
+    if given:
+        raise ConfigError(f"--probe-edges reads the table in --out as it is: {', '.join(given)} does not apply")
+    from .experiments.tuned import check_device_option
+    from .experiments.tuned_edges import probe
+
+    check_device_option(args.device)
+    t0 = time.perf_counter()
+    probe(Path(args.out), _names(args.methods), _names(args.federations), args.device)
+    print(f"fedmtl reproduce tuned --probe-edges: {time.perf_counter() - t0:.0f} s; results in {args.out} "
+          "(edges.json, edges.md)", flush=True)
     return 0
 
 
@@ -663,6 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--federations", help="tuned: these federations only (fmnist_mlp, fmnist_cnn, synthetic_mixture)")
     rp.add_argument("--device", help="tuned: run the trials and reruns on cpu, cuda or cuda:N (the tuned configs keep "
                                      "the federation's own device; each row records the one it ran on)")
+    rp.add_argument("--probe-edges", action="store_true",
+                    help="tuned: measure the table in --out beyond the ends of the ranges where a tuned value lies at "
+                         "one (edges.json, edges.md); tunes nothing")
     _again_args(rp, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(rp)
     rp.set_defaults(fn=_cmd_reproduce)

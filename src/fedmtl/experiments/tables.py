@@ -20,6 +20,7 @@ from .perfedavg import perfedavg_markdown
 from .personalization import comparison_markdown, fmnist_cnn_markdown, personalization_markdown
 from .robustness import robustness_markdown
 from .tuned import tuned_markdown
+from .tuned_edges import edges_markdown
 
 #: stored table (relative to the results directory) -> the function that makes it from its directory's JSON
 TABLES: dict[str, Callable[[Path], str]] = {
@@ -36,6 +37,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "tuned/quick/tuned.md": tuned_markdown,
     "tuned/fmnist_mlp/tuned.md": tuned_markdown,
     "tuned/synthetic_mixture/tuned.md": tuned_markdown,
+    "tuned/synthetic_mixture/edges.md": edges_markdown,
 }
 
 

@@ -59,11 +59,12 @@ def registered() -> list[str]:
 
 def method_space(method: str, federation: str) -> dict[str, Any]:
     """The search space of ``method`` on ``federation`` in ``fedmtl tune --space`` format: the federation's
-    learning-rate range unless the method gives its own, and the method's keys (per-federation entries replace
-    them)."""
+    learning-rate range unless the method gives its own or never reads ``optim.lr`` (``optim_lr = false``:
+    Per-FedAvg's own rates), and the method's keys (per-federation entries replace them)."""
     entry = METHODS[method]
     own = entry.get("federations", {}).get(federation, {})
-    space: dict[str, Any] = {"optim": {"lr": dict(FEDERATIONS[federation]["lr"])}}
+    space: dict[str, Any] = {"optim": {"lr": dict(FEDERATIONS[federation]["lr"])}} if entry.get("optim_lr", True) \
+        else {}
     for table, keys in own.get("space", entry.get("space", {})).items():
         space.setdefault(table, {}).update(keys)
     return space
