@@ -335,6 +335,15 @@ def test_probe_edges_remeasures_the_study_and_goes_past_the_end(quick, tmp_path,
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tune_module, "tune", no_trial)
         assert main(["reproduce", "tuned", "--out", str(out), "--probe-edges", "--methods", "fedavg"]) == 0
-    assert json.loads((out / "edges.json").read_text()) == edges  # the probes' own times included
+        assert json.loads((out / "edges.json").read_text()) == edges  # the probes' own times included
+        # a call on another method keeps fedavg's rows (its table row unchanged)
+        assert main(["reproduce", "tuned", "--out", str(out), "--probe-edges", "--methods", "ditto"]) == 0
+        assert json.loads((out / "edges.json").read_text()) == edges
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    rows["fedavg"]["best_params"] = [1, 2]
+    (bad / "summary.json").write_text(json.dumps(summary))
+    assert main(["reproduce", "tuned", "--out", str(bad), "--probe-edges"]) == EXIT_INPUT
+    assert "fedavg: best_params must be a table" in capsys.readouterr().err
     assert edges["seconds"] == pytest.approx(sum(p["seconds"] for r in probed for p in (r["tuned"], *r["beyond"])
                                                  if "seconds" in p))

@@ -12,8 +12,8 @@ value as tuned:
 A value the config refuses (a probability above 1, ...) is recorded with the refusal and not run.  The re-measured
 objective at the tuned value equals the study's best value (the same config and seed), which the page shows beside
 it.  ``DIR/edges/<federation>/<method>/<key>/<hash>/`` keeps each probe's study (the folder named by what it runs),
-so an interrupted call continues; ``DIR/edges.json`` and ``DIR/edges.md`` hold the results.  Nothing is tuned
-and the table is not changed.
+so an interrupted call continues; ``DIR/edges.json`` and ``DIR/edges.md`` hold the results (a call on some methods
+keeps the other methods' rows of an earlier call).  Nothing is tuned and the table is not changed.
 """
 
 from __future__ import annotations
@@ -94,7 +94,11 @@ def _measure(root: Path, federation: str, fed_sets: list[str], method: str, best
         space.write_text(_space_text(key, value))
         tune(src, space, trials=1, seed=int(BUDGET["seed"]), out=folder, sets=sets, resume=True,
              objective=objective, prune=False)
-    s = json.loads(done.read_text())
+    try:
+        s = json.loads(done.read_text())
+        s.get("best_value")
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{done}: not a study summary (a damaged probe: delete {folder} to run it again)") from None
     if s.get("best_value") is None:  # a failed trial: its recorded reason (a divergence, ...)
         reason = next((t.get("reason") for t in s.get("trials", []) if t.get("reason")), None)
         return {"value": value, "failed": (reason or "the trial did not complete").splitlines()[0],
@@ -124,18 +128,31 @@ def probe(out: Path, methods: list[str] | None = None, federations: list[str] | 
                               "factors": list(FACTORS), "quick": bool(summary.get("quick")),
                               "tune_seeds": BUDGET["tune_seeds"], "device": device or "cpu",
                               "torch": torch.__version__, "federations": {}}
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) and isinstance(t.get("methods", {}), dict)
+                                               for t in tables.values()):
+        raise ConfigError(f"{path}: not a tuned table's summary (federations: {{name: {{methods: {{...}}}}}})")
     for name in federations or []:
         if name not in tables:
             raise ConfigError(f"--federations {name}: {path} holds {', '.join(tables) or 'no federation'}")
+    kept = _earlier(out, objective)  # rows of an earlier call outside this call's methods and federations
     for fed, table in tables.items():
         if federations is not None and fed not in federations:
+            if fed in kept:
+                result["federations"][fed] = kept[fed]
             continue
         if fed not in FEDERATIONS:
             raise ConfigError(f"{path}: federation {fed!r} is not in this version's tuned.toml")
         rows: list[dict[str, Any]] = []
         for m, row in table.get("methods", {}).items():
-            if methods is not None and m not in methods or not row or "best_params" not in row:
+            if methods is not None and m not in methods:  # an earlier call's rows, where the table's row is the same
+                rows += [r for r in kept.get(fed, {}).get("rows", []) if isinstance(r, dict) and r.get("method") == m
+                         and isinstance(row, dict) and r.get("study_best_value") == row.get("best_value")
+                         and r.get("value") == (row.get("best_params") or {}).get(r.get("key"))]
                 continue
+            if not isinstance(row, dict) or "best_params" not in row:
+                continue  # a method that failed in the table: nothing tuned
+            if not isinstance(row["best_params"], dict):
+                raise ConfigError(f"{path}: {fed}/{m}: best_params must be a table of values")
             space = row.get("space") or (method_space(m, fed) if m in METHODS else {})
             params = {p.key: p for p in space_params(space, f"{path}: {fed}/{m}")} if space else {}
             for key, value in row["best_params"].items():
@@ -161,6 +178,19 @@ def probe(out: Path, methods: list[str] | None = None, federations: list[str] | 
     write_table(out / "edges.md", md)
     show(md)
     return result
+
+
+def _earlier(out: Path, objective: str) -> dict[str, Any]:
+    """The federations of ``out/edges.json`` written by an earlier call on the same objective (a call on some methods
+    keeps the others' rows); empty where there is none or it is unreadable."""
+    try:
+        data = json.loads((out / "edges.json").read_text())
+        if data.get("objective") == objective and isinstance(data.get("federations"), dict):
+            return {f: v for f, v in data["federations"].items()
+                    if isinstance(v, dict) and isinstance(v.get("rows"), list)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {}
 
 
 def _better(at: dict[str, Any], probes: list[dict[str, Any]], direction: str) -> bool | None:
