@@ -83,7 +83,7 @@ def test_stored_tables_are_their_measurements_and_the_handbook_shows_them():
              "comparison/comparison.md": "personalization.md", "async/async.md": "async.md",
              "adapters/adapters.md": "adapters.md", "tuned/quick/tuned.md": "tuned.md",
              "tuned/synthetic_mixture/tuned.md": "tuned.md", "tuned/fmnist_mlp/tuned.md": "tuned.md",
-             "tuned/synthetic_mixture/edges.md": "tuned.md"}
+             "tuned/synthetic_mixture/edges.md": "tuned.md", "tuned/fmnist_mlp/edges.md": "tuned.md"}
     # the robustness page shows a selection of the study's 80 rows and links the stored file for all of them
     assert set(pages) == set(TABLES) - {"robustness/robustness.md"}
     assert "`robustness.md` has every cell" in (root / "docs" / "results" / "robustness.md").read_text()

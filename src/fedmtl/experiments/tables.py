@@ -38,6 +38,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "tuned/fmnist_mlp/tuned.md": tuned_markdown,
     "tuned/synthetic_mixture/tuned.md": tuned_markdown,
     "tuned/synthetic_mixture/edges.md": edges_markdown,
+    "tuned/fmnist_mlp/edges.md": edges_markdown,
 }
 
 
