@@ -145,6 +145,16 @@ def device_sets(device: str | None) -> list[str]:
     return [] if device in (None, "cpu") else [f"run.device={json.dumps(device)}"]
 
 
+def study_sets(federation: str, method: str, base: list[str], device: str | None,
+               values: dict[str, Any] | None = None) -> list[str]:
+    """The ``--set`` overrides of ``method``'s study on ``federation``: the federation's ``base`` sets, the method's
+    settings, fixed ``values`` (``--probe-edges``: the other tuned values), the tuning seeds and the device."""
+    from ..runs.tune import overrides as value_sets
+
+    return [*base, *method_settings(method, federation), *value_sets(values or {}),
+            f"run.seeds={BUDGET['tune_seeds']}", *device_sets(device)]
+
+
 def tune_one(out: Path, federation: str, method: str, trials: int, quick: bool,
              device: str | None = None) -> dict[str, Any]:
     """The study of ``method`` on ``federation`` (continued if ``out`` holds it), its trials on ``device``: its
@@ -154,8 +164,7 @@ def tune_one(out: Path, federation: str, method: str, trials: int, quick: bool,
     out.mkdir(parents=True, exist_ok=True)
     space = out.parent / f"{method}.space.toml"
     space.write_text(space_toml(method_space(method, federation)))
-    sets = [*_base_sets(federation, quick), *method_settings(method, federation),
-            f"run.seeds={BUDGET['tune_seeds']}", *device_sets(device)]
+    sets = study_sets(federation, method, _base_sets(federation, quick), device)
     tune(config_path(FEDERATIONS[federation]["config"]), space, trials=trials, seed=int(BUDGET["seed"]),
          out=out, sets=sets, resume=True, objective=BUDGET["objective"])
     stored: dict[str, Any] = json.loads((out / "tune.json").read_text())

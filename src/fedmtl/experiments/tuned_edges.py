@@ -30,7 +30,7 @@ from ..config import ConfigError, apply_overrides, read_toml, validate
 from ..resources import config_path
 from ..runs.report import markdown_table, write_json, write_table
 from .common import show
-from .tuned import BUDGET, FEDERATIONS, METHODS, device_sets, method_settings, method_space
+from .tuned import BUDGET, FEDERATIONS, METHODS, method_space, study_sets
 
 #: how far past an end a range is probed (a factor on the value)
 FACTORS = (2, 4)
@@ -78,9 +78,7 @@ def _measure(root: Path, federation: str, fed_sets: list[str], method: str, best
     from ..runs.tune import tune
 
     src = config_path(FEDERATIONS[federation]["config"])
-    others = {k: v for k, v in best.items() if k != key}
-    sets = [*fed_sets, *method_settings(method, federation), *value_sets(others),
-            f"run.seeds={BUDGET['tune_seeds']}", *device_sets(device)]
+    sets = study_sets(federation, method, fed_sets, device, {k: v for k, v in best.items() if k != key})
     try:  # the config's own check of the value (its declared range), before anything runs
         validate(apply_overrides(read_toml(src), [*sets, *value_sets({key: value})]), str(src))
     except ConfigError as e:
