@@ -286,9 +286,18 @@ def test_run_compile_falls_back_to_the_eager_step_where_the_compiler_fails(monke
 
 
 @pytest.mark.slow
-def test_run_compile_equals_the_eager_step():
+def test_run_compile_equals_the_eager_step(caplog):
     """Clients of one size: every step has all four clients, so the step compiles once (each other number of live
-    clients would be one more graph to compile, most of this test's time on a CPU)."""
-    a, b = _compile_run(True, (24, 24, 24, 24)), _compile_run(False, (24, 24, 24, 24))
+    clients would be one more graph to compile, most of this test's time on a CPU).  The compiled step must really
+    run: a compiler that fails falls back to the eager step with a warning, and would make the two runs equal
+    trivially (an unset or malformed inductor setting such as ``TORCHINDUCTOR_COMPILE_THREADS=`` does that)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with caplog.at_level("WARNING", logger="fedmtl"):
+        a = _compile_run(True, (24, 24, 24, 24))
+    assert "torch.compile failed" not in caplog.text, caplog.text
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    b = _compile_run(False, (24, 24, 24, 24))
     for x, y in zip(T.leaves(a.server), T.leaves(b.server), strict=True):
         assert torch.allclose(x, y, atol=1e-5), float((x - y).abs().max())
