@@ -240,6 +240,8 @@ def _loop_equals_vmap(sim: Callable[..., Engine], atol: float) -> None:
     res = {}
     for runner in ("vmap", "loop"):
         eng = sim(runner=runner, sampling_rate=0.5, local_epochs=2)
+        if eng.clients.executor.name != runner:  # type: ignore[attr-defined]  # a fallback would compare loop to loop
+            raise ContractError(f"asked for the {runner} executor, got {eng.clients.executor.name}")  # type: ignore[attr-defined]
         st, rows = run_rounds(eng, 3)
         res[runner] = (st.server, all_client_states(eng), rows, summarize(eng.evaluate(st)))
     (sa, ca, ra, ea), (sb, cb, rb, eb) = res["vmap"], res["loop"]
