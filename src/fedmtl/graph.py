@@ -51,12 +51,18 @@ class Mixing(NamedTuple):
     self_weight: Tensor  # (N,) float
 
     def mix(self, stacked: Tensor) -> Tensor:
-        """Gossip step on a (N, ...) tensor: row i of the result is sum_j W_ij stacked[j].  O(N + E)."""
+        """Gossip step on a (N, ...) tensor: row i of the result is sum_j W_ij stacked[j].  O(N + E) time; the
+        neighbours' rows are gathered N edges at a time, so the step holds at most two more tensors of the input's
+        size (gathering all E edges at once held 2E rows: 16 GB for D-FedEM with 10 components of a 160k-parameter
+        MLP on an Erdos-Renyi(0.5) graph of 50 clients).  The sums are taken in the same order as in one pass."""
         flat = stacked.reshape(stacked.shape[0], -1)
         w = self.weight.to(flat.dtype).unsqueeze(1)
         i, j = self.edges[:, 0], self.edges[:, 1]
         out = self.self_weight.to(flat.dtype).unsqueeze(1) * flat
-        out = out.index_add(0, i, w * flat.index_select(0, j)).index_add(0, j, w * flat.index_select(0, i))
+        step = max(1, flat.shape[0])
+        for dst, src in ((i, j), (j, i)):
+            for s in range(0, dst.shape[0], step):
+                out.index_add_(0, dst[s:s + step], w[s:s + step] * flat.index_select(0, src[s:s + step]))
         return out.reshape(stacked.shape)
 
     def dense(self) -> Tensor:
