@@ -161,6 +161,11 @@ def test_drop_last_with_fedreps_head_epoch(runner):
            "run": {"rounds": 2, "batch_size": 10, "drop_last": True, "runner": runner}}
     res = fedmtl.run(cfg, data=data, seeds=[1, 2])
     ref = fedmtl.run({**cfg, "run": {**cfg["run"], "runner": "loop"}}, data=data, seeds=[1, 2])
+    from fedmtl.algorithms import FedRep
+
+    # FedRep has no clients form: asked for the stacked runner it trains on vmap (recorded in the summary)
+    took = runner if runner != "stacked" or FedRep.clients_form() else "vmap"
+    assert [r.summary["path"]["executor"] for r in (*res.runs, *ref.runs)] == [took, took, "loop", "loop"]
     for a, b in zip(res.runs, ref.runs, strict=True):
         for k in a.server.params:
             assert torch.allclose(a.server.params[k], b.server.params[k], atol=1e-5)

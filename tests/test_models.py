@@ -97,6 +97,12 @@ def test_channels_last_cnn_step_equals_the_default_layout(name, shape):
     y = torch.randint(0, 10, (12,), generator=g)
     mask = torch.ones(12)
     mask[-3:] = 0
+    # the layout each call really ran in (the module is shared by both models): apply() takes the default layout
+    # without a word where the input is not 4-d, a torch.func transform is active or the device is not the CPU
+    layouts: list[bool] = []
+    conv = next(mod for mod in m.module.modules() if isinstance(mod, torch.nn.Conv2d))
+    conv.register_forward_hook(lambda mod, inp, out: layouts.append(
+        out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()))
     g_cl, l_cl = m.value_and_grad(p, x, y, mask)
     g_ref, l_ref = plain.value_and_grad(p, x, y, mask)
     assert torch.allclose(l_cl, l_ref, atol=1e-6)
@@ -105,6 +111,7 @@ def test_channels_last_cnn_step_equals_the_default_layout(name, shape):
         assert g_cl[k].is_contiguous(), k
     with torch.no_grad():
         assert torch.allclose(m.apply(p, x), plain.apply(p, x), atol=1e-5)
+    assert layouts == [True, False, True, False], layouts  # channels-last, then the default layout, twice
 
 
 def _image_data(n_clients=4, per=24, seed=0):
