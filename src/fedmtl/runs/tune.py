@@ -476,8 +476,10 @@ def _counted(t: optuna.trial.FrozenTrial) -> bool:
 
 
 def _index(study: optuna.Study) -> int:
-    """Trials so far, those interrupted (re-run under a new number) left out."""
-    return sum(_counted(t) for t in study.get_trials(deepcopy=False))
+    """Trials so far, those interrupted (re-run under a new number) left out, and so are the re-runs still waiting
+    to be asked for: the next ``ask`` takes a waiting re-run first, under the interrupted trial's index (counted
+    before it ran, the re-run of a study's last trial never ran: a one-trial study ended with no trial)."""
+    return sum(_counted(t) and t.state.name != "WAITING" for t in study.get_trials(deepcopy=False))
 
 
 def _recover_stale(study: optuna.Study, optuna: Any) -> None:
