@@ -142,12 +142,16 @@ def test_vmapped_in_place_steps_equal_the_functional_steps_bit_for_bit(monkeypat
         return vmap(lambda b: local_sgd(m.value_and_grad, p, b, rate, opt, **kw)[0], in_dims=(batch_dims(stacked),))(
             stacked)
 
+    probe, in_place = optim.only_vmap, []  # its answers: True picks the in-place branch (False: the functional one)
+    monkeypatch.setattr(optim, "only_vmap", lambda: in_place.append(probe()) or in_place[-1])
     fast = run()
     hint = optim.with_all_live(Batches(*parts)).all_live
     assert hint == (True, False, True, False)  # steps 0 and 2 are live for all three clients: run without masking
     hinted = run(hint)
     if opt.momentum:  # the hint is what local_sgd reads: a wrong one runs client 1's dead last step with momentum
         assert not torch.equal(run((True,) * 4)["0.weight"][1], hinted["0.weight"][1])
+    # the in-place branch ran (a torch without the probe falls back to the functional steps: ref against itself)
+    assert in_place and all(in_place), in_place
     monkeypatch.setattr(optim, "only_vmap", lambda: False)
     ref = run()
     # a tensor rate cannot be a fused scalar factor in place: there the branches agree to rounding

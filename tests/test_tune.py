@@ -109,6 +109,30 @@ def test_resume_after_kill_9_gives_the_uninterrupted_study(files, study):
         tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=out)
 
 
+def test_a_study_stopped_in_its_last_trial_runs_it_again_on_resume(files, study, tmp_path, monkeypatch):
+    """Ctrl-C in a one-trial study's only trial (as in every edge probe): --resume runs its values again and the
+    study ends with that trial complete, the value the uninterrupted study's first trial got.  (The re-run waiting
+    to be asked for was once counted as a trial: the resumed study stopped at once with no trial.)"""
+    import fedmtl.runs.seeds as seeds
+
+    whole, _ = study
+    run_seeds, calls = seeds.run_seeds, []
+
+    def stopped_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return run_seeds(*a, **k)
+
+    monkeypatch.setattr(seeds, "run_seeds", stopped_once)
+    out = tmp_path / "one"
+    with pytest.raises(KeyboardInterrupt):
+        tune(files / "tiny.toml", files / "space.toml", trials=1, seed=3, out=out)
+    resumed = tune(files / "tiny.toml", files / "space.toml", trials=1, seed=3, out=out, resume=True)
+    assert (resumed.complete + resumed.pruned, resumed.interrupted, len(calls)) == (1, 1, 2)
+    assert resumed.best_params == whole.trials[0]["params"] and resumed.best_value == whole.trials[0]["value"]
+
+
 def test_a_best_value_at_an_end_of_its_range_is_named():
     """Within 5% of the range's width of an end, in the range's own scale (log: 0.005 to 0.5 is two decades, so
     0.0063 is 5% of the way up), an integer at a bound, the lowest or highest numeric choice; never unordered
@@ -290,13 +314,25 @@ def test_bundled_space_reads():
 
 
 @pytest.mark.slow  # runs a study
-def test_batched_trials_match_trials_run_alone(files, tmp_path, capsys):
+def test_batched_trials_match_trials_run_alone(files, tmp_path, capsys, monkeypatch):
     """--batch-trials: trials differing in optim.lr trained together give each the value it gets alone (vmap
     executor, a rate per replica); a space over other keys is refused."""
+    from fedmtl.engine.executors import VmapExecutor
+
+    rates = []  # distinct rates in each training call: 3 where the trials' replicas train together, else 0
+    train = VmapExecutor.train
+
+    def counted(self, fn, payload, states, batches, lr, payload_rows=False, clients=None):
+        rates.append(len(torch.unique(lr)) if payload_rows and isinstance(lr, torch.Tensor) else 0)
+        return train(self, fn, payload, states, batches, lr, payload_rows, clients)
+
+    monkeypatch.setattr(VmapExecutor, "train", counted)
     space = tmp_path / "lr.toml"
     space.write_text("[optim]\nlr = { low = 0.001, high = 1.0, log = true }\n")
     sets = ["run.runner=vmap"]
     batched = tune(files / "tiny.toml", space, trials=3, seed=5, out=tmp_path / "b", sets=sets, batch_trials=3)
+    # every round was one call over the 3 trials (a batch that falls back to trials alone would compare alike)
+    assert rates and set(rates) == {3}, rates
     assert [r["state"] for r in batched.trials] == ["COMPLETE"] * 3
     assert len({r["params"]["optim.lr"] for r in batched.trials}) == 3
     r = batched.trials[1]
@@ -324,18 +360,25 @@ def _one(tmp_path: Path, name: str, params: dict) -> Path:
 
 
 @pytest.mark.slow  # runs four studies
-def test_batched_trials_over_an_algorithm_field_match_trials_run_alone(files, tmp_path, caplog):
+def test_batched_trials_over_an_algorithm_field_match_trials_run_alone(files, tmp_path, caplog, monkeypatch):
     """--batch-trials over optim.lr and FedProx's mu: each replica carries its own mu (engine.clients.with_fields);
     on the loop executor each trial gets exactly what it gets alone, under vmap the same to rounding."""
+    from fedmtl.engine.clients import LocalClients
+
+    carried = []  # calls of the client update that carries each replica's fields (trained together)
+    update = LocalClients._update_fields
+    monkeypatch.setattr(LocalClients, "_update_fields", lambda self, *a: carried.append(1) or update(self, *a))
     space = tmp_path / "mu.toml"
     space.write_text(MU_SPACE)
     for runner, tol in (("loop", 0.0), ("vmap", 1e-7)):
         sets = ["algorithm.name=fedprox", f"run.runner={runner}"]
         kw = {"sets": sets, "objective": "seen_val_loss", "prune": False}
+        carried.clear()
         with caplog.at_level("WARNING", logger="fedmtl"):
             batched = tune(files / "tiny.toml", space, trials=3, seed=5, out=tmp_path / f"b-{runner}",
                            batch_trials=3, **kw)
         assert "cannot be carried batched" not in caplog.text
+        assert carried, "the trials did not train together"  # (trials run apart would compare alike)
         assert [r["state"] for r in batched.trials] == ["COMPLETE"] * 3
         assert len({r["params"]["algorithm.mu"] for r in batched.trials}) == 3
         for r in batched.trials[1:]:

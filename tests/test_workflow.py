@@ -35,20 +35,28 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,extra", [
-    ("synthetic/fedem", ("run.sampling_rate=0.5",)),  # partial participation: every replica samples its own
+    # (vmap: on auto's stacked executor the replicas train one after the other, never batched: _batchable)
+    ("synthetic/fedem", ("run.sampling_rate=0.5", "run.runner=vmap")),  # partial participation: each samples its own
     ("synthetic/ditto", ("run.runner=loop",)),  # the loop executor
-    ("synthetic/fedavg", ("data.unseen_frac=0.25", "systems.drop_prob=0.2")),  # unseen clients, dropped clients
+    ("synthetic/fedavg", ("data.unseen_frac=0.25", "systems.drop_prob=0.2", "run.runner=vmap")),  # unseen, dropped
     ("synthetic/fedavg", ("attack.kind=labelflip", "attack.fraction=0.25")),  # per-seed attackers, own data copies
     # replicas that split into different numbers of clusters (7, 6, 6): their payloads differ in shape
     ("synthetic/clustered", ("run.runner=vmap", "algorithm.warmup_rounds=1", "algorithm.eps1=10.0",
                              "algorithm.eps2=0.01")),
 ])
-def test_seeds_equal_separate_runs(name, extra):
+def test_seeds_equal_separate_runs(name, extra, monkeypatch):
     """Each replica of a batched several-seeds run is exactly the run with that seed alone."""
+    from fedmtl.engine.clients import LocalClients
+
     cfg = _cfg(name, extra)
     data = cfg.build_data()
+    apart = []  # a replica's round trained on its own (LocalClients.train), not batched with the others
+    train = LocalClients.train
+    monkeypatch.setattr(LocalClients, "train", lambda self, *a, **k: apart.append(1) or train(self, *a, **k))
     res = run_seeds(cfg, [3, 11, 5], data=data, progress=False)
     assert len(res.runs) == 3
+    # batched (some rounds at least: clustered's replicas split apart), but labelflip's own data copies never are
+    assert (len(apart) < 3 * cfg.run.rounds) == ("attack.kind=labelflip" not in extra), len(apart)
     finals = []
     for seed, batched in zip([3, 11, 5], res.runs, strict=True):
         alone = run_experiment(cfg.with_seed(seed), None, data=data, progress=False)
@@ -83,8 +91,6 @@ def test_seeds_whose_payload_copies_do_not_fit_train_one_after_the_other(monkeyp
 
     cfg = _cfg("synthetic/fedavg", ("algorithm.name=pfedhn", f"run.runner={runner}"))
     data = cfg.build_data()
-    together = run_seeds(cfg, [3, 11], data=data, progress=False)
-    monkeypatch.setattr(engine_clients, "PAYLOAD_COPIES_SHARE", 0.0)
     apart_calls = []
     train = engine_clients.LocalClients.train
 
@@ -93,6 +99,9 @@ def test_seeds_whose_payload_copies_do_not_fit_train_one_after_the_other(monkeyp
         return train(self, *a, **k)
 
     monkeypatch.setattr(engine_clients.LocalClients, "train", counted)
+    together = run_seeds(cfg, [3, 11], data=data, progress=False)
+    assert not apart_calls  # the copies fit here: every round batched (else apart is compared with apart)
+    monkeypatch.setattr(engine_clients, "PAYLOAD_COPIES_SHARE", 0.0)
     apart = run_seeds(cfg, [3, 11], data=data, progress=False)
     assert len(apart_calls) == 2 * cfg.run.rounds  # each replica's round on its own
     for a, b in zip(together.runs, apart.runs, strict=True):
