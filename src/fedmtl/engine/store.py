@@ -280,6 +280,8 @@ def _check_finite(name: str, values: Tensor, rows: Tensor | None, where: str) ->
     if not values.is_floating_point():
         return
     v = values if rows is None else values.index_select(0, rows)
+    if v.shape[0] == 0:  # no client written yet (none answered before the checkpoint): nothing to check
+        return
     bad = ~torch.isfinite(v.reshape(v.shape[0], -1)).all(1)
     if bool(bad.any()):
         first = int(torch.nonzero(bad)[0])
