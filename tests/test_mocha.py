@@ -228,16 +228,16 @@ def test_full_mocha_learns_omega_and_decreases_objective():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["cocoa", "mbsdca", "mbsgd"])
-def test_baselines_approach_the_optimum(method):
+def test_baselines_approach_the_optimum():
     xs, ys, data = tasks(9)
     lam = 0.05
     ref = solve(data, MochaConfig(lam=lam, inner=1500, local_frac=1.0), identity(data.m))
-    p_star = ref.trace[-1]["primal"]
-    res = solve(data, MochaConfig(lam=lam, method=method, inner=400, scaling=5.0 if method == "mbsdca" else 1.0),
-                identity(data.m), p_star=p_star)
-    sub = [r["subopt"] for r in res.trace]
-    assert sub[-1] >= -1e-6 and sub[-1] < 0.2 * sub[0]
+    p_star = ref.trace[-1]["primal"]  # the reference optimum, solved once for the three methods
+    for method in ("cocoa", "mbsdca", "mbsgd"):
+        res = solve(data, MochaConfig(lam=lam, method=method, inner=400, scaling=5.0 if method == "mbsdca" else 1.0),
+                    identity(data.m), p_star=p_star)
+        sub = [r["subopt"] for r in res.trace]
+        assert sub[-1] >= -1e-6 and sub[-1] < 0.2 * sub[0], (method, sub[0], sub[-1])
 
 
 def test_bad_tasks_raise():
