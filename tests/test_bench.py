@@ -49,8 +49,9 @@ def test_mlp_workload_reports_floor_ratios_for_fedavg_and_fedem():
 @pytest.mark.slow
 def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path, monkeypatch):
     """``fedmtl bench peers``: the federation (20 Dirichlet(0.1) clients of 12,000 Fashion-MNIST images, 75/25),
-    the per-client loops train (their global model moves and stays finite), and the keys are written (each
-    measurement timed once here, without the benchmark's untimed first round: the loops above already ran)."""
+    the per-client loops train (their global model moves and stays finite), and the keys are written.  The loops
+    checked are the benchmark's own: its run, each measurement timed once here (without its untimed first round),
+    runs FedAvg, lean, Ditto and FedEM once each on the PeerLoop it builds, over the federation checked above."""
     import argparse
     import os
 
@@ -62,20 +63,33 @@ def test_peers_workload_and_its_baselines_are_what_the_benchmark_says(tmp_path, 
     counts = data.seen.train.counts
     assert data.seen.num_clients == 20 and int(counts.sum() + data.seen.test.counts.sum()) == 12_000
     assert int(counts.min()) >= 30 and int(counts.max()) > 5 * int(counts.min())  # Dirichlet(0.1): skewed sizes
-    loop = bp.PeerLoop(data, bp.mlp_module(), torch.device("cpu"))
-    before = [p.detach().clone() for p in loop.global_.parameters()]
-    for fn in (loop.fedavg_round, loop.lean_round, loop.ditto_round, loop.fedem_round):
-        fn()
-    after = list(loop.global_.parameters())
-    assert all(torch.isfinite(p).all() for p in after) and not torch.equal(after[0], before[0])
+    monkeypatch.setattr(bp, "peers_data", lambda seed=0: data)  # the benchmark's federation: the one checked above
+
+    loops = []  # the PeerLoops the benchmark builds, with their global model's parameters when built
+
+    class Recorded(bp.PeerLoop):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.before = [p.detach().clone() for p in self.global_.parameters()]
+            loops.append(self)
+
+    steps = []
 
     def once(step, rounds, device):
+        steps.append(step)
         t0 = time.perf_counter()
         step()
         return time.perf_counter() - t0
 
+    monkeypatch.setattr(bp, "PeerLoop", Recorded)
     monkeypatch.setattr(bp, "_median_round", once)
     res = bp.run(argparse.Namespace(threads=1, device="cpu", rounds=1, models="mlp", runners="default"))
+    assert len(loops) == 1
+    loop = loops[0]
+    ran = [s.__name__ for s in steps if getattr(s, "__self__", None) is loop]
+    assert ran == ["fedavg_round", "lean_round", "ditto_round", "fedem_round"], ran
+    after = list(loop.global_.parameters())
+    assert all(torch.isfinite(p).all() for p in after) and not torch.equal(after[0], loop.before[0])
     for key in ("speedup_vs_per_client_mlp", "speedup_vs_lean_loop_mlp", "round_vs_centralized_mlp"):
         assert res[key] > 0
     assert res["path_mlp"] == "stacked" and res["torch_threads"] == 1
