@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +42,40 @@ def _no_run_figures(request):
         yield
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> Any:
+    """What ``build(folder)`` returns, built once per test run into an empty folder (a session fixture's outputs).
+
+    Under pytest-xdist (``make test``) the first worker that asks builds it into the run's shared temporary folder
+    while the others wait on a lock, then every worker reads the same folder and gets the same (pickled) value, as
+    ``tests/test_docs.py``'s handbook: a module fixture would be built again by every worker, and again each time a
+    worker's next test comes from another module.  A build that fails fails every worker's tests with its error.
+    The folder is shared: a test that writes works on a copy of it.  The value passes between workers as JSON
+    (never pickled): ``build`` returns JSON values, the fixture turns them back into its objects."""
+    import fcntl
+    import json
+    import shutil
+    import traceback
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return json.loads(json.dumps(build(tmp_path_factory.mktemp(name))))  # the same values as under xdist
+    shared = tmp_path_factory.getbasetemp().parent  # this run's folder, shared by its workers
+    out, value, failed = shared / name, shared / f"{name}.json", shared / f"{name}.failed"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not value.exists() and not failed.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that died building left
+            out.mkdir()
+            try:
+                result = build(out)
+            except BaseException:
+                failed.write_text(traceback.format_exc())
+                raise
+            value.write_text(json.dumps(result))
+    if failed.exists():
+        pytest.fail(f"building {name} failed (in another worker):\n{failed.read_text()}", pytrace=False)
+    return json.loads(value.read_text())
+
+
 def make_sim(alg, data, model=None, opt=None, **run):
     """An in-process engine (``fedmtl.testing.simulator``): linear model, momentum SGD, 6 rounds of batch 32."""
     return simulator(alg, data, model, opt, **run)
@@ -72,7 +109,6 @@ LONGEST = (
     "test_fuzz.py::test_schema_fuzz_refuses_every_value_outside_a_declared_range",
     "test_distributed.py::test_two_ranks_equal_one_process",
     "test_mocha_engine.py::test_engine_mocha_reaches_the_reference_objective_fixed_omega",
-    "test_flower_trust.py::test_local_deployment_stops_every_process_it_started_when_interrupted",
     "test_bench_pfl.py::test_bench_pfl_writes_both_frameworks_side_by_side",
     "test_experiments.py::test_perfedavg_reproduction_quick",
 )

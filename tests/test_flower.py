@@ -233,7 +233,7 @@ def test_flower_crashing_client_is_dropped_and_server_resumes(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggregation(tmp_path):
+def test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggregation(tmp_path, request):
     """A real SuperLink (TLS, node authentication) and three SuperNodes on 127.0.0.1, each with its warm worker and
     only its own clients' .npz files (disjoint folders), run two apps through ``flwr run``, one after the other:
 
@@ -243,9 +243,11 @@ def test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggr
     - a FedAvg round with SecAgg+ (the project's ClientApp applies the secure aggregation mod, the worker trains):
       the result equals the simulator's to the quantization bound.
 
-    Readiness is polled (every second, up to FEDMTL_DEPLOY_TIMEOUT, default 300 s), and at exit no process the
-    deployment started, nor any they spawned, still runs.  (One deployment for both apps: starting one is most of
-    each app's time.)"""
+    Readiness is polled (every second, up to FEDMTL_DEPLOY_TIMEOUT, default 300 s); once the nodes are up, every
+    process the deployment started runs.  A KeyboardInterrupt ends the ``with`` block (``__exit__`` stops on every
+    way out alike), and then no process the deployment started, nor any they spawned (the SuperExecs run in sessions
+    of their own), still runs.  (One deployment for both apps and the interrupt: starting one is most of each app's
+    time.)"""
     import json
     import stat
     import tomllib
@@ -257,6 +259,7 @@ def test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggr
     from fedmtl.secure_aggregation import mean_error_bound
 
     from .test_flower_secagg import _text as secure_text
+    from .test_flower_trust import _alive, _kill_leftovers
 
     text = CONFIG.format(alg="fedem", extra="num_components = 2", k=3).replace("rounds = 3", "rounds = 2")
     cfg = validate(tomllib.loads(text))
@@ -269,9 +272,16 @@ def test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggr
     secure = validate(tomllib.loads(secure_text("fedavg")))
     assert secure.raw["data"] == cfg.raw["data"]  # the same federation: the nodes' files serve both apps
     secure_app = write_project(secure, tmp_path / "secure_app", 3)
-    # every SuperNode with its warm worker (the project's ClientApp relays each message to it over a Unix socket)
-    with LocalDeployment(tmp_path / "dep", data_dirs=sites, workers=True) as dep:
+    up: list[int] = []
+    pids: list[int] = []
+    request.addfinalizer(lambda: _kill_leftovers([*up, *pids]))  # hygiene, after the assertions: what a failure left
+    # every SuperNode with its warm worker (the project's ClientApp relays each message to it over a Unix socket); the
+    # block ends with a KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), LocalDeployment(tmp_path / "dep", data_dirs=sites, workers=True) as dep:
         dep.wait_for_nodes(3)
+        up = dep.pids()
+        # every process it started runs, and more: the SuperLink's SuperExec (in a session of its own)
+        assert set(dep.started) <= set(up) and len(up) > len(dep.started), (dep.started, up)
         intruder = dep.start_unregistered_node()
         log = dep.run(app, tmp_path / "out")
         intruder.wait(300)
@@ -312,7 +322,8 @@ def test_deployment_with_node_local_data_tls_node_authentication_and_secure_aggr
         for i in range(3):  # the messages went through the workers: they built the nodes' data
             assert "serving" in (tmp_path / "dep" / f"worker{i}.log").read_text()
             assert stat.S_IMODE((tmp_path / "dep" / f"worker{i}" / "worker.sock").stat().st_mode) == 0o600
-    assert not [pid for pid in pids if running(pid)]
+        raise KeyboardInterrupt  # the way out a Ctrl-C takes: every process stops all the same
+    assert not [pid for pid in {*up, *pids} if _alive(pid) or running(pid)]
     assert not (tmp_path / "out" / ".lock").exists()  # the ServerApp released its run directory
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     server = checkpoint.load(tmp_path / "out" / "checkpoint.pt")["server"]

@@ -1,6 +1,7 @@
 """Trust boundaries of the Flower deployment path: the ServerApp's run directory is locked for the whole run,
 only public dataset metadata leaves a site (its export, its SuperNode's replies), and a local deployment ends
-every process it started on every way out.
+every process it started on every way out (a failed readiness here; a KeyboardInterrupt in the with block ends
+tests/test_flower.py's deployment test).
 
 The ServerApp tests drive ``server_main`` over ``LoopbackGrid``: a Grid that hands each message to the
 ClientApp's handlers in this process (as a SuperNode would, with a ``Context`` per node), so the server's whole
@@ -334,23 +335,3 @@ def test_local_deployment_stops_its_processes_when_readiness_fails(tmp_path, mon
         assert dep.procs == []
     finally:
         _kill_leftovers(spawned)
-
-
-@pytest.mark.slow
-def test_local_deployment_stops_every_process_it_started_when_interrupted(tmp_path):
-    """A SuperLink and a SuperNode up and connected; a KeyboardInterrupt inside the ``with`` block ends them
-    and every process they spawned (the SuperLink's SuperExec runs in a session of its own)."""
-    from fedmtl.flower.deploy import LocalDeployment
-
-    pids: list[int] = []
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with LocalDeployment(tmp_path / "dep", partitions=[[0]]) as dep:
-                dep.wait_for_nodes(1)
-                pids = dep.pids()
-                assert len(pids) >= 3, pids  # SuperLink, its SuperExec, the SuperNode (and what it spawned)
-                raise KeyboardInterrupt
-        assert set(dep.started) <= set(pids)
-        assert not [pid for pid in pids if _alive(pid)]
-    finally:
-        _kill_leftovers(pids)

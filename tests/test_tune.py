@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +21,9 @@ pytest.importorskip("optuna")
 
 import fedmtl  # noqa: E402
 from fedmtl.cli import EXIT_INPUT, main  # noqa: E402
-from fedmtl.runs.tune import Param, edge_notes, read_space, tune  # noqa: E402
+from fedmtl.runs.tune import Param, TuneSummary, edge_notes, read_space, tune  # noqa: E402
+
+from .conftest import built_once  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,19 +60,29 @@ momentum = { low = 0.0, high = 0.9 }
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tune")
-    (d / "tiny.toml").write_text(TINY)
-    (d / "space.toml").write_text(SPACE)
-    return d
+    """``tiny.toml`` and ``space.toml``, written once per test run (``built_once``): shared, no test writes there."""
+
+    def write(d: Path) -> str:
+        (d / "tiny.toml").write_text(TINY)
+        (d / "space.toml").write_text(SPACE)
+        return str(d)
+
+    return Path(built_once(tmp_path_factory, "tune-files", write))
 
 
-@pytest.fixture(scope="module")
-def study(files):
-    """The uninterrupted reference study: 6 trials, TPE seed 3."""
-    out = files / "whole"
-    return tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=out), out
+@pytest.fixture(scope="session")
+def study(tmp_path_factory, files):
+    """The uninterrupted reference study: 6 trials, TPE seed 3.  Built once per test run (``built_once``): its
+    folder is shared, no test writes there."""
+
+    def whole(d: Path) -> dict[str, Any]:
+        res = tune(files / "tiny.toml", files / "space.toml", trials=6, seed=3, out=d / "whole")
+        return {**dataclasses.asdict(res), "out": str(res.out)}
+
+    got = built_once(tmp_path_factory, "tune-study", whole)
+    return TuneSummary(**{**got, "out": Path(got["out"])}), Path(got["out"])
 
 
 def _optuna_study(out: Path):
@@ -79,11 +93,11 @@ def _optuna_study(out: Path):
 
 
 @pytest.mark.slow
-def test_resume_after_kill_9_gives_the_uninterrupted_study(files, study):
+def test_resume_after_kill_9_gives_the_uninterrupted_study(files, study, tmp_path):
     """The done-when check: kill -9 the command mid-study, --resume: the same best trial as the uninterrupted
     study with the same sampler seed, the interrupted trial re-run with its values and never counted twice."""
     whole, _ = study
-    out = files / "killed"
+    out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "fedmtl", "tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"),
            "--trials", "6", "--seed", "3", "--out", str(out), "-q"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}

@@ -18,6 +18,8 @@ from fedmtl.experiments import tuned  # noqa: E402
 from fedmtl.resources import config_path  # noqa: E402
 from fedmtl.runs.tune import read_space  # noqa: E402
 
+from .conftest import built_once  # noqa: E402
+
 METHODS = ["fedavg", "ditto"]
 FED = "synthetic_mixture"
 
@@ -99,12 +101,18 @@ def test_standard_error_is_std_over_sqrt_n():
     assert tuned.se([1.0]) is None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def quick(tmp_path_factory):
     """Two calls into one folder, the second (ditto) run while the first (fedavg) is between its study and its
     rerun, as two processes building one table would: the table keeps both rows (each call reads the stored table
-    again, under the folder's lock, before it writes)."""
-    out = tmp_path_factory.mktemp("tuned") / "q"
+    again, under the folder's lock, before it writes).  Built once per test run (``built_once``): the folder is
+    shared, a test that writes there works on a copy (``_copy``)."""
+    out, argv = built_once(tmp_path_factory, "tuned", _two_calls)
+    return Path(out), argv
+
+
+def _two_calls(folder: Path) -> tuple[str, list[str]]:
+    out = folder / "q"
     base = ["reproduce", "tuned", "--out", str(out), "--quick", "--trials", "2", "--federations", FED]
     real, meanwhile = tuned.rerun, []
 
@@ -118,7 +126,16 @@ def quick(tmp_path_factory):
         mp.setattr(tuned, "rerun", rerun_while_another_call_runs)
         assert main([*base, "--methods", METHODS[0]]) == 0
     assert meanwhile
-    return out, [*base, "--methods", ",".join(METHODS)]
+    return str(out), [*base, "--methods", ",".join(METHODS)]
+
+
+def _copy(quick: tuple[Path, list[str]], to: Path) -> tuple[Path, list[str]]:
+    """``quick``'s folder copied to ``to`` and its command aimed at the copy: for a test that writes there."""
+    import shutil
+
+    out, argv = quick
+    shutil.copytree(out, to)
+    return to, [str(to) if a == str(out) else a for a in argv]
 
 
 @pytest.mark.slow
@@ -172,7 +189,7 @@ def test_test_split_read_in_the_reruns_only(quick):
 
 @pytest.mark.slow
 def test_tuned_config_runs_and_a_second_call_reads_back(quick, tmp_path):
-    out, argv = quick
+    out, argv = _copy(quick, tmp_path / "q")  # the call below takes the folder's lock and may write there
     cfg = out / "configs" / FED / "ditto.toml"
     assert main(["run", str(cfg), "--out", str(tmp_path / "run"), "--set", "run.rounds=1",
                  "--set", "data.num_clients=5", "--quiet"]) == 0

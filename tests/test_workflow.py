@@ -420,12 +420,27 @@ def test_seeds_memory_check_counts_every_replica(monkeypatch):
 
 
 @pytest.mark.slow
-def test_main_job_quick_reports_every_method_with_seed_spread(tmp_path):
+def test_main_job_quick_reports_every_method_with_seed_spread(tmp_path, monkeypatch):
     """``fedmtl main --quick``: the paper's Table 1 rows and the added linear-model methods, mean ± std over the
-    quick run's 2 seeds (the full job's first two), marked quick; one summary figure, no per-run figures."""
+    quick run's 2 seeds (the full job's first two), marked quick; one summary figure, no per-run figures.  The one
+    data set every method runs on is the legacy generator's with its defaults, and has the reference's statistics
+    (checked here on the data the job built, rather than built again in tests/test_synthetic.py)."""
+    from fedmtl.experiments import fedem
     from fedmtl.experiments.fedem import MAIN_EXTRA, MAIN_METHODS, MAIN_QUICK_ROUNDS, MAIN_SEEDS
 
+    from .test_synthetic import assert_reference_statistics
+
+    built = []  # (the config's [data], the data) of every data set the job builds
+    real = fedem.build_data
+
+    def build_data(cfg, prog):
+        built.append((dict(cfg.data), real(cfg, prog)))
+        return built[-1][1]
+
+    monkeypatch.setattr(fedem, "build_data", build_data)
     assert main(["-q", "main", "--quick", "--out", str(tmp_path / "res")]) == 0
+    assert [spec for spec, _ in built] == [{"name": "fedem_synthetic", "legacy": True}]  # fedem_synthetic(legacy=True)
+    assert_reference_statistics(built.pop()[1], legacy=True, pos_rate=0.368)
     table = (tmp_path / "res" / "table.md").read_text()
     assert "QUICK" in table.splitlines()[0] and f", {MAIN_QUICK_ROUNDS} rounds," in table.splitlines()[0]
     summary = json.loads((tmp_path / "res" / "summary.json").read_text())
