@@ -153,7 +153,9 @@ def test_two_ranks_equal_one_process(tmp_path: Path, alg: str, runner: str, extr
     ok(one_process(cfg, tmp_path / "one"))
     ok(ranks_run(cfg, tmp_path / "two"))
     assert_same_run(tmp_path / "one", tmp_path / "two", 1e-6)
-    summed = '"updates": "summed"' in (tmp_path / "two" / "summary.json").read_text()
+    summary = (tmp_path / "two" / "summary.json").read_text()
+    assert '"executor": "distributed"' in summary and '"ranks": 2' in summary  # the ranks, not one process each
+    summed = '"updates": "summed"' in summary
     assert summed == (alg in ("fedavg", "ditto") and not extra)
 
 
