@@ -46,9 +46,9 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     """What ``build(folder)`` returns, built once per test run into an empty folder (a session fixture's outputs).
 
     Under pytest-xdist (``make test``) the first worker that asks builds it into the run's shared temporary folder
-    while the others wait on a lock, then every worker reads the same folder and gets the same (pickled) value, as
-    ``tests/test_docs.py``'s handbook: a module fixture would be built again by every worker, and again each time a
-    worker's next test comes from another module.  A build that fails fails every worker's tests with its error.
+    while the others wait on a lock, then every worker reads the same folder and gets the same value (the handbook,
+    the tuning studies): a module fixture would be built again by every worker, and again each time a worker's next
+    test comes from another module.  A build that fails fails every worker's tests with its error.
     The folder is shared: a test that writes works on a copy of it.  The value passes between workers as JSON
     (never pickled): ``build`` returns JSON values, the fixture turns them back into its objects."""
     import fcntl

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import built_once
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -25,28 +27,19 @@ def _build(out: Path) -> str:
     return "" if r.returncode == 0 else r.stdout[-3000:] + r.stderr[-5000:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def site(tmp_path_factory):
-    """The handbook built once per test run: under pytest-xdist the first worker that needs it builds it into the
-    run's shared temporary folder while the others wait on a lock, then read the same site."""
-    import fcntl
-
+    """The handbook built once per test run (``built_once``: under pytest-xdist the first worker that needs it builds
+    it into the run's shared temporary folder while the others wait, then all read the same site)."""
     for mod in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         pytest.importorskip(mod, reason=f"{mod} is not installed (the 'docs' extra: pip install -e '.[docs]')")
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.mktemp("site")
+
+    def build(out: Path) -> str:
         failed = _build(out)
         assert not failed, failed
-        return out
-    shared = tmp_path_factory.getbasetemp().parent  # this run's folder, shared by its workers
-    out, report = shared / "site", shared / "site.failed"
-    with open(shared / "site.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.is_dir():
-            report.write_text(_build(out))
-    failed = report.read_text()
-    assert not failed, failed
-    return out
+        return str(out)
+
+    return Path(built_once(tmp_path_factory, "site", build))
 
 
 def _page(site: Path, path: str) -> str:
