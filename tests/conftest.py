@@ -99,7 +99,6 @@ LONGEST = (
     "test_flower.py::test_flower_crashing_client_is_dropped_and_server_resumes",  # waits
     "test_api.py::test_cli_loads_plugins_with_import_and_entry_points",
     "test_distributed.py::test_several_seeds_are_refused_on_every_rank_before_anything_is_written",
-    "test_flower.py::test_flower_simulation_equals_simulator",  # waits
     "test_mocha.py::test_table1_mtl_beats_local_and_global_on_related_tasks",
     "test_api.py::test_python_api_docs_page_runs_as_written",
     "test_workflow.py::test_logging_without_a_terminal_prints_plain_lines",  # waits

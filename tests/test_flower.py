@@ -94,27 +94,21 @@ seed = 5
 """
 
 
-def _flower_equals_in_process(raw, tmp_path, wire=False, nodes=0):
-    """A Flower simulation of config ``raw`` gives the in-process run's server state and final metrics.
-    ``wire``: the ServerApp and the ClientApps' handlers over ``fedmtl.flower.loopback.WireGrid`` instead of
-    Flower's simulation engine: every message through Flower's protobuf both ways, one ``Context`` and node cache
-    per SuperNode kept across rounds, without Ray (the simulation engine's own path is what the ``wire=False``
-    tests check; the method-specific payloads and replies are what the others check)."""
+def _flower_equals_in_process(raw, tmp_path, nodes=0):
+    """The ServerApp and the ClientApps' handlers of config ``raw`` over ``fedmtl.flower.loopback.WireGrid`` give the
+    in-process run's server state and final metrics: every message through Flower's protobuf both ways, one
+    ``Context`` and node cache per SuperNode (``nodes``, default one per client) kept across rounds, without Ray.
+    (The simulation engine's own path: the interrupted-run, crash and Ray-cluster tests.)"""
     import tomllib
 
-    from fedmtl.flower.simulation import simulate
+    from fedmtl.flower.apps import ServerOptions, server_main
+    from fedmtl.flower.loopback import WireGrid, server_identity
 
     text = dumps(validate(tomllib.loads(raw)).raw)
-    if wire:
-        from fedmtl.flower.apps import ServerOptions, server_main
-        from fedmtl.flower.loopback import WireGrid, server_identity
-
-        n = validate(tomllib.loads(text)).build_data().seen.num_clients
-        with server_identity():
-            res = server_main(WireGrid.spread(text, n, nodes or n), text,
-                              ServerOptions(out=str(tmp_path / "run"), num_nodes=nodes or n))
-    else:
-        res = simulate(text, out=tmp_path / "run", nodes=nodes)
+    n = validate(tomllib.loads(text)).build_data().seen.num_clients
+    with server_identity():
+        res = server_main(WireGrid.spread(text, n, nodes or n), text,
+                          ServerOptions(out=str(tmp_path / "run"), num_nodes=nodes or n))
     st, final = _in_process(text)
     for a, b in zip(T.leaves(res.server), T.leaves(st.server), strict=True):
         assert torch.allclose(a.double(), b.double(), atol=1e-5)
@@ -174,9 +168,10 @@ def test_flower_simulation_equals_simulator(alg, extra, k, tmp_path):
     global model, FedEM's mixture, Clustered FL's split clusters, MOCHA with stragglers, and D-FedEM / D-SGD
     as server-relayed gossip (their personalized models live on the nodes: the metrics are the check)."""
     raw = MOCHA_CONFIG if alg == "mocha" else CONFIG.format(alg=alg, extra=extra, k=k)
-    # FedEM through Flower's simulation engine (Ray actors; the engine's path is the same for every method, and the
-    # crash, resume, [robust] and Ray-cluster tests take it too); the others' messages over WireGrid
-    res = _flower_equals_in_process(raw, tmp_path, wire=alg != "fedem")
+    # every message over WireGrid (Flower's protobuf both ways, one Context per SuperNode); the simulation engine's
+    # own path (Ray actors), the same for every method, is taken by the interrupted-run test (FedEM, compared
+    # exactly with the in-process run), the crash and the Ray-cluster tests
+    res = _flower_equals_in_process(raw, tmp_path)
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
     if alg == "clustered":
         assert int(res.server.assign.max()) >= 1  # the split happened, and reached the clients over Flower
@@ -196,8 +191,8 @@ def test_robust_aggregation_attacks_and_privacy_over_flower_equal_the_simulator(
     [privacy] exclude each other (the noised mean is the mechanism)."""
     raw = CONFIG.format(alg="fedem", extra="num_components = 2", k=0) + "\n" + tables
     # both over WireGrid, on 2 SuperNodes: [robust], [attack] and [privacy] act in the ServerApp, whatever carries
-    # the messages (the simulation engine's own path: the FedEM, crash, resume and Ray-cluster tests)
-    res = _flower_equals_in_process(raw, tmp_path, wire=True, nodes=2)
+    # the messages (the simulation engine's own path: the interrupted-run, crash and Ray-cluster tests)
+    res = _flower_equals_in_process(raw, tmp_path, nodes=2)
     assert len(res.summary["attackers"]) == 1
     if "[privacy]" in tables:
         assert 0 < res.summary["epsilon"] < float("inf")
@@ -569,7 +564,7 @@ def test_the_field_s_shared_baselines_over_flower_equal_the_simulator(alg, extra
     """The methods every peer library ships run over Flower as in-process: the same server state and metrics (an MLP,
     so that the body/head methods have a head)."""
     _flower_equals_in_process(CONFIG.format(alg=alg, extra=extra, k=0).replace(
-        '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]'), tmp_path, wire=True)
+        '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]'), tmp_path)
 
 
 @pytest.mark.slow
@@ -581,7 +576,7 @@ def test_the_field_s_shared_baselines_over_flower_equal_the_simulator(alg, extra
 def test_adapters_over_flower_equal_the_simulator(tmp_path):
     raw = CONFIG.format(alg="fedsa_lora", extra="", k=0).replace(
         '[model]\nname = "linear"', '[model]\nname = "mlp"\nhidden = [8]\n\n[model.adapters]\nrank = 2\nalpha = 4.0')
-    res = _flower_equals_in_process(raw, tmp_path, wire=True)
+    res = _flower_equals_in_process(raw, tmp_path)
     assert {k.rsplit(".", 1)[-1].strip("[]'\"") for k in T.to_named(res.server)} == {"lora_A", "lora_B"}
 
 
