@@ -217,7 +217,8 @@ class FedGen(Algorithm[GenServer, ClientId]):
     #: reference_code: beta, the weight of the latent distillation term in local training (decays 0.98 a round; not
     #: in the paper's Eq. (5))
     generative_beta: Annotated[float, Range(0, 1e4)] = 10.0
-    #: B_g: generated samples per local step
+    #: B_g: generated samples per local step (32, the authors' user batch size, in both forms; a deviation in the
+    #: paper's form, which sets B_g = B, Sec. 6.3: give run.batch_size here to follow it)
     gen_batch_size: Annotated[int, Range(1, 10**5)] = 32
     #: the generator's Adam rate (decays 0.98 a round; the authors' choice, the paper leaves it open)
     generator_lr: Annotated[float, Range(0, 1e3, lo_open=True)] = 3e-4

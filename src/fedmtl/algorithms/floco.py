@@ -15,7 +15,8 @@ The rest of the model, the bias and the endpoints are trained by every client an
 weighted by n_i).  Each local step draws its own alpha:
 
 * before the projection round tau, uniformly on the whole simplex (alpha = e / sum(e), e_m ~ Exp(1));
-* from round tau on, uniformly on the client's subregion, a region of radius rho (L1) around its center c_i.
+* from round tau on, in the client's subregion: points of the simplex within L1 distance rho of its center c_i
+  (how, below: ``subregion``).
 
 Projection (round tau): every client's signature is the pseudo-gradient of the endpoints it sent in the round before
 (the received minus the trained W_1..W_M, flattened); the server reduces the signatures to M dimensions by PCA
@@ -32,9 +33,14 @@ Deviations and choices, each stated where it is implemented:
 * the authors sample every client in the round before the projection to collect all signatures; the engine samples
   as configured, so the server keeps each client's latest signature (from the last round it trained in, a table of N
   rows until the projection) and projects the clients that have one; the others keep the simplex center;
-* ``subregion = "simplex"`` (default) samples alpha = c_i + (rho / 2)(s - c_i), s uniform on the simplex: points of
-  the simplex within L1 distance rho of c_i; ``"ball"`` is the authors' code, c_i + r u with r ~ U(0, rho) and u a
-  random L1-unit direction, which may leave the simplex (its coordinates need not sum to 1);
+* how the paper draws alpha within a subregion could not be read.  ``subregion = "simplex"`` (default) samples
+  alpha = c_i + (rho / 2)(s - c_i), s uniform on the simplex: uniform on a copy of the simplex shrunk by rho / 2
+  around c_i, so alpha stays in the simplex within L1 distance rho of c_i, but it is not uniform over all such points
+  (those far from c_i in directions other than a vertex's are never drawn): its mean distance from c_i is about
+  rho / 3 (0.105 for M = 10, rho = 0.3, c_i the simplex center).  ``"ball"`` is the authors' code, c_i + r u with
+  r ~ U(0, rho) and u a random L1-unit direction (mean distance rho / 2), which may leave the simplex (its
+  coordinates need not sum to 1).  A given rho therefore means a smaller region by default than in the authors'
+  code; the tuned tables search rho over 0.03-2;
 * the PCA's component signs are fixed so that each component's largest score is positive (scikit-learn's
   ``svd_flip`` convention differs in the reference);
 * the step's alpha comes from a counter-based generator keyed by (run seed, round, client, step), so that a client's
@@ -276,8 +282,8 @@ class Floco(Algorithm[FlocoServer, ClientId]):
         return ClientId(torch.zeros((), dtype=torch.long))
 
     def alphas(self, ctx: Context, payload: FlocoServer, client: Tensor, steps: int) -> Tensor:
-        """The alpha (steps, M) of each local step: uniform on the simplex before round tau, uniform on the client's
-        subregion from then on."""
+        """The alpha (steps, M) of each local step: uniform on the simplex before round tau, then drawn in the client's
+        subregion (``subregion``: the simplex shrunk by rho / 2 around the center, or the authors' L1-ball draw)."""
         m = self.endpoints
         t1 = payload.t + 1  # this round, 1-based
         key = torch.remainder(payload.seed * 7919 + t1 * 104729 + client.to(torch.long) * 15485863, _MOD)

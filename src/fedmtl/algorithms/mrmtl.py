@@ -14,12 +14,16 @@ sets w_bar to the mean of the received models.  Unlike Ditto there is no separat
 thing shared is the mean of the personal ones (one model sent each way, as FedAvg).  lambda = 0 is Local training
 exactly (tested); as lambda grows the personal models are pinned to their mean (FedAvg-like).
 
-Choices, stated where implemented: the mean is uniform over the round's clients (the objective's w_bar); ``weighted =
-true`` weights it by sample counts (FedAvg's and the FL4Health reference's aggregation).  Clients outside the
-federation (unseen) start from w_bar and take their epochs on the same regularized objective before testing (the
-paper has none).  The paper's privacy notion is silo-specific *sample-level* DP (each client runs DP-SGD on its own
-examples), which fedmtl does not implement; under ``[privacy]`` the engine's user-level DP applies instead (the
-server releases a noised, clipped mean of the personal models).  The paper tunes lambda per data set and privacy
+Choices, stated where implemented: the mean is uniform over the round's clients (the objective's w_bar, and the
+FL4Health example's aggregation); ``weighted = true`` weights it by sample counts (FedAvg's weighting, and the
+authors' code's default, which its ``--unweighted_updates`` flag turns off).  Under partial participation
+(``run.sampling_rate < 1``) w_bar is the mean of the round's received models, not of all K personal models: the paper
+is cross-silo, every silo in every round, where the two are the same.  Every client starts at the common initial
+model (the authors' code draws each client's own).  Clients outside the federation (unseen) start from w_bar and take
+their epochs on the same regularized objective before testing (the paper has none).  The paper's privacy notion is
+silo-specific *sample-level* DP (each client runs DP-SGD on its own examples), which fedmtl does not implement; under
+``[privacy]`` the engine's user-level DP applies instead (the server releases a noised, clipped mean of the personal
+models).  The paper tunes lambda per data set and privacy
 level and gives no single default: ``lam = 1.0`` is this library's choice.
 """
 
@@ -54,11 +58,13 @@ class MRMTL(Algorithm[GlobalModel, PersonalModel]):
     #: lambda, the pull of each personal model towards the mean of all of them (0 = Local training; the paper tunes
     #: it per data set: no paper default)
     lam: Annotated[float, Range(0, 1e4)] = 1.0
-    #: weight the server's mean by sample counts (FedAvg's weighting) instead of uniformly (the objective's w_bar)
+    #: weight the server's mean by sample counts (FedAvg's weighting, the authors' code's default) instead of uniformly
+    #: (the objective's w_bar)
     weighted: bool = False
 
     def init_client(self, ctx: Context, server: GlobalModel) -> PersonalModel:
-        return PersonalModel(server.params)  # every client starts at the common initial model
+        # every client starts at the common initial model (a choice: the authors' code draws each client's own)
+        return PersonalModel(server.params)
 
     def client_update(
         self, ctx: Context, payload: Params, state: PersonalModel, batches: Batches, lr: float
@@ -80,7 +86,8 @@ class MRMTL(Algorithm[GlobalModel, PersonalModel]):
         if nobody(ctx, weights):
             return server
         # w_bar = (1/K) sum_k w_k over the round's valid clients (uniform, the objective's mean); excluded rows
-        # (weight 0) stay out either way
+        # (weight 0) stay out either way.  Deviation under partial participation: the mean of the round's clients, not
+        # of all K personal models (the paper's silos all take part in every round: the same mean)
         ok = (weights > 0).to(weights.dtype)
         return GlobalModel(ctx.combine(updates, weights if self.weighted else ok))
 

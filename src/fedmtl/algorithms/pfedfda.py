@@ -37,7 +37,8 @@ global body's features of its training data, with its priors.  Clients keep no s
 Deviations and choices, each stated where it is implemented:
 * beta is the best of ``beta_grid`` evenly spaced values in [0, 1] on the cross-validation loss (a fixed amount
   of work, vmap-safe); the authors' code runs 10 L-BFGS iterations from 0.5, clipped to [0, 1].  One beta for means
-  and covariance (the authors' ``single_beta``; their separate betas are not offered);
+  and covariance (the authors' ``--single_beta`` option).  Their default, a beta for the means and another for the
+  covariance, is not offered: a grid over both would cost the square of one grid's solves;
 * the folds are stratified by alternation (the k-th example of a class, in the round's shuffled order, goes to fold
   k mod 2), classes with fewer than 2 examples left out of the cross-validation (the authors drop them too), a
   random stratified split in their code;
