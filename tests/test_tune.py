@@ -254,7 +254,13 @@ def _refused(capsys, args, *needles):
     ("[optim]\nlr = { low = 0.0, high = 1.0 }", "optim.lr = 0"),  # lr lies in (0, 1000]: 0 is outside
     ("[run]\nsampling_rate = { low = 0.5, high = 2.0 }", "run.sampling_rate = 2"),
     ("[run]\nlocal_epochs = { low = 1.0, high = 4.0 }", "integer"),  # a float range for an int key
+    ("[run]\nlocal_epochs = { low = 1, high = 3 }", "integer"),  # the same with integer ends: trials draw floats
     ("[optim]\nlr = 0.5", "expected a range"),
+    ("[optim]\nlr = { low = 0.01, high = 0.5, step = 10.0 }", "wider than the range"),  # one value
+    ("[optim]\nlr = { low = 0.01, high = 0.5, step = 0.3 }", "high = 0.31"),  # high never drawn
+    ("[run]\nlocal_epochs = { low = 1, high = 3, int = true, step = 5 }", "wider than the range"),
+    ("[optim]\nlr = { low = 0.01, high = 0.5 }\nmomentum = {}", "optim.momentum = {}: empty"),
+    ('[optim]\n"lr=0.5 #" = { choices = [0.01, 0.02] }', "not a config key"),  # it would become --set lr=0.5
 ])
 def test_bad_space_refused_before_anything_runs(files, tmp_path, capsys, entry, what):
     space = tmp_path / "bad.toml"
@@ -274,6 +280,96 @@ def test_a_device_refused_before_anything_runs(files, tmp_path, capsys, device, 
     _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--out", str(out),
                       "--device", device], "tiny.toml", what)
     assert not out.exists()
+
+
+def test_a_searched_device_and_a_key_also_set_are_refused_before_anything_runs(files, tmp_path, capsys):
+    """Every device a space searches is checked like ``--device`` (not as its trials' failures, the first of which
+    stopped the study); a key both searched and given by ``--set`` is refused (the trial's value replaced the
+    ``--set`` one without a word)."""
+    out = tmp_path / "out"
+    if not torch.cuda.is_available():
+        space = tmp_path / "dev.toml"
+        space.write_text('[run]\ndevice = { choices = ["cpu", "cuda:7"] }\n')
+        _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(space), "--out", str(out)],
+                 "dev.toml", "run.device = 'cuda:7'", "no CUDA device")
+    _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--out", str(out),
+                      "--set", "optim.lr=0.3"], "--set optim.lr=0.3", "searched by the space")
+    assert not out.exists()
+
+
+def test_another_programs_database_is_refused_and_left_as_it_was(files, tmp_path, capsys):
+    """A ``study.db`` that is an SQLite database of another program (tables of its own): refused by name, not given
+    Optuna's tables."""
+    import sqlite3
+
+    out = tmp_path / "o"
+    out.mkdir()
+    con = sqlite3.connect(out / "study.db")
+    con.execute("CREATE TABLE mydata (x)")
+    con.execute("INSERT INTO mydata VALUES (1)")
+    con.commit()
+    con.close()
+    before = (out / "study.db").read_bytes()
+    err = _refused(capsys, ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--out", str(out),
+                            "--resume"], "study.db: another program's database (tables mydata)")
+    assert not err.startswith("fedmtl: error: ") or "tiny.toml" not in err  # the file at fault is the database
+    assert (out / "study.db").read_bytes() == before
+
+
+@pytest.mark.slow  # runs a study, twice
+def test_a_full_disk_under_the_study_is_one_line_and_resume_continues(files, tmp_path, capsys, monkeypatch):
+    """The database's write failing as on a full disk (SQLite's "database or disk is full", raised by Optuna as it
+    tells a trial): one line naming study.db and --resume, exit 3 (a write the system refused); --resume then runs
+    the study to its end, the trial cut short run again and not counted twice."""
+    import sqlite3
+
+    import optuna
+    import sqlalchemy.exc
+
+    from fedmtl.cli import EXIT_OS
+
+    real = optuna.study.Study.tell
+    calls = []
+
+    def tell(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second trial's result
+            try:
+                full = sqlite3.OperationalError("database or disk is full")
+                raise sqlalchemy.exc.OperationalError("INSERT", {}, full)
+            except sqlalchemy.exc.OperationalError as e:
+                raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from e
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(optuna.study.Study, "tell", tell)
+    out = tmp_path / "o"
+    args = ["tune", str(files / "tiny.toml"), "--space", str(files / "space.toml"), "--trials", "3", "--out", str(out),
+            "-q"]
+    capsys.readouterr()
+    assert main(args) == EXIT_OS
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "out of disk space" in err and "study.db" in err and "--resume" in err, err
+    monkeypatch.setattr(optuna.study.Study, "tell", real)
+    # the command has ended: its process is gone (the trial it left RUNNING is recovered as after kill -9)
+    monkeypatch.setattr("fedmtl.runs.tune.alive", lambda pid: pid != os.getpid())
+    s = tune(files / "tiny.toml", files / "space.toml", trials=3, out=out, resume=True)
+    assert s.complete + s.pruned + s.failed == 3 and s.interrupted == 1
+
+
+def test_values_the_engine_refuses_fail_their_trial_and_the_study_goes_on(files, tmp_path):
+    """A combination the schema accepts but the engine refuses as it builds the run (Bulyan with f Byzantine clients
+    needs 4f + 3 updates a round; the 6 clients give 6): that trial fails with the engine's reason, the others run
+    (it stopped the whole study, exit 2, at its first such trial)."""
+    space = tmp_path / "s.toml"
+    space.write_text("[robust]\nnum_byzantine = { choices = [0, 2] }\n")
+    s = tune(files / "tiny.toml", space, trials=4, seed=0, out=tmp_path / "o", sets=['robust.aggregator="bulyan"'])
+    assert len(s.trials) == 4
+    assert {r["params"]["robust.num_byzantine"] for r in s.trials} == {0, 2}
+    for r in s.trials:
+        if r["params"]["robust.num_byzantine"] == 2:
+            assert r["state"] == "FAIL" and "needs at least 11 updates per round" in r["reason"], r
+        else:
+            assert r["state"] == "COMPLETE", r
 
 
 @pytest.mark.slow  # runs a study

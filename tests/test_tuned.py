@@ -55,7 +55,11 @@ def test_options_of_tuned_only_and_unknown_names_refused(tmp_path, capsys):
     assert main(["reproduce", "tuned", "--out", str(tmp_path / "b"), "--methods", "nope"]) == EXIT_INPUT
     assert "--methods nope" in capsys.readouterr().err
     assert main(["reproduce", "tuned", "--out", str(tmp_path / "c"), "--federations", "mars"]) == EXIT_INPUT
-    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    for option in ("--methods", "--federations"):  # naming nothing: refused, not read as "all"
+        for empty in ("", ","):
+            assert main(["reproduce", "tuned", "--quick", "--out", str(tmp_path / "d"), option, empty]) == EXIT_INPUT
+            assert f"{option} '{empty}': names nothing" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
     full = tmp_path / "full"
     full.mkdir()
     (full / "summary.json").write_text('{"quick": false, "federations": {}}')
@@ -322,7 +326,9 @@ def test_probe_edges_remeasures_the_study_and_goes_past_the_end(quick, tmp_path,
                       (["reproduce", "tuned", "--out", str(out), "--probe-edges", "--quick"], "--quick does not"),
                       (["reproduce", "tuned", "--out", str(tmp_path / "none"), "--probe-edges"], "summary.json"),
                       (["reproduce", "tuned", "--out", str(out), "--probe-edges", "--federations", "fmnist_mlp"],
-                       "holds synthetic_mixture")):
+                       "holds synthetic_mixture"),
+                      (["reproduce", "tuned", "--out", str(out), "--probe-edges", "--methods", "nosuch"],
+                       "--methods nosuch: ")):
         assert main(bad) == EXIT_INPUT
         assert says in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]

@@ -187,7 +187,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
           + (f", {s.interrupted} interrupted and re-run" if s.interrupted else ""))
     for key, end in s.at_edge.items():
         print(f"note: the best {key} lies at the {end} end of the range searched: the optimum may lie outside it")
-    print(f"written: {out}/best.toml, trials.csv, trials.md, tune.json, history.png; the study: {out}/study.db")
+    written = [f for f in ("best.toml", "trials.csv", "trials.md", "tune.json", "history.png")
+               if (Path(out) / f).exists()]
+    print(f"written: {out}/{', '.join(written)}; the study: {out}/study.db")
     return 0
 
 
@@ -335,8 +337,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         from .experiments.tuned import check_device_option
 
         check_device_option(args.device)
-        extra = {"trials": args.trials, "methods": _names(args.methods), "federations": _names(args.federations),
-                 "device": args.device}
+        extra = {"trials": args.trials, "methods": _names(args.methods, "--methods"),
+                 "federations": _names(args.federations, "--federations"), "device": args.device}
     else:
         given = [f for f, v in (("--trials", args.trials), ("--methods", args.methods),
                                 ("--federations", args.federations), ("--device", args.device)) if v is not None]
@@ -370,15 +372,21 @@ def _probe_edges(args: argparse.Namespace) -> int:
 
     check_device_option(args.device)
     t0 = time.perf_counter()
-    probe(Path(args.out), _names(args.methods), _names(args.federations), args.device)
+    probe(Path(args.out), _names(args.methods, "--methods"), _names(args.federations, "--federations"), args.device)
     print(f"fedmtl reproduce tuned --probe-edges: {time.perf_counter() - t0:.0f} s; results in {args.out} "
           "(edges.json, edges.md)", flush=True)
     return 0
 
 
-def _names(text: str | None) -> list[str] | None:
-    """``a,b`` -> ``["a", "b"]``; None where the option was not given."""
-    return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+def _names(text: str | None, option: str) -> list[str] | None:
+    """``a,b`` -> ``["a", "b"]``; None where the option was not given.  A given option naming nothing (``""``, ``,``)
+    is refused: it would read as "all" further on."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ConfigError(f"{option} {shown(text)}: names nothing (a comma-separated list; leave it out for all)")
+    return names
 
 
 def _cmd_flower(args: argparse.Namespace) -> int:
@@ -777,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         term.settle()
         msg = " ".join([*str(e).split("\n"), *getattr(e, "__notes__", [])])
         source = getattr(args, "config", None)
-        if isinstance(source, str) and source not in msg:
+        if isinstance(source, str) and source not in msg and not getattr(e, "names_its_file", False):
             msg = f"{shown(source, MAX_WORD, bare=True)}: {msg}"  # the file whose settings led here
         print(f"fedmtl: error: {_line(msg)}", file=sys.stderr)
         _refused_on_every_rank(args)
@@ -945,7 +953,15 @@ def _ignore_sigint() -> None:
 
 
 def _resume_hint(args: argparse.Namespace) -> str:
-    """'; the last checkpoint is round R of DIR: resume with ...' for the run that was cut short."""
+    """'; the last checkpoint is round R of DIR: resume with ...' for the run that was cut short (for a study: that
+    --resume continues it)."""
+    if getattr(args, "command", "") == "tune":
+        out = Path(args.out or Path("runs") / f"tune-{Path(args.config).stem}")
+        with contextlib.suppress(OSError):
+            if (out / "study.db").is_file():
+                return (f"; {out}/study.db keeps every finished trial: continue the study with the same command and "
+                        "--resume")
+        return ""
     if getattr(args, "command", "") != "run":
         return ""
     from .runs.rundir import layout, resume_command

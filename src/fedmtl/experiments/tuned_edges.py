@@ -132,6 +132,11 @@ def probe(out: Path, methods: list[str] | None = None, federations: list[str] | 
     for name in federations or []:
         if name not in tables:
             raise ConfigError(f"--federations {name}: {path} holds {', '.join(tables) or 'no federation'}")
+    probed = [t for f, t in tables.items() if federations is None or f in federations]
+    for name in methods or []:
+        if not any(name in t.get("methods", {}) for t in probed):
+            raise ConfigError(f"--methods {name}: {path} has no row of it"
+                              + (f" on {', '.join(federations)}" if federations is not None else ""))
     kept = _earlier(out, objective)  # rows of an earlier call outside this call's methods and federations
     for fed, table in tables.items():
         if federations is not None and fed not in federations:

@@ -38,10 +38,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import errno
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -81,6 +83,8 @@ DEFAULT_LAST = 3
 DEFAULT_VAL_FRACTION = 0.2
 #: the keys of one entry of a space file
 SPEC_KEYS = ("low", "high", "log", "int", "step", "choices")
+#: a key of a space file's table: a config key's name
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: the optimizer key trials trained together (``--batch-trials``) may differ in (a rate per replica; with the
 #: algorithm's real-valued fields: ``batchable_keys``)
 BATCHABLE = "optim.lr"
@@ -100,6 +104,9 @@ _STATISTICS: tuple[Statistic, ...] = typing.get_args(Statistic)
 
 class TuneError(ValueError):
     """A study that cannot run as asked (its output folder, its database); the message names the file."""
+
+    #: the command line does not put the config's name in front (the file at fault is the study's)
+    names_its_file = True
 
 
 def _optuna() -> Any:
@@ -133,8 +140,12 @@ class Param:
     choices: tuple[Any, ...] | None = None
 
     def candidates(self) -> list[Any]:
-        """The values that bound the search: the range's ends, or every choice."""
-        return list(self.choices) if self.choices is not None else [self.low, self.high]
+        """The values that bound the search, of the type a trial draws: the range's ends (floats for a float range,
+        so that a float range over an integer key is refused before any trial), or every choice."""
+        if self.choices is not None:
+            return list(self.choices)
+        assert self.low is not None and self.high is not None
+        return [int(self.low), int(self.high)] if self.is_int else [float(self.low), float(self.high)]
 
     def edge(self, value: Any) -> str | None:
         """``"low"`` / ``"high"`` where ``value`` lies at an end of the range (within ``EDGE_FRACTION`` of its width,
@@ -212,6 +223,15 @@ def _param(key: str, spec: dict[str, Any], where: str) -> Param:
             raise ConfigError(f"{where}: step must be > 0, got {step}")
         if log:
             raise ConfigError(f"{where}: a log range takes no step")
+        # Optuna would lower high to the last step below it: a range whose high is never drawn (and one step wider
+        # than the range, a single value) is refused here, naming the reachable end
+        n = (high - low) / step
+        if n < 1 or abs(n - round(n)) > 1e-9 * max(1.0, n):
+            last = low + math.floor(n + 1e-9) * step
+            raise ConfigError(f"{where}: step = {step} does not divide high - low = {high - low}: the highest value "
+                              f"drawn would be {last:g}, not {high} (set high = {last:g}, or another step)"
+                              if n >= 1 else f"{where}: step = {step} is wider than the range [{low}, {high}]: every "
+                              "trial would draw low")
     return Param(key, low, high, log, is_int, step)
 
 
@@ -231,6 +251,11 @@ def space_params(raw: dict[str, Any], where: str) -> list[Param]:
     def walk(table: dict[str, Any], prefix: str) -> None:
         for key, spec in table.items():
             name = f"{prefix}.{key}" if prefix else key
+            if not _KEY.fullmatch(key):  # it becomes the --set override "name=value": no "=", spaces or dots in it
+                raise ConfigError(f"{p}: {shown(name)}: not a config key (letters, digits and _)")
+            if isinstance(spec, dict) and not spec:
+                raise ConfigError(f"{p}: {name} = {{}}: empty: expected a range {{low = .., high = ..}} or "
+                                  "{choices = [...]}" if prefix else f"{p}: [{name}] is empty")
             if not isinstance(spec, dict):
                 raise ConfigError(f"{p}: {name} = {shown(spec)}: expected a range {{low = .., high = ..}} or "
                                   "{choices = [...]}" if prefix else f"{p}: {name}: expected a table [{name}]")
@@ -388,6 +413,11 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
         raise ConfigError(f"--batch-trials {shown(batch_trials)}: a whole number in [1, 1000]")
     direction = check_objective(objective, direction)
     params = read_space(space)
+    sp = resolve_space(space)
+    given = {o.split("=", 1)[0].strip(): o for o in sets}
+    for p in params:  # a trial's value would silently replace the --set one
+        if p.key in given:
+            raise ConfigError(f"--set {given[p.key]}: {p.key} is searched by the space {sp}; leave one of them out")
     base = validate(apply_overrides(raw, sets), source)  # the config itself first: its errors name it
     try:  # a device this machine lacks: refused here, not as every trial's failure
         torch_device(base.run.device)
@@ -403,12 +433,11 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     if base.run.val_fraction == 0 and not base.data.get("val_frac"):
         tuning_sets.append(f"run.val_fraction={DEFAULT_VAL_FRACTION}")
     study_cfg = _Study(raw, source, sets, tuning_sets, params, objective, direction, last, seed, Path(out), prune)
-    sp = resolve_space(space)
     for p in params:  # every candidate, applied exactly as --set applies it, before anything runs
         for v in p.candidates():
             try:
-                study_cfg.build({p.key: v})
-            except ConfigError as e:
+                torch_device(study_cfg.build({p.key: v}).run.device)  # a device searched over, too
+            except ValueError as e:
                 raise ConfigError(f"{sp}: {p.key} = {shown(v)}: {e}") from None
     optuna = _optuna()
     out = Path(out)
@@ -420,9 +449,34 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
     if not db.exists() and out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir())):
         raise TuneError(f"{out}: holds files but no {STUDY_DB}; give an empty or new --out")
     out.mkdir(parents=True, exist_ok=True)
+    with _storage_errors(db, optuna):
+        return _search(study_cfg, optuna, db, name, fp, trials, batch_trials, progress, t0,
+                       {"objective": objective, "seed": seed, "source": source, "space": str(sp), "last": last})
+
+
+@contextlib.contextmanager
+def _storage_errors(db: Path, optuna: Any) -> typing.Iterator[None]:
+    """A failure of the study's database (a full disk, a damaged or locked file) as one ``OSError`` naming it, not
+    Optuna's and SQLAlchemy's traceback.  Nothing is lost: every finished trial is in the database, and a trial cut
+    short is run again by ``--resume``."""
+    import sqlalchemy.exc
+
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as e:
+        cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) and e.__cause__ else e
+        text = str(getattr(cause, "orig", None) or cause).splitlines()[0] if str(cause) else type(cause).__name__
+        full = "full" in text.lower() and "disk" in text.lower()
+        raise OSError(errno.ENOSPC if full else errno.EIO, f"the study database failed ({text})", str(db)) from e
+
+
+def _search(st: _Study, optuna: Any, db: Path, name: str, fp: str, trials: int, batch_trials: int,
+            progress: bool | str, t0: float, attrs: dict[str, Any]) -> TuneSummary:
+    """The study's trials, asked, run and told until it holds ``trials``; then its outputs."""
+    out = st.out
     with locked(out / LOCK):  # one process at a time creates or checks the database
-        study = _open_study(optuna, db, name, fp, direction, prune,
-                            {"objective": objective, "seed": seed, "source": source, "space": str(sp), "last": last})
+        study = _open_study(optuna, db, name, fp, st.direction, st.prune, attrs)
+    seed = st.seed
     while True:
         with locked(out / LOCK):  # one process at a time recovers, counts and asks: each index asked once
             _recover_stale(study, optuna)
@@ -436,9 +490,8 @@ def tune(config: str | Path | dict[str, Any], space: str | Path, trials: int = 2
                 asked.append(study.ask())
                 asked[-1].set_user_attr("pid", os.getpid())  # whose it is: recovered once that process is gone
                 asked[-1].set_user_attr("host", socket.gethostname())
-        _run_trials(study_cfg, study, asked, optuna, progress)
-    summary = write_outputs(study_cfg, study, optuna, time.perf_counter() - t0)
-    return summary
+        _run_trials(st, study, asked, optuna, progress)
+    return write_outputs(st, study, optuna, time.perf_counter() - t0)
 
 
 def _open_study(optuna: Any, db: Path, name: str, fp: str, direction: str, prune: bool,
@@ -447,6 +500,10 @@ def _open_study(optuna: Any, db: Path, name: str, fp: str, direction: str, prune
     that is not a study database) is refused, naming it."""
     url = f"sqlite:///{db.resolve()}"
     if db.exists():
+        foreign = _foreign_tables(db)
+        if foreign:
+            raise TuneError(f"{db}: another program's database (tables {', '.join(foreign[:5])}), not a study: give "
+                            "another --out")
         try:
             names = optuna.get_all_study_names(url)
         except Exception as e:  # noqa: BLE001 (not a database, or another program's)
@@ -464,6 +521,28 @@ def _open_study(optuna: Any, db: Path, name: str, fp: str, direction: str, prune
     elif study.user_attrs["fingerprint"] != fp:
         raise TuneError(f"{db}: the study {name} was started from another config or space; give another --out")
     return study
+
+
+#: tables an Optuna RDB storage creates (its schema's, and its migrations' record)
+_OPTUNA_TABLES = {"studies", "version_info", "alembic_version", "study_directions", "study_user_attributes",
+                  "study_system_attributes", "trials", "trial_user_attributes", "trial_system_attributes",
+                  "trial_params", "trial_values", "trial_intermediate_values", "trial_heartbeats"}
+
+
+def _foreign_tables(db: Path) -> list[str]:
+    """The tables of the SQLite file ``db`` that Optuna does not create (read only: a file that is not SQLite, or an
+    empty one, gives none here and is judged by Optuna)."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return []
+    return sorted(n for n in names if n not in _OPTUNA_TABLES and not n.startswith("sqlite_"))
 
 
 def _trial_seed(seed: int, index: int) -> int:
@@ -574,8 +653,10 @@ class _Trial:
                   flush=True)
 
 
-#: what fails a trial (and only the trial: the study goes on)
-_TRIAL_ERRORS = (ConfigError, TrainingDiverged, _NonFinite)
+#: what fails a trial (and only the trial: the study goes on, the reason recorded): its config refused (ConfigError),
+#: its run diverged (TrainingDiverged, _NonFinite), or a combination of values the engine refuses as it builds the run
+#: (a ValueError, as ``fedmtl run`` would report it: e.g. a robust aggregator that needs more updates than a round has)
+_TRIAL_ERRORS = (ConfigError, TrainingDiverged, _NonFinite, ValueError)
 
 
 def _run_trials(st: _Study, study: optuna.Study, asked: list[optuna.Trial], optuna: Any,
