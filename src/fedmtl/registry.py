@@ -169,11 +169,13 @@ def import_plugins(modules: list[str]) -> None:
     import sys
     from pathlib import Path
 
-    from .schema import brief
+    from .schema import SHOWN_CHARS, brief
 
     for mod in modules:
         path = Path(mod)
-        name = brief(mod)
+        text = " ".join(mod[-4 * SHOWN_CHARS:].split())
+        # a long path cut at its start: the file's name is what the reader needs
+        name = text if len(text) <= SHOWN_CHARS else "..." + text[-(SHOWN_CHARS - 3):]
         try:
             if mod.endswith(".py") or os.sep in mod or "/" in mod:  # a file: ./mymodule.py, plugins/alg.py
                 if not path.is_file():
@@ -188,8 +190,13 @@ def import_plugins(modules: list[str]) -> None:
             if "" not in sys.path and os.getcwd() not in sys.path:  # a module in the current folder, as python -m
                 sys.path.insert(0, os.getcwd())
             importlib.import_module(mod)
-        except RegistryError:
-            raise
+        except RegistryError as e:  # refused here, or a registration of the plugin's: the message names the plugin
+            if str(e).startswith(f"--import {name}:"):
+                raise
+            raise RegistryError(f"--import {name}: {e}") from e
+        except SystemExit as e:  # the plugin called sys.exit(): the command must not end as if it had succeeded
+            raise RegistryError(f"--import {name}: importing it called sys.exit({brief(e.code, 60)}); a plugin "
+                                "module must not exit") from e
         except ImportError as e:
             raise RegistryError(f"--import {name}: cannot import it ({brief(str(e), 200)}); is it in the current "
                                 "folder, on PYTHONPATH or installed? (a file: --import ./path/to/module.py)") from e
@@ -217,7 +224,7 @@ def load_plugins() -> list[str]:
     for ep in entry_points(group=PLUGIN_GROUP):
         try:
             ep.load()
-        except Exception as e:  # a broken plugin must not take the whole CLI down with it
+        except (Exception, SystemExit) as e:  # a broken plugin (one calling sys.exit too) must not take the CLI down
             log.warning("fedmtl plugin %s (%s) failed to load: %s", ep.name, ep.value, e)
             continue
         names.append(ep.name)

@@ -56,6 +56,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from .. import tree as T
 from ..registry import AGGREGATORS, RegistryError, register_checked
@@ -113,11 +114,72 @@ class RobustConfig:
 
     def _base(self) -> Combine:
         aggregate: Aggregator = AGGREGATORS[self.aggregator]
+        if BUILT_IN_AGGREGATORS.get(self.aggregator) is not aggregate:  # a plugin's: its every result is checked
+            return checked_combine(self.aggregator, aggregate, self)
 
         def combine(u: TreeT, w: Tensor) -> TreeT:
             return cast(TreeT, aggregate(u, w, self))
 
         return combine
+
+
+def plugin_name(table_key: str, name: str, fn: Callable[..., Any]) -> str:
+    """A registered plugin in words for an error message: its config key and value and where its function lives."""
+    where = f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    return f"{table_key} {brief(name, 80)!r} (the plugin {brief(where, 120)})"
+
+
+def misshapen(out: object, like: Tree, rows: int | None = None, dtype: bool = True) -> str | None:
+    """What in ``out`` is not shaped like one row of the stacked tree ``like`` (``rows``: like ``rows`` of its rows),
+    in words: its structure, then each tensor leaf's shape (and, with ``dtype``, its dtype); None where nothing is.
+    Metadata only: it never waits for a GPU."""
+    problems: list[str] = []
+
+    def leaf(path: pytree.KeyPath, x: object, o: object) -> object:
+        if isinstance(x, Tensor) and not problems:
+            at = pytree.keystr(path) or "the update"
+            want = tuple(x.shape[1:]) if rows is None else (rows, *x.shape[1:])
+            if not isinstance(o, Tensor):
+                problems.append(f"{at} is {brief(type(o).__name__, 60)}, not a tensor")
+            elif tuple(o.shape) != want:
+                problems.append(f"{at} has shape {tuple(o.shape)}, expected {want}")
+            elif dtype and o.dtype != x.dtype:
+                problems.append(f"{at} has dtype {o.dtype}, expected {x.dtype}")
+        return o
+
+    try:
+        pytree.tree_map_with_path(leaf, like, out)
+    except Exception as e:  # noqa: BLE001 (pytree's refusal: another structure)
+        return f"{shown(out, 120)} is not a tree like the updates' ({brief(str(e), 120)})"
+    return problems[0] if problems else None
+
+
+def checked_combine(name: str, aggregate: Aggregator, config: RobustConfig) -> Combine:
+    """``aggregate`` (a plugin's, registered as ``name``) as a ``Combine`` whose every call is checked: what it raises,
+    and a result not shaped like one update (its structure, shapes and dtypes) or holding NaN/Inf, become a
+    ``RegistryError`` naming the aggregator.  ``register_aggregator`` checked it on one small case only; the built-ins
+    are known to keep the contract and are not wrapped."""
+    what = plugin_name("robust.aggregator", name, aggregate)
+
+    def combine(u: TreeT, w: Tensor) -> TreeT:
+        try:
+            out = aggregate(u, w, config)
+        except Exception as e:
+            raise RegistryError(f"{what} raised {type(e).__name__}: {brief(str(e), 200)}") from e
+        wrong = misshapen(out, u)
+        if wrong is not None:
+            raise RegistryError(f"{what} must return one update shaped like a row of the updates: {wrong}")
+        leaves = T.leaves(out)
+        # one host synchronisation per call (once a round for most algorithms; on a GPU the host waits for the
+        # plugin's work): accepted for a plugin, whose NaN must not pass as a result; the built-ins skip it
+        if leaves and not bool(torch.stack([x.isfinite().all().to(leaves[0].device) for x in leaves]).all()):
+            at = next(pytree.keystr(p) or "the update" for p, x in pytree.tree_flatten_with_path(out)[0]
+                      if isinstance(x, Tensor) and not bool(x.isfinite().all()))
+            raise RegistryError(f"{what} returned NaN/Inf (in {at}) from {int((w > 0).sum())} finite updates "
+                                "(the rows of positive weight); it must return a finite update")
+        return cast(TreeT, out)
+
+    return combine
 
 
 def _valid(stacked: TreeT, weights: Tensor) -> tuple[TreeT, Tensor]:
@@ -356,7 +418,9 @@ def register_aggregator(name: str | Callable[..., Any] | None = None, *, replace
     Checked when registered (``check_aggregator``; a refusal raises ``fedmtl.registry.RegistryError``): the
     signature, the name (taken names need ``replace=True``; ``mean``, the algorithm's own weighted mean, is never
     replaced), and on five identical updates of unequal weights, plus one of weight 0 holding NaN, it must return
-    that update (within 1e-6) without changing its input."""
+    that update (within 1e-6) without changing its input.  In a run every result is checked too
+    (``checked_combine``): an exception it raises, a result not shaped like one update, or one holding NaN/Inf stops
+    the run with a ``RegistryError`` naming it."""
     return register_checked(AGGREGATORS, "aggregator", name, replace, 3, "(updates, weights, config) -> update",
                             check_aggregator)
 
@@ -369,7 +433,10 @@ register_aggregator("krum")(lambda u, w, c: krum(u, w, c.num_byzantine, 1))
 register_aggregator("multi_krum")(lambda u, w, c: krum(u, w, c.num_byzantine, c.multi_krum_m or None))
 register_aggregator("bulyan")(lambda u, w, c: bulyan(u, w, c.num_byzantine))
 register_aggregator("centered_clip")(lambda u, w, c: centered_clip(u, w, c.cc_tau or None, c.cc_iterations))
+#: the built-ins as registered here: trusted to keep the contract (a name a plugin replaced is the plugin's, checked)
+BUILT_IN_AGGREGATORS: dict[str, Aggregator] = dict(AGGREGATORS)
 
 
-__all__ = ["BUCKETING_STREAM", "Aggregator", "RobustConfig", "bucketed", "bulyan", "centered_clip", "check_aggregator",
-           "clip_updates", "krum", "krum_scores", "median", "reference_of", "register_aggregator", "trimmed_mean"]
+__all__ = ["BUCKETING_STREAM", "BUILT_IN_AGGREGATORS", "Aggregator", "RobustConfig", "bucketed", "bulyan",
+           "centered_clip", "check_aggregator", "checked_combine", "clip_updates", "krum", "krum_scores", "median",
+           "misshapen", "plugin_name", "reference_of", "register_aggregator", "trimmed_mean"]

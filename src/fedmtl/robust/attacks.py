@@ -61,6 +61,7 @@ from ..data.federated import FederatedData
 from ..registry import ATTACKS, RegistryError, register_checked
 from ..schema import Annotated, OneOf, Range, brief, check_fields, shown
 from ..tree import Tree
+from .aggregators import misshapen, plugin_name
 
 
 @dataclass(frozen=True)
@@ -247,11 +248,30 @@ def corrupt(cfg: AttackConfig, updates: Tree, reference: Tree | None, rows: Tens
         n_rows = T.leaves(updates)[0].shape[0]
         honest = torch.tensor([i for i in range(n_rows) if i not in set(rows.tolist())], dtype=torch.long)
     gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, round_idx, 14]).generate_state(1)[0]))
-    sent = ATTACKS[cfg.kind](AttackRound(updates, ref, rows, honest, cfg.strength, gen))
+    attack: Attack = ATTACKS[cfg.kind]
+    rnd = AttackRound(updates, ref, rows, honest, cfg.strength, gen)
+    sent = attack(rnd) if BUILT_IN_ATTACKS.get(cfg.kind) is attack else checked_attack(cfg.kind, attack, rnd)
     out = T.tmap(lambda x: x.clone(), updates)
     for dst, new in zip(T.leaves(out), T.leaves(sent), strict=True):
         dst.index_copy_(0, rows.to(dst.device), new.to(dst.device, dst.dtype))
     return out
+
+
+def checked_attack(name: str, attack: Attack, r: AttackRound) -> Tree:
+    """What ``attack`` (a plugin's, registered as ``name``) sends in the round ``r``, checked: an exception it raises,
+    or a result not shaped like the updates with one row per attacker, becomes a ``RegistryError`` naming the attack.
+    ``register_attack`` checked it on one small round only; the built-ins are known to keep the contract.  Shapes
+    only (no wait for a GPU): what it sends may be non-finite, screened as any update is."""
+    what = plugin_name("attack.kind", name, attack)
+    try:
+        sent = attack(r)
+    except Exception as e:
+        raise RegistryError(f"{what} raised {type(e).__name__}: {brief(str(e), 200)}") from e
+    wrong = misshapen(sent, r.updates, rows=int(r.attackers.numel()), dtype=False)
+    if wrong is not None:
+        raise RegistryError(f"{what} must return a tree like the updates with one row per attacker (here "
+                            f"{r.attackers.numel()}): {wrong}")
+    return sent
 
 
 def check_attack(name: str, attack: Attack) -> None:
@@ -302,7 +322,9 @@ def register_attack(name: str | Callable[..., Any] | None = None, *, replace: bo
 
     Checked when registered (``check_attack``; a refusal raises ``fedmtl.registry.RegistryError``): the signature,
     the name (taken names need ``replace=True``; ``none`` is never replaced), and on a small round it must return
-    one row per attacker in the updates' structure without changing its input."""
+    one row per attacker in the updates' structure without changing its input.  In a run what it sends is checked
+    too (``checked_attack``): an exception it raises or a result of another structure or row count stops the run
+    with a ``RegistryError`` naming it."""
     return register_checked(ATTACKS, "attack", name, replace, 1, "(round: AttackRound) -> sent updates", check_attack)
 
 
@@ -315,7 +337,10 @@ register_attack("labelflip")(as_trained)
 register_attack("ipm")(ipm)
 register_attack("alie")(alie)
 register_attack("minmax")(minmax)
+#: the built-ins as registered here: trusted to keep the contract (a name a plugin replaced is the plugin's, checked)
+BUILT_IN_ATTACKS: dict[str, Attack] = dict(ATTACKS)
 
 
-__all__ = ["Attack", "AttackConfig", "AttackRound", "alie", "alie_z", "as_trained", "check_attack", "corrupt",
-           "flip_labels", "gaussian", "ipm", "minmax", "minmax_gamma", "register_attack", "scale", "signflip"]
+__all__ = ["BUILT_IN_ATTACKS", "Attack", "AttackConfig", "AttackRound", "alie", "alie_z", "as_trained", "check_attack",
+           "checked_attack", "corrupt", "flip_labels", "gaussian", "ipm", "minmax", "minmax_gamma", "register_attack",
+           "scale", "signflip"]
