@@ -226,3 +226,18 @@ def test_a_sigterm_while_the_input_is_checked_lets_the_refusal_through():
         time.sleep(0.05)
         reached = True
     assert reached
+
+
+def test_output_flags_after_every_command_name_and_quick_help_says_what_it_runs(tmp_path):
+    """-q / -v / --no-progress are accepted after every command's name as before it (list, watch, data and bench
+    refused them there); ``fedmtl main --help`` gives the rounds --quick runs."""
+    from fedmtl.cli import _parser
+    from fedmtl.experiments.fedem import MAIN_QUICK_ROUNDS
+
+    for argv in (["list", "-q"], ["watch", "r1", "--once", "--no-progress"], ["data", "-v", "synthetic/fedavg"],
+                 ["bench", "engine", "--out", str(tmp_path / "b.json"), "-q"], ["run", "synthetic/fedavg", "-q"]):
+        args = _parser().parse_args(argv)
+        assert args.quiet or args.verbose or args.no_progress, argv
+    main_help = next(a for a in _parser()._subparsers._group_actions[0].choices["main"]._actions  # type: ignore
+                     if "--quick" in a.option_strings).help
+    assert f"{MAIN_QUICK_ROUNDS} rounds" in main_help

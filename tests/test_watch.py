@@ -49,7 +49,8 @@ def test_watch_follows_a_running_run_to_its_final_evaluation(tmp_path, monkeypat
     assert f"acc {100 * final['seen_test_acc_mean']:.2f}%" in lines[-1] and "finished" in lines[-1]
     assert f"p10 {100 * final['seen_test_acc_p10']:.2f}%" in lines[-1]
     progress = json.loads((out / "progress.json").read_text())
-    assert progress["rounds"] == 12 and progress["seconds_per_round"] > 0
+    # brought to the last round when the run finished (it was written every 2 s while it ran: round 1 stayed)
+    assert progress["round"] == progress["rounds"] == 12 and progress["seconds_per_round"] > 0
 
 
 def test_watch_names_a_stopped_run_and_how_to_resume_it(tmp_path):

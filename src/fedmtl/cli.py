@@ -519,7 +519,7 @@ def _bench_parser(sub: Any) -> None:
     names = b.add_subparsers(dest="bench", required=True, metavar="NAME", parser_class=_LazyParser)
     for name, what in bm.BENCHMARKS.items():
         names.add_parser(name, help=what, description=f"fedmtl bench {name}: {what}",
-                         add_arguments=lambda p, name=name: bm.load(name).add_arguments(p))
+                         add_arguments=lambda p, name=name: (bm.load(name).add_arguments(p), _output_args(p)))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -633,6 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "other clients' files removed)")
     d.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
     _plugins_arg(d)
+    _output_args(d)
     d.set_defaults(fn=_cmd_data)
 
     cp = sub.add_parser("compare", help="runs side by side: a Markdown table (mean +- std over seeds), curves with "
@@ -654,16 +655,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--interval", type=float, default=2.0, help="seconds between two reads, 0.01 to 3600 "
                    "(default 2)")
     w.add_argument("--once", action="store_true", help="print the run's state now and exit")
+    _output_args(w)
     w.set_defaults(fn=_cmd_watch)
 
     ls = sub.add_parser("list", help="list algorithms, datasets, models and bundled configs")
     ls.add_argument("--algorithm", metavar="NAME", help="each hyperparameter of one algorithm: type, valid range, "
                     "default, doc")
     ls.add_argument("--table", metavar="TABLE", help="each key of a config table (run, optim, systems, robust, attack, "
-                    "privacy, log, server_opt, async): type, valid range, default, doc")
+                    "privacy, log, server_opt, async, flower): type, valid range, default, doc")
     ls.add_argument("--dataset", metavar="NAME", help="each [data] key of a dataset: type, valid range, default")
     ls.add_argument("--model", metavar="NAME", help="each [model] key of a model: type, valid range, default")
     _plugins_arg(ls)
+    _output_args(ls)
     ls.set_defaults(fn=_cmd_list)
 
     tb = sub.add_parser("tables", help="regenerate the stored result tables from their stored measurements")
@@ -673,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb.set_defaults(fn=_cmd_tables)
     m = sub.add_parser("main", help="the main job: reproduce fedem-synthetic into results/")
     m.add_argument("--out", default="results")
-    m.add_argument("--quick", action="store_true", help="20 rounds, a smoke run")
+    m.add_argument("--quick", action="store_true", help="a smoke run: 10 rounds, two seeds")
     _again_args(m, "what --out holds (finished runs read back, interrupted ones continued)", "every run starts over")
     _output_args(m)
     m.set_defaults(fn=_cmd_main)

@@ -7,7 +7,7 @@ Run directory layout::
     config.toml     the resolved configuration
     metrics.csv     one row per round (lr, train loss, dropped and excluded updates; evaluation every eval_every),
                     rewritten while the run runs (at most every ``LIVE_EVERY`` seconds) and at every checkpoint
-    progress.json   while it runs: the round reached, the rounds in all and the mean seconds per round so far
+    progress.json   while it runs and at its end: the round reached, the rounds in all, mean seconds per round
                     (what ``fedmtl watch`` turns into an ETA; wall-clock times stay out of metrics.csv)
     clients.csv     final per-client accuracy / loss on every split (seen and unseen clients)
     summary.json    final summary (the last round's evaluation, never the best round) + timings
@@ -491,7 +491,10 @@ def _finish(rep: Replica) -> RunResult:
         summary["reproducible_noise"] = dp.cfg.reproducible_noise
     if out_dir is not None and rep.writes:
         _write_privacy(out_dir, state, engine)
-        write_history_csv(out_dir / "metrics.csv", state.history)
+        if (out_dir / "progress.json").exists():  # written while it ran: brought to the last round
+            _write_live(rep)
+        else:
+            write_history_csv(out_dir / "metrics.csv", state.history)
         write_clients_csv(out_dir / "clients.csv", per_client)
         write_json(out_dir / "summary.json", summary)
         if run_figures_on():  # (a reproduction draws one summary figure instead)
