@@ -186,6 +186,17 @@ def test_cifar_binary_archives(tmp_path, monkeypatch):
     fine = _cifar_tar(tmp_path / "cifar-100-binary.tar.gz", name="cifar100")
     _, y100 = load_cifar("cifar100", str(tmp_path), download=False)
     assert np.array_equal(y100[:12], fine) and y100.max() < 100  # the fine label, not the coarse one
+    # from a config: [data] name picks CIFAR-10 or CIFAR-100 (the builder's own name was never a key: cifar100 was
+    # out of reach); "cifar" stays CIFAR-10
+    from fedmtl.config import validate
+    from fedmtl.data import DATASETS
+    from fedmtl.registry import field_table
+
+    for name, classes in (("cifar100", 100), ("cifar10", 10), ("cifar", 10)):
+        cfg = validate({"data": {"name": name, "num_clients": 4, "partition": "iid", "data_dir": str(tmp_path),
+                                 "download": False}, "model": {"name": "linear"}, "algorithm": {"name": "fedavg"}})
+        assert cfg.build_data().num_classes == classes, name
+    assert "name" not in [row[0] for row in field_table(DATASETS["cifar100"])]
     (tmp_path / "t").mkdir()
     _cifar_tar(tmp_path / "t" / "cifar-10-binary.tar.gz", truncate=True)
     with pytest.raises(DataError, match="not a valid cifar10"):

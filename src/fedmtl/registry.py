@@ -290,7 +290,9 @@ def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
                    f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
                   for f in dataclasses.fields(cls) if f.init]
     else:
-        skip = ("input_shape", "num_classes", "meta")
+        # a builder's own ``name`` is never a key (the table's ``name`` picks the builder), nor are the arguments a
+        # registered functools.partial fixes (``fashion_mnist``: idx_federation with name = "fashion_mnist")
+        skip = {"input_shape", "num_classes", "meta", "name", *(getattr(cls, "keywords", None) or {})}
         fields = [(n, p.default if p.default is not p.empty else "(required)")
                   for n, p in inspect.signature(cls).parameters.items()
                   if n not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]

@@ -26,7 +26,9 @@ for _name, _fn in {
     "fmnist_pairs": fmnist_pairs,
     "emnist": emnist,
     "femnist": femnist,
-    "cifar": cifar,
+    "cifar": functools.partial(cifar, name="cifar10"),  # the name CIFAR-10 had first
+    "cifar10": functools.partial(cifar, name="cifar10"),
+    "cifar100": functools.partial(cifar, name="cifar100"),
     "shakespeare": shakespeare,
     "har": har,
     "vehicle": vehicle,
