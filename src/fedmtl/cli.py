@@ -519,7 +519,13 @@ def _bench_parser(sub: Any) -> None:
     names = b.add_subparsers(dest="bench", required=True, metavar="NAME", parser_class=_LazyParser)
     for name, what in bm.BENCHMARKS.items():
         names.add_parser(name, help=what, description=f"fedmtl bench {name}: {what}",
-                         add_arguments=lambda p, name=name: (bm.load(name).add_arguments(p), _output_args(p)))
+                         add_arguments=functools.partial(_bench_args, bm, name))
+
+
+def _bench_args(bm: Any, name: str, p: argparse.ArgumentParser) -> None:
+    """A benchmark's own flags, and -v / -q / --no-progress after its name as after every command's."""
+    bm.load(name).add_arguments(p)
+    _output_args(p)
 
 
 class _Parser(argparse.ArgumentParser):
