@@ -81,6 +81,39 @@ def test_a_second_run_into_a_locked_directory_is_refused_and_stale_locks_are_tak
     (out / ".ckpt-orphan.tmp").write_bytes(b"half a checkpoint")
     assert _run(cfg, out) == 0
     assert not (out / ".ckpt-orphan.tmp").exists() and not (out / ".lock").exists()
+    # an empty lock (a run stopped, or its disk full, between creating its lock and writing it) held the directory for
+    # good: one written just now is left alone (a run may be writing it), an older one is taken over
+    (out / ".lock").write_text("")
+    assert _run(cfg, out, "--overwrite") == EXIT_INPUT
+    assert "in use by another run" in capsys.readouterr().err
+    old = time.time() - 60
+    os.utime(out / ".lock", (old, old))
+    assert _run(cfg, out, "--overwrite") == 0 and not (out / ".lock").exists()
+
+
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+    """The lock's write failing (a full disk) removes the lock: the directory stays usable."""
+    from fedmtl.runs.rundir import RunDirectory
+
+    real = os.fdopen
+
+    class Full:
+        def __init__(self, fd, mode):
+            self.f = real(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(os, "fdopen", Full)
+    with pytest.raises(OSError, match="No space left"), RunDirectory(tmp_path / "o"):
+        pass
+    assert not (tmp_path / "o" / ".lock").exists()
 
 
 @pytest.mark.slow

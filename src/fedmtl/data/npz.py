@@ -125,11 +125,32 @@ def _read_info(path: Path) -> dict[str, Any]:
     return info
 
 
+def _check_headers(f: Path) -> None:
+    """Each array's header against the bytes its member holds: a header that claims more (a shape of 10^12 rows in a
+    few bytes) is refused before numpy allocates it."""
+    import math
+
+    with zipfile.ZipFile(f) as zf:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with zf.open(info) as m:
+                version = np.lib.format.read_magic(m)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(m)
+            need = math.prod(shape) * dtype.itemsize
+            if need > info.file_size:
+                raise DataError(f"{f}: array {info.filename[:-4]!r} claims shape {shown(shape)} ({need:,} bytes) "
+                                f"but holds {info.file_size:,} bytes")
+
+
 def _read_client(f: Path, train_only: bool = False) -> dict[str, np.ndarray]:
     from ..machine import physical_memory
 
     try:
         check_file(f, physical_memory(), "client data (.npz)", DataError)  # never np.load a FIFO or a device
+        _check_headers(f)
         with np.load(f, allow_pickle=False) as z:
             names = [n for n in z.files if not train_only or n in ("x_train", "y_train")]
             arrays = {name: z[name] for name in names}
@@ -139,7 +160,9 @@ def _read_client(f: Path, train_only: bool = False) -> dict[str, np.ndarray]:
                         raise DataError(f"{f}: missing array {need!r} (has {sorted(z.files)})")
                 arrays["x_test"] = np.zeros((0, *arrays["x_train"].shape[1:]), arrays["x_train"].dtype)
                 arrays["y_test"] = np.zeros(0, np.int64)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    except DataError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, MemoryError) as e:
         raise DataError(f"{f}: not a readable .npz file ({type(e).__name__}: {str(e)[:200]})") from None
     for need in ("x_train", "y_train", "x_test", "y_test"):
         if need not in arrays:

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -67,6 +68,18 @@ def read_lock(lock: Path) -> tuple[str, str] | None:
     except (OSError, ValueError):
         return None
     return (host, pid) if pid.isdigit() and len(pid) <= 9 else None
+
+
+#: seconds after which a lock file naming no process is taken as left behind (a run writes its lock at once)
+LOCK_WRITE_SECONDS = 10.0
+
+
+def _stale(lock: Path) -> bool:
+    """Whether ``lock`` was last written more than ``LOCK_WRITE_SECONDS`` ago (gone meanwhile: stale too)."""
+    try:
+        return time.time() - lock.stat().st_mtime > LOCK_WRITE_SECONDS
+    except OSError:
+        return True
 
 
 class RunDirectory:
@@ -143,7 +156,13 @@ class RunDirectory:
             try:
                 fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                host, pid = read_lock(self.lock) or ("", "0")
+                owner = read_lock(self.lock)
+                if owner is None and _stale(self.lock):  # empty or unusable, and no process is writing it now
+                    log.warning("%s: taking over the lock %s, which names no process (left by a run stopped as it "
+                                "took it)", self.path, self.lock)
+                    self.lock.unlink(missing_ok=True)
+                    continue
+                host, pid = owner or ("", "0")
                 if host == socket.gethostname() and pid.isdigit() and not alive(int(pid)):
                     log.warning("%s: taking over the lock of process %s, which no longer runs", self.path, pid)
                     self.lock.unlink(missing_ok=True)
@@ -151,8 +170,12 @@ class RunDirectory:
                 raise RunDirError(f"{self.path} is in use by another run (process {pid} on {host or '?'}; "
                                   f"lock file {self.lock}); choose another out directory (--out), or delete the "
                                   "lock if that process is gone") from None
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(me)
+            except BaseException:  # a full disk, a kill: an empty lock left behind would hold the directory
+                self.lock.unlink(missing_ok=True)
+                raise
             self._held = True
             return
         raise RunDirError(f"{self.path}: could not take the lock {self.lock}")
