@@ -529,3 +529,30 @@ def test_resuming_a_finished_run_reports_the_evaluation_its_checkpoint_kept(tmp_
     torch.save(saved, one / "checkpoint.pt")
     with pytest.raises(checkpoint.CheckpointError, match="stored evaluation"):
         checkpoint.load(one / "checkpoint.pt")
+
+
+def test_a_resume_over_other_data_is_refused(tmp_path, monkeypatch, capsys):
+    """A run over a data directory named by a relative path (``[data] name = "npz_folder"``, ``path = "e4"``),
+    resumed from another folder that holds other data under the same name: refused in one line (the checkpoint keeps
+    the data's digest), nothing written; from the folder it started in it resumes."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, seed in ((a, 1), (b, 2)):
+        d.mkdir()
+        monkeypatch.chdir(d)
+        (d / "c.toml").write_text(TINY.format(rounds=4, every=2).replace("seed = 1", f"seed = {seed}"))
+        assert main(["data", "export", "c.toml", "--out", "e4"]) == 0
+    (a / "npz.toml").write_text(TINY.format(rounds=4, every=2).split("[model]")[0].replace(
+        'name = "fedem_synthetic"', 'name = "npz_folder"\npath = "e4"').split("num_clients")[0]
+        + "\n[model]" + TINY.format(rounds=4, every=2).split("[model]")[1])
+    monkeypatch.chdir(a)
+    out = tmp_path / "run"
+    assert main(["run", "npz.toml", "--out", str(out), "-q", "--set", "run.rounds=2"]) == 0
+    before = (out / "checkpoint.pt").read_bytes()
+    monkeypatch.chdir(b)  # the same relative path, other data
+    capsys.readouterr()
+    assert main(["run", "--resume", "--out", str(out), "-q"]) == EXIT_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "trained on other data" in err and "current folder" in err, err
+    assert (out / "checkpoint.pt").read_bytes() == before
+    monkeypatch.chdir(a)
+    assert main(["run", "--resume", "--out", str(out), "-q"]) == 0

@@ -799,3 +799,23 @@ def tasks_to_federation(xs: list[np.ndarray], ys: list[np.ndarray], num_classes:
 
     return from_clients(pairs(0, 1), pairs(2, 3), num_classes, int(round(unseen_frac * len(parts))), None, name,
                         {"input": "tabular"})
+
+
+def data_digest(data: FederatedData) -> str:
+    """SHA-256 of a federation's examples: every split's features, labels and client offsets, seen and unseen, and the
+    number of classes.  A checkpoint keeps it, so that a run is never resumed over other data (a relative
+    ``data.path`` read from another folder, a file changed since)."""
+    import hashlib
+
+    h = hashlib.sha256(f"classes {data.num_classes}".encode())
+    for gname, group in (("seen", data.seen), ("unseen", data.unseen)):
+        if group is None:
+            continue
+        for sname, split in (("train", group.train), ("test", group.test), ("val", group.val)):
+            if split is None:
+                continue
+            for tname, t in (("x", split.x), ("y", split.y), ("offsets", split.offsets)):
+                t = t.detach().cpu().contiguous()
+                h.update(f"|{gname}.{sname}.{tname}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -115,6 +115,10 @@ class Engine:
     """Runs ``algorithm`` on ``clients`` (``LocalClients`` in a simulation, ``FlowerClients`` over Flower) as
     ``spec`` says (the run, the local optimizer, the systems model and the update pipeline's tables)."""
 
+    #: the SHA-256 of the data a local run trains on (``fedmtl.data.federated.data_digest``), which its checkpoints
+    #: keep: a resume over other data is refused; None where the data are not here (Flower) or nothing checkpoints
+    data_sha256: str | None = None
+
     def __init__(self, algorithm: Algorithm, model: Model, clients: Clients, federation: Federation,
                  spec: RunSpec | None = None):
         spec = spec or RunSpec()

@@ -26,13 +26,14 @@ class CheckpointError(ValueError):
 
 
 def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: dict[str, Any],
-         evaluation: dict[str, Any] | None = None, base: str | None = None) -> None:
+         evaluation: dict[str, Any] | None = None, base: str | None = None, data: str | None = None) -> None:
     """Write to a temporary file in the same directory, fsync, then rename: never a partial file (and an interruption
     during the write waits for it: ``signals_deferred``).  ``evaluation``: the per-client evaluation of this round
     (``Engine.evaluate``'s ``{group: {split: {metric: array}}}``), kept with the last round's checkpoint so that
     resuming a finished run reports it again instead of evaluating every client again (``evaluation_of``).
     ``base``: the digest of an adapted model's frozen base (``fedmtl.models.lora.base_digest``), which the checkpoint
-    does not hold; ``check_matches`` refuses a resume over another base."""
+    does not hold; ``check_matches`` refuses a resume over another base.  ``data``: the digest of the data the run
+    trains on (``fedmtl.data.federated.data_digest``), held likewise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -44,6 +45,8 @@ def save(path: str | Path, state: EngineState, config: dict[str, Any], clients: 
         payload["async"] = state.asynchronous.named()
     if base is not None:
         payload["base_sha256"] = base
+    if data is not None:
+        payload["data_sha256"] = data
     if evaluation is not None:
         payload["evaluation"] = {f"{g}/{s}/{k}": torch.from_numpy(np.array(v, copy=True))
                                  for g, splits in evaluation.items() for s, m in splits.items() for k, v in m.items()}
@@ -106,8 +109,8 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: malformed client states (a dict of a store kind and tensors expected)")
     if not isinstance(payload["config"], dict):
         raise CheckpointError(f"{path}: malformed config")
-    if not isinstance(payload.get("base_sha256", ""), str):
-        raise CheckpointError(f"{path}: malformed base digest")
+    if not isinstance(payload.get("base_sha256", ""), str) or not isinstance(payload.get("data_sha256", ""), str):
+        raise CheckpointError(f"{path}: malformed base or data digest")
     return payload
 
 
@@ -127,7 +130,7 @@ def evaluation_of(payload: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, Any], rounds: int,
-                  base: str | None = None, source: str | None = None) -> None:
+                  base: str | None = None, source: str | None = None, data: str | None = None) -> None:
     """Refuse a checkpoint written by another configuration, past this run's last round, or (``base``: this run's
     ``base_digest``) over other frozen base weights than this run's.  ``source``: the config file of the command,
     which the advice names where the run must start again (``rundir.resume_advice``)."""
@@ -145,6 +148,12 @@ def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, A
                               f"(base digest {saved[:12]}... in the checkpoint, {base[:12]}... now): the file named by "
                               "model.adapters.base (or the module given) has changed since; resume with the base "
                               "it was trained on")
+    saved = payload.get("data_sha256")
+    if data is not None and saved is not None and saved != data:
+        raise CheckpointError(f"{path}: the run was trained on other data than this config now builds (data digest "
+                              f"{saved[:12]}... in the checkpoint, {data[:12]}... now): the files its [data] reads "
+                              "(data.path, data.data_dir: relative paths are read from the current folder) differ; "
+                              "resume from the folder the run started in, with the data it was trained on")
     if payload["round"] > rounds:
         raise CheckpointError(f"{path}: checkpoint of round {payload['round']} but the run has {rounds} rounds")
     if len(payload["history"]) != payload["round"] or not all(isinstance(r, dict) for r in payload["history"]):

@@ -156,7 +156,12 @@ def build_local(cfg: ExperimentConfig, data: FederatedData | None = None, model:
     data = data if data is not None else cfg.build_data()
     if model is None:
         model = cfg.build_model(data.feature_shape, data.num_classes, data.meta)
-    return make_engine(cfg.build_algorithm(), model, data, cfg.run_spec(), out_dir, group)
+    engine = make_engine(cfg.build_algorithm(), model, data, cfg.run_spec(), out_dir, group)
+    if out_dir is not None and cfg.run.checkpoint_every:  # the data its checkpoints are held to on a resume
+        from ..data.federated import data_digest
+
+        engine.data_sha256 = data_digest(data)
+    return engine
 
 
 def run_experiment(
@@ -317,7 +322,7 @@ def _open(rep: Replica, resume: bool, prog: Progress) -> None:
         rep.base = base_digest(engine.model.module)
     if resume and ckpt is not None and ckpt.exists():
         saved = checkpoint.load(ckpt)
-        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds, rep.base, cfg.source)
+        checkpoint.check_matches(saved, ckpt, cfg.raw, cfg.run.rounds, rep.base, cfg.source, engine.data_sha256)
         log.info("resuming %s from round %d", rep.out_dir, saved["round"])
     if saved is not None and saved["round"] >= cfg.run.rounds:  # a finished run: its final evaluation, if kept
         rep.per_client = checkpoint.evaluation_of(saved)
@@ -533,7 +538,7 @@ def _checkpoint(ckpt: Path, state: EngineState, cfg: ExperimentConfig, engine: E
     if not writes:
         engine.clients.commit()
         return
-    checkpoint.save(ckpt, state, cfg.raw, clients, final_evaluation, base)
+    checkpoint.save(ckpt, state, cfg.raw, clients, final_evaluation, base, engine.data_sha256)
     _committed(ckpt, state, engine)
 
 
@@ -559,7 +564,7 @@ def _checkpoint_group(reps: list[Replica], group_dir: Path | None) -> None:
     for rep in reps:
         assert rep.ckpt is not None and rep.state is not None
         checkpoint.save(rep.ckpt.with_name(NEXT), rep.state, rep.cfg.raw, rep.engine.clients.state_dict(),
-                        rep.final_evaluation, rep.base)
+                        rep.final_evaluation, rep.base, rep.engine.data_sha256)
         rounds.append(rep.state.round)
     write_json(group_dir / COMMIT, {"round": rounds[0], "runs": [str(rep.out_dir) for rep in reps]})
     for rep in reps:
