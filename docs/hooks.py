@@ -38,10 +38,10 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _keys_table(target: Any) -> str:
-    from fedmtl.registry import field_table
+def _keys_table(target: Any, given: tuple[str, ...] | None = None) -> str:
+    from fedmtl.registry import MODEL_BUILDER_ARGS, field_table
 
-    rows = field_table(target)
+    rows = field_table(target, MODEL_BUILDER_ARGS if given is None else given)
     if not rows:
         return "(no keys)\n"
     out = ["| key | type and valid range | default | meaning |", "|---|---|---|---|"]
@@ -75,7 +75,7 @@ def config_reference() -> str:
     parts += ["## `[data]`: one set of keys per `name`", "",
               "The table's `name` picks the dataset builder; its other keys are the builder's keyword arguments.", ""]
     for name, fn in sorted(DATASETS.items()):
-        parts += [f"### `name = \"{name}\"`", "", _keys_table(fn)]
+        parts += [f"### `name = \"{name}\"`", "", _keys_table(fn, ())]
     parts += ["## `[model]`: one set of keys per `name`", ""]
     for name, fn in sorted(MODELS.items()):
         parts += [f"### `name = \"{name}\"`", "", _keys_table(fn)]

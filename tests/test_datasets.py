@@ -196,7 +196,9 @@ def test_cifar_binary_archives(tmp_path, monkeypatch):
         cfg = validate({"data": {"name": name, "num_clients": 4, "partition": "iid", "data_dir": str(tmp_path),
                                  "download": False}, "model": {"name": "linear"}, "algorithm": {"name": "fedavg"}})
         assert cfg.build_data().num_classes == classes, name
-    assert "name" not in [row[0] for row in field_table(DATASETS["cifar100"])]
+    assert "name" not in [row[0] for row in field_table(DATASETS["cifar100"], ())]
+    # a dataset's num_classes is one of its keys (a model builder's comes from the data)
+    assert "num_classes" in [row[0] for row in field_table(DATASETS["linear_mixture"], ())]
     (tmp_path / "t").mkdir()
     _cifar_tar(tmp_path / "t" / "cifar-10-binary.tar.gz", truncate=True)
     with pytest.raises(DataError, match="not a valid cifar10"):

@@ -221,11 +221,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from .config import ALGORITHMS, DATASETS, MODELS
-    from .registry import describe, field_table
+    from .registry import MODEL_BUILDER_ARGS, describe, field_table
     from .resources import bundled_configs
 
-    def keys(target: object) -> None:
-        rows = field_table(target)
+    def keys(target: object, given: tuple[str, ...] = MODEL_BUILDER_ARGS) -> None:
+        rows = field_table(target, given)
         if not rows:
             print("  (no keys)")
         width = max((len(r[0]) for r in rows), default=0)
@@ -255,7 +255,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--{flag} {shown(name)}: not one of {sorted(registry)}")
             print(f"[{'data' if flag == 'dataset' else 'model'}] name = {name!r}: its keys with type, valid range and "
                   "default")
-            keys(registry[name])
+            keys(registry[name], () if flag == "dataset" else MODEL_BUILDER_ARGS)
             return 0
     print("algorithms (fedmtl list --algorithm NAME for their hyperparameters):")
     for name, cls in sorted(ALGORITHMS.items()):

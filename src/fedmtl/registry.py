@@ -272,10 +272,16 @@ def field_docs(cls: type) -> dict[str, str]:
     return {**docs, **meta}
 
 
-def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
+#: what the engine passes to a model builder itself (not keys of [model])
+MODEL_BUILDER_ARGS = ("input_shape", "num_classes", "meta")
+
+
+def field_table(cls: Any, given: tuple[str, ...] = MODEL_BUILDER_ARGS) -> list[tuple[str, str, str, str]]:
     """(name, type, default, doc) of every hyperparameter (init field) of a config dataclass (an algorithm,
     ``RunConfig``, ...) or keyword argument of a builder function; a declared range (``fedmtl.schema``) is part of
-    the type (``float in (0, 1000]``)."""
+    the type (``float in (0, 1000]``).  ``given``: a builder's arguments that are not keys (a model builder's
+    ``input_shape``, ``num_classes`` and ``meta`` come from the data; a dataset builder gives ``()``: its
+    ``num_classes`` is a key)."""
     import dataclasses
     import inspect
     import types
@@ -292,7 +298,7 @@ def field_table(cls: Any) -> list[tuple[str, str, str, str]]:
     else:
         # a builder's own ``name`` is never a key (the table's ``name`` picks the builder), nor are the arguments a
         # registered functools.partial fixes (``fashion_mnist``: idx_federation with name = "fashion_mnist")
-        skip = {"input_shape", "num_classes", "meta", "name", *(getattr(cls, "keywords", None) or {})}
+        skip = {*given, "name", *(getattr(cls, "keywords", None) or {})}
         fields = [(n, p.default if p.default is not p.empty else "(required)")
                   for n, p in inspect.signature(cls).parameters.items()
                   if n not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
