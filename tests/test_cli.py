@@ -178,6 +178,58 @@ def test_sweep_with_seeds_runs_and_continues(tmp_path):
     assert json.loads((out / "sweep.json").read_text())["results"] == s["results"]
 
 
+def test_sweep_resume_reads_back_settings_without_checkpoints(tmp_path, capsys):
+    """run.checkpoint_every = 0: --resume reads a finished setting back (its summary.json) and starts over one
+    interrupted without a checkpoint, instead of refusing both."""
+    p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
+    out = tmp_path / "sweep"
+    args = ["sweep", str(p), "--set", "optim.lr=0.1,0.2", "--set", "run.checkpoint_every=0", "--out", str(out), "-q"]
+    assert main(args) == 0
+    rows = json.loads((out / "sweep.json").read_text())["results"]
+    assert not list(out.glob("*/checkpoint.pt"))
+    (out / "optim.lr=0.2" / "summary.json").unlink()  # the second setting was interrupted: no summary, no checkpoint
+    assert main([*args, "--resume"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "sweep.json").read_text())["results"] == rows
+
+
+def test_sweep_resume_refuses_another_plan(tmp_path, capsys):
+    """sweep.json records the grid from the start; --resume with another grid is one line, exit 2, and the first
+    sweep's tables stay."""
+    p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(p), "--set", "optim.lr=0.1,0.2", "--out", str(out), "-q"]) == 0
+    before = (out / "sweep.json").read_text()
+    assert json.loads(before)["grid"] == [["optim.lr", ["0.1", "0.2"]]]
+    capsys.readouterr()
+    assert main(["sweep", str(p), "--set", "optim.momentum=0,0.5", "--out", str(out), "--resume", "-q"]) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert "another plan" in err and "optim.lr=0.1,0.2" in err and len(err.strip().splitlines()) == 1
+    assert (out / "sweep.json").read_text() == before and not list(out.glob("optim.momentum=*"))
+
+
+@pytest.mark.parametrize(("sets", "says"), [
+    (["optim.lr=0.1,0.1"], "'0.1' is listed twice"),
+    (["optim.lr=0.1,0.2", "optim.lr=0.3,0.4"], "'optim.lr': given twice"),
+    (["optim.lr=0.1,0.2", "optim.lr=0.3"], "'optim.lr': given twice"),
+])
+def test_sweep_refuses_a_repeated_key_or_value_before_any_run(tmp_path, capsys, sets, says):
+    p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
+    argv = ["sweep", str(p), *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path / "s"), "-q"]
+    assert main(argv) == EXIT_INPUT
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_sweep_builds_every_model_before_the_first_run(tmp_path, capsys):
+    """An image model on vector features, in the second setting: refused before the first setting runs."""
+    p = write(tmp_path, TINY.format(alg="fedavg", rounds=2))
+    out = tmp_path / "s"
+    assert main(["sweep", str(p), "--set", "model.name=linear,cnn_femnist", "--out", str(out), "-q"]) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert "model.name=cnn_femnist" in err and "image inputs" in err
+    assert not out.exists()
+
+
 def test_every_shipped_config_validates():
     configs = sorted(Path(__file__).resolve().parents[1].glob("configs/**/*.toml"))
     assert len(configs) >= 10

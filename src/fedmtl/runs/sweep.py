@@ -7,14 +7,18 @@ split) is swept; several swept keys run their cartesian product.  Each setting i
 key, as in Figure 1 of Marfoq et al. (2021): strings on a categorical axis, numbers spanning two decades or
 more on a log axis (symlog with 0), and with ``--seeds`` / ``run.seeds`` every setting runs every seed and
 the plot shows the seeds' mean with a +-1 std band.  A folder that holds files is refused unless ``--resume``
-(continue an interrupted sweep) or ``--overwrite`` (start every setting over).
+(continue an interrupted sweep) or ``--overwrite`` (start every setting over).  Before the first run: a key given
+twice or a value listed twice is refused, every setting's config is validated (and, where a model or data key is
+swept, its data and model are built), and ``sweep.json`` records the grid, which ``--resume`` must repeat.
 """
 
 from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ import numpy as np
 
 from ..config import ConfigError, load, parse_override
 from ..engine.evaluation import SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10
-from ..files import atomic
+from ..files import atomic, read_json
 from ..machine import torch_device
 from ..schema import shown
 from .driver import run_experiment
@@ -30,6 +34,8 @@ from .report import save_figure, style, write_json
 
 #: at most this many settings (the product of the swept values) in one sweep
 MAX_SETTINGS = 1000
+#: the largest sweep.json read back (a plan to compare on --resume)
+MAX_SWEEP_JSON_BYTES = 1 << 24
 
 
 def split_top_level(text: str) -> list[str]:
@@ -54,15 +60,27 @@ def split_top_level(text: str) -> list[str]:
 
 
 def plan(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
-    """Fixed overrides and swept (key, [value texts]) pairs."""
-    fixed, swept = [], []
+    """Fixed overrides and swept (key, [value texts]) pairs.  A key given twice (its settings would overlap or one
+    would drop the other) and a swept key listing a value twice (one setting run twice) are refused."""
+    fixed, swept, seen = [], [], set()
     for s in sets:
         if "=" not in s:
             raise ConfigError(f"--set {shown(s)}: expected table.key=value")
         key, value = s.split("=", 1)
+        key = key.strip()
+        if key in seen:
+            raise ConfigError(f"--set {shown(key)}: given twice" + (" (--seeds sets run.seeds)" if key == "run.seeds"
+                              else "") + f"; list all its values in one --set {key}=v1,v2,...")
+        seen.add(key)
         values = split_top_level(value)
         if len(values) > 1:
-            swept.append((key.strip(), values))
+            parsed: list[Any] = []
+            for v in values:
+                p = parse_override(f"{key}={v}")[2]
+                if any(type(q) is type(p) and q == p for q in parsed):
+                    raise ConfigError(f"--set {shown(key)}: the value {shown(v)} is listed twice; list each value once")
+                parsed.append(p)
+            swept.append((key, values))
         else:
             fixed.append(s)
     if not swept:
@@ -70,11 +88,71 @@ def plan(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
     return fixed, swept
 
 
+def plan_record(fixed: list[str], swept: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """What ``sweep.json`` records of a sweep's plan from its start: the swept keys, each with its values as
+    written, and the fixed overrides."""
+    return {"swept": [k for k, _ in swept], "grid": [[k, list(vals)] for k, vals in swept], "fixed": list(fixed)}
+
+
+def _shown_plan(r: dict[str, Any]) -> str:
+    """A plan as the --set options that give it (a plan that recorded only its swept keys: their values as ...)."""
+    grid = r.get("grid") or [[k, ["..."]] for k in r.get("swept") or []]
+    return " ".join([f"--set {k}={','.join(map(str, v))}" for k, v in grid]
+                    + [f"--set {f}" for f in r.get("fixed") or []])
+
+
+def check_plan(out: Path, record: dict[str, Any]) -> bool:
+    """Refuse to continue (``--resume``) the sweep in ``out`` with another plan: its ``sweep.json`` must record the
+    same grid and fixed overrides (one written before the grid was recorded: the same swept keys and fixed
+    overrides).  Whether ``out`` holds a plan."""
+    path = out / "sweep.json"
+    if not path.is_file():
+        return False
+    old = read_json(path, MAX_SWEEP_JSON_BYTES, "sweep table", ConfigError)
+    if not isinstance(old, dict):
+        raise ConfigError(f"{path}: not a sweep table (a JSON object)")
+    keys = ("grid", "fixed") if "grid" in old else ("swept", "fixed")
+    if any(old.get(k) != record[k] for k in keys):
+        raise ConfigError(f"{out} holds a sweep of another plan ({_shown_plan(old)}), not this one "
+                          f"({_shown_plan(record)}); nothing was changed: resume it with its own --set, or choose "
+                          "another out directory (--out)")
+    return True
+
+
+def check_builds(config: str | Path, names: list[str], cfgs: list[Any]) -> None:
+    """Build every distinct data and model of the settings (a sweep of a model or data key) and refuse, before the
+    first run, one the dataset or the model refuses (e.g. an image model on vector features)."""
+    def key(obj: Any) -> str:
+        return json.dumps(obj, sort_keys=True, default=str)
+
+    by_data: dict[str, list[tuple[str, Any]]] = {}
+    for name, cfg in zip(names, cfgs, strict=True):
+        by_data.setdefault(key([cfg.data, cfg.run.val_fraction]), []).append((name, cfg))
+    for group in by_data.values():
+        data = _built(config, group[0][0], group[0][1].build_data)
+        models: dict[str, tuple[str, Any]] = {}
+        for name, cfg in group:
+            models.setdefault(key(cfg.model), (name, cfg))  # each model once, named by its first setting
+        for name, cfg in models.values():
+            _built(config, name, cfg.build_model, data.feature_shape, data.num_classes, data.meta)
+
+
+def _built(config: str | Path, name: str, build: Callable[..., Any], *args: Any) -> Any:
+    """``build(*args)``, its refusal a one-line ConfigError naming the setting."""
+    try:
+        return build(*args)
+    except ConfigError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    except ValueError as e:  # DataError, ModelError
+        raise ConfigError(f"{config}: {name}: {e}") from None
+
+
 def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bool | str = True,
               resume: bool = False, overwrite: bool = False) -> list[dict[str, Any]]:
     """Run every setting into ``out/<key>=<value>/`` and write the sweep's table and figure; its rows.  A folder that
-    already holds files is refused unless ``resume`` (settings with a checkpoint continue, finished ones are read
-    back, the others start) or ``overwrite`` (every setting starts over)."""
+    already holds files is refused unless ``resume`` (the same grid as the sweep there: settings with a checkpoint
+    continue, finished ones are read back, the others start, over if interrupted without a checkpoint) or
+    ``overwrite`` (every setting starts over)."""
     from .rundir import check_output
 
     out = Path(out)
@@ -91,29 +169,47 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
         except ValueError as e:
             raise ConfigError(f"{config}: {e}") from None
     check_output(out, overwrite=overwrite, resume=resume)
+    record = plan_record(fixed, swept)
+    planned = resume and check_plan(out, record)  # --resume: the same plan, refused before anything runs
+    names = [",".join(f"{k}={v}" for k, v in combo).replace("/", "_") for combo in combos]
+    if any(k.startswith(("model.", "data.")) or k == "run.val_fraction" for k, _ in swept):
+        check_builds(config, names, cfgs)  # every data and model the settings build, before the first run
+    if not planned:  # the plan, from the start: a later --resume must give the same one
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "sweep.json", {**record, "results": []})
     rows = []
-    for combo, cfg in zip(combos, cfgs, strict=True):
-        name = ",".join(f"{k}={v}" for k, v in combo).replace("/", "_")
+    for name, combo, cfg in zip(names, combos, cfgs, strict=True):
         row: dict[str, Any] = {k: parse_override(f"{k}={v}")[2] for k, v in combo}
+        d = out / name
         if cfg.run.seeds:  # every setting with every seed: the seeds' mean, and their std for the bands
             from .seeds import run_seeds
 
-            # resume: a setting whose seeds hold checkpoints continues (an earlier, interrupted sweep)
-            has_ckpt = resume and any((out / name).glob("seed-*/checkpoint.pt"))
-            res = run_seeds(cfg, out=out / name, resume=has_ckpt, overwrite=overwrite, progress=progress)
-            row.update({k: st["mean"] for k, st in res.final.items()})
-            row.update({f"{k}_std": st["std"] for k, st in res.final.items()})
-            final = {k: st["mean"] for k, st in res.final.items()}
+            # resume: a setting whose seeds hold checkpoints continues (an earlier, interrupted sweep), a finished
+            # one without checkpoints (run.checkpoint_every = 0) is read back, an interrupted one starts over
+            has_ckpt = resume and any(d.glob("seed-*/checkpoint.pt"))
+            if resume and not has_ckpt and (d / "summary.json").is_file():
+                seed_final = finished(d, cfg, list(cfg.run.seeds))
+            else:
+                restart = resume and not has_ckpt and d.exists()
+                seed_final = run_seeds(cfg, out=d, resume=has_ckpt, overwrite=overwrite or restart,
+                                       progress=progress).final
+            row.update({k: st["mean"] for k, st in seed_final.items()})
+            row.update({f"{k}_std": st["std"] for k, st in seed_final.items()})
+            final = {k: st["mean"] for k, st in seed_final.items()}
         else:
-            has_ckpt = resume and (out / name / "checkpoint.pt").exists()  # a finished or interrupted earlier sweep
-            final = run_experiment(cfg, out / name, resume=has_ckpt, overwrite=overwrite,
-                                   progress=progress).summary["final"]
+            has_ckpt = resume and (d / "checkpoint.pt").exists()  # a finished or interrupted earlier sweep
+            if resume and not has_ckpt and (d / "summary.json").is_file():  # finished, run.checkpoint_every = 0
+                final = finished(d, cfg, None)
+            else:  # --resume: a setting interrupted without a checkpoint starts over
+                restart = resume and not has_ckpt and d.exists()
+                final = run_experiment(cfg, d, resume=has_ckpt, overwrite=overwrite or restart,
+                                       progress=progress).summary["final"]
             row.update(final)
         rows.append(row)
         print(name, " ".join(f"{k}={100 * final[k]:.2f}" for k in (SEEN_TEST_ACC_MEAN, SEEN_TEST_ACC_P10)
                              if isinstance(final.get(k), float)))
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "sweep.json", {"swept": [k for k, _ in swept], "fixed": fixed, "results": rows})
+    write_json(out / "sweep.json", {**record, "results": rows})
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
@@ -124,6 +220,21 @@ def run_sweep(config: str | Path, sets: list[str], out: str | Path, progress: bo
     algs = sorted({str(c.algorithm["name"]) for c in cfgs})
     plot_sweep(out / "sweep.png", rows, [k for k, _ in swept], f"{'/'.join(algs)} on {cfgs[0].data['name']}")
     return rows
+
+
+def finished(path: Path, cfg: Any, seeds: list[int] | None) -> dict[str, Any]:
+    """The final metrics of the finished run in ``path`` (its ``summary.json``; with ``seeds``: per metric the
+    seeds' mean and std), after checking that it ran ``cfg`` (and these seeds)."""
+    from .rundir import check_resumable
+
+    check_resumable(path, cfg.raw, seeds, True, False,
+                    None if seeds is None else (lambda s: cfg.with_seed(s).raw), cfg.source)
+    summary = read_json(path / "summary.json", MAX_SWEEP_JSON_BYTES, "run summary", ConfigError)
+    final = summary.get("final") if isinstance(summary, dict) else None
+    if not isinstance(final, dict) or (seeds is not None and not all(isinstance(v, dict) for v in final.values())):
+        raise ConfigError(f"{path / 'summary.json'}: no final metrics to read back; start the setting over with "
+                          "--overwrite, or choose another out directory (--out)")
+    return final
 
 
 def axis_kind(values: list[Any]) -> str:
