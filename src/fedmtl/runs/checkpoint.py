@@ -142,18 +142,16 @@ def check_matches(payload: dict[str, Any], path: str | Path, config: dict[str, A
             raise CheckpointError(f"{path}: the checkpoint was written with another configuration "
                                   f"({'; '.join(diff[:8])}{'; ...' if len(diff) > 8 else ''}); "
                                   f"{resume_advice(Path(path).parent, payload['config'], source)}")
-    saved = payload.get("base_sha256")
-    if base is not None and saved is not None and saved != base:
-        raise CheckpointError(f"{path}: the adapters were trained on other base weights than this run's "
-                              f"(base digest {saved[:12]}... in the checkpoint, {base[:12]}... now): the file named by "
-                              "model.adapters.base (or the module given) has changed since; resume with the base "
-                              "it was trained on")
-    saved = payload.get("data_sha256")
-    if data is not None and saved is not None and saved != data:
-        raise CheckpointError(f"{path}: the run was trained on other data than this config now builds (data digest "
-                              f"{saved[:12]}... in the checkpoint, {data[:12]}... now): the files its [data] reads "
-                              "(data.path, data.data_dir: relative paths are read from the current folder) differ; "
-                              "resume from the folder the run started in, with the data it was trained on")
+    digests = (("base_sha256", base, "the adapters were trained on other base weights than this run's (base digest",
+                "the file named by model.adapters.base (or the module given) has changed since; resume with the base "
+                "it was trained on"),
+               ("data_sha256", data, "the run was trained on other data than this config now builds (data digest",
+                "the files its [data] reads (data.path, data.data_dir: relative paths are read from the current "
+                "folder) differ; resume from the folder the run started in, with the data it was trained on"))
+    for key, now, what, advice in digests:
+        saved = payload.get(key)
+        if now is not None and saved is not None and saved != now:
+            raise CheckpointError(f"{path}: {what} {saved[:12]}... in the checkpoint, {now[:12]}... now): {advice}")
     if payload["round"] > rounds:
         raise CheckpointError(f"{path}: checkpoint of round {payload['round']} but the run has {rounds} rounds")
     if len(payload["history"]) != payload["round"] or not all(isinstance(r, dict) for r in payload["history"]):
