@@ -396,13 +396,8 @@ def check_aggregator(name: str, aggregate: Aggregator) -> None:
             for a, b in zip([*T.leaves(stacked), weights], [*T.leaves(given[0]), given[1]], strict=True))
     if not all(same):
         raise RegistryError(f"{what} changed its input (the stacked updates or the weights); it must not")
-    try:
-        T.tmap(lambda x, r: x, out, row)  # the structure of one update
-        ok = all(isinstance(x, Tensor) and x.shape == r.shape and x.dtype == r.dtype
-                 and torch.allclose(x, r, rtol=1e-6, atol=1e-6) for x, r in zip(T.leaves(out), T.leaves(row),
-                                                                               strict=True))
-    except Exception:
-        ok = False
+    ok = misshapen(out, stacked) is None and all(  # one update's structure, shapes and dtypes, then its values
+        torch.allclose(x, r, rtol=1e-6, atol=1e-6) for x, r in zip(T.leaves(out), T.leaves(row), strict=True))
     if not ok:
         raise RegistryError(f"{what} must return the update itself when every update is the same (and ignore rows of "
                             f"weight 0, which may hold NaN); on five identical updates it returned {shown(out, 200)}")

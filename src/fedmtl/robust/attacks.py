@@ -291,13 +291,7 @@ def check_attack(name: str, attack: Attack) -> None:
                             "of them the attackers'; it is called with one AttackRound") from e
     if not all(torch.equal(a, b) for a, b in zip(T.leaves(updates), T.leaves(given), strict=True)):
         raise RegistryError(f"{what} changed the round's updates; it must return what the attackers send instead")
-    try:
-        T.tmap(lambda x, u: x, out, updates)  # the updates' structure
-        ok = all(isinstance(x, Tensor) and x.shape == (2, *u.shape[1:])
-                 for x, u in zip(T.leaves(out), T.leaves(updates), strict=True))
-    except Exception:
-        ok = False
-    if not ok:
+    if misshapen(out, updates, rows=2, dtype=False) is not None:  # the updates' structure, one row per attacker
         raise RegistryError(f"{what} must return a tree like the updates with one row per attacker (here 2); it "
                             f"returned {shown(out, 200)}")
 
